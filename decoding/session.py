@@ -1,0 +1,85 @@
+"""A loaded target/draft pair with its tokenizer: the one place CLIs get models from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import models
+from .sampling import SamplingConfig
+from .stopping import make_stop_policy
+from .strategies import StrategyConfig, build_engine
+
+# The draft shipped for the default target (see training.distill); used when --draft is absent.
+DEFAULT_DRAFT = Path(__file__).resolve().parent.parent / "checkpoints" / "drafts" / "smollm2-135m-draft"
+
+
+@dataclass
+class Session:
+    target: torch.nn.Module
+    draft: torch.nn.Module | None
+    tokenizer: object
+    target_dir: Path
+    draft_dir: Path | None
+
+    @classmethod
+    def open(cls, target=None, draft=None, dtype="float32", device="cpu", need_draft=False) -> "Session":
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise models.ModelError("--device cuda was asked for but no CUDA device is available")
+        tdir = models.resolve_model_dir(target)
+        if draft is None and target in (None, models.DEFAULT_TARGET) and (DEFAULT_DRAFT / "config.json").exists():
+            draft = DEFAULT_DRAFT
+        if draft is None and need_draft:
+            raise models.ModelError("speculative strategies need a draft model: pass --draft DIR")
+        ddir = models.resolve_model_dir(draft) if draft is not None else None
+        tok = models.load_tokenizer(tdir)
+        t = models.load_model(tdir, dtype, device)
+        d = None
+        if ddir is not None:
+            d = models.load_model(ddir, dtype, device)
+            models.check_pair(t, d, tok, models.load_tokenizer(ddir))
+        return cls(t, d, tok, tdir, ddir)
+
+    @property
+    def eos_token_id(self):
+        eos = self.target.generation_config.eos_token_id
+        return eos if eos is not None else self.tokenizer.eos_token_id
+
+    def engine(self, cfg: StrategyConfig, sampling: SamplingConfig, decider=None):
+        stop = make_stop_policy(cfg.stop, cfg.confidence_threshold, decider)
+        return build_engine(self.target, self.draft, cfg, sampling, stop)
+
+    def encode(self, prompt: str, chat: bool = False, max_new_tokens: int = 0, tree_depth: int = 0) -> list[int]:
+        if not prompt or not prompt.strip():
+            raise ValueError("empty prompt")
+        if chat:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        else:
+            ids = self.tokenizer.encode(prompt)
+        limit = getattr(self.target.config, "max_position_embeddings", None)
+        need = len(ids) + max_new_tokens + tree_depth + 1
+        if limit is not None and need > limit:
+            raise ValueError(
+                f"prompt too long: {len(ids)} prompt tokens + {max_new_tokens} new tokens "
+                f"(+{tree_depth + 1} for the draft tree) exceed the model's context of {limit}")
+        return ids
+
+    def streamer(self, out):
+        """Callback that prints newly committed text (decodes the whole run so far, so
+        multi-byte characters split across tokens come out whole)."""
+        state = {"ids": [], "shown": 0}
+
+        def push(new_ids):
+            state["ids"] += new_ids
+            text = self.tokenizer.decode(state["ids"], skip_special_tokens=True)
+            if text.endswith("\ufffd"):
+                return
+            out.write(text[state["shown"]:])
+            out.flush()
+            state["shown"] = len(text)
+
+        return push

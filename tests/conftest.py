@@ -1,0 +1,40 @@
+"""Tiny random Llama models built in the tests (vocab <= 64, 1-2 layers) for speed."""
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+torch.set_num_threads(1)
+
+
+def tiny_llama(seed=0, vocab=32, layers=2, hidden=32, scale=1.0, max_pos=256):
+    """A random Llama; `scale` sharpens its next-token distributions."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=max_pos, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
+def noisy_copy(model, noise, seed=1):
+    """A draft that agrees with the target often but not always."""
+    torch.manual_seed(seed)
+    d = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * noise)
+    return d
+
+
+@pytest.fixture(scope="session")
+def pair():
+    target = tiny_llama(0, scale=6)
+    return target, noisy_copy(target, 0.03)

@@ -1,0 +1,99 @@
+"""Greedy equality: every lossless strategy reproduces plain greedy decoding token for token."""
+
+import pytest
+import torch
+
+from conftest import noisy_copy, tiny_llama
+from decoding.sampling import SamplingConfig
+from decoding.stopping import DraftConfidence
+from decoding.strategies import StrategyConfig, build_engine
+
+GREEDY = SamplingConfig()
+PROMPTS = [[1, 5, 7, 3], [2], [9, 9, 9, 4, 4, 4, 11, 30, 17]]
+N = 40
+
+LOSSLESS = [
+    StrategyConfig(strategy="sd", gamma=1),
+    StrategyConfig(strategy="sd", gamma=4),
+    StrategyConfig(strategy="mcsd", k_config="4,2,2,1"),
+    StrategyConfig(strategy="mcsd", k_config="2,1,3"),
+    StrategyConfig(strategy="mcsd", k_config="1,1,1,1,1,1,1,1"),
+    StrategyConfig(strategy="ti-mcsd", width=1, depth=3),
+    StrategyConfig(strategy="ti-mcsd", width=3, depth=5),
+    StrategyConfig(strategy="ti-mcsd", width=4, depth=6, stop="confidence"),
+    StrategyConfig(strategy="mcsd", k_config="3,2,2", stop="confidence", confidence_threshold=0.9),
+]
+
+
+def reference(target, prompt, n=N):
+    with torch.no_grad():
+        out = target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("cfg", LOSSLESS, ids=lambda c: c.name)
+def test_greedy_equals_ar(pair, cfg):
+    target, draft = pair
+    eng = build_engine(target, draft, cfg, GREEDY)
+    ar = build_engine(target, None, StrategyConfig(strategy="ar"), GREEDY)
+    for prompt in PROMPTS:
+        ref = reference(target, prompt)
+        assert ar.generate(prompt, N)[0] == ref
+        out, stats = eng.generate(prompt, N)
+        assert out == ref
+        assert stats.lossless and stats.new_tokens == N
+        assert stats.block_efficiency >= 1.0
+
+
+def test_ar_matches_hf_generate_across_dtypes():
+    target = tiny_llama(3, scale=6).to(torch.bfloat16)
+    ar = build_engine(target, None, StrategyConfig(strategy="ar"), GREEDY)
+    assert ar.generate([4, 2], 30)[0] == reference(target, [4, 2], 30)
+
+
+def test_draft_equal_to_target_is_always_accepted(pair):
+    target, _ = pair
+    eng = build_engine(target, target, StrategyConfig(strategy="sd", gamma=4), GREEDY)
+    out, stats = eng.generate([1, 2, 3], 25)
+    assert out == reference(target, [1, 2, 3], 25)
+    assert stats.acceptance_rate == 1.0
+    assert stats.target_calls == 5  # 5 tokens per round: 4 drafted + 1 bonus
+
+
+def test_unrelated_draft_is_still_exact():
+    target = tiny_llama(0, scale=6)
+    draft = tiny_llama(42, layers=1, scale=6)  # independent weights: rarely accepted
+    eng = build_engine(target, draft, StrategyConfig(strategy="mcsd", k_config="2,2"), GREEDY)
+    out, stats = eng.generate([1, 2, 3], N)
+    assert out == reference(target, [1, 2, 3])
+    assert stats.acceptance_rate < 0.5
+
+
+def test_longest_branch_is_flagged_lossy_and_differs(pair):
+    target, _ = pair
+    draft = noisy_copy(target, 0.2)
+    cfg = StrategyConfig(strategy="ti-mcsd", width=4, depth=4, mode="longest-branch")
+    eng = build_engine(target, draft, cfg, GREEDY)
+    assert "LOSSY" in cfg.name
+    outs = [eng.generate(p, N) for p in PROMPTS]
+    assert all(not s.lossless for _, s in outs)
+    assert any(o != reference(target, p) for (o, _), p in zip(outs, PROMPTS))
+
+
+def test_eos_stops_generation(pair):
+    target, draft = pair
+    ref = reference(target, [1, 5, 7, 3])
+    eos = ref[10]
+    cut = ref[: ref.index(eos) + 1]
+    for cfg in (StrategyConfig(strategy="ar"), StrategyConfig(strategy="mcsd")):
+        out, stats = build_engine(target, draft, cfg, GREEDY).generate([1, 5, 7, 3], N, eos_token_id=eos)
+        assert out == cut and stats.new_tokens == len(cut)
+
+
+def test_confidence_policy_shortens_drafts(pair):
+    target, draft = pair
+    cfg = StrategyConfig(strategy="ti-mcsd", width=2, depth=6)
+    full = build_engine(target, draft, cfg, GREEDY).generate([1, 2], N)[1]
+    short = build_engine(target, draft, cfg, GREEDY, stop=DraftConfidence(0.999)).generate([1, 2], N)[1]
+    assert max(short.drafted_depths) < 6 <= max(full.drafted_depths)

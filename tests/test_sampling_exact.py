@@ -1,0 +1,96 @@
+"""Exact sampling test: the distribution of short continuations produced by speculative
+decoding is compared (chi-square) with the target's exact distribution, enumerated over a
+tiny vocabulary. The same test must catch the lossy longest-branch mode and a broken rule.
+"""
+
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from conftest import tiny_llama
+from decoding import acceptance
+from decoding.sampling import SamplingConfig, warp
+from decoding.strategies import StrategyConfig, build_engine
+
+VOCAB, LENGTH, SAMPLES = 6, 3, 20_000
+PROMPT = [1, 4]
+
+
+@pytest.fixture(scope="module")
+def models():
+    # independent weights: the draft is often wrong, so residual resampling really matters
+    target = tiny_llama(0, vocab=VOCAB, layers=1, hidden=16, scale=3)
+    draft = tiny_llama(1, vocab=VOCAB, layers=1, hidden=16, scale=3)
+    return target, draft
+
+
+def exact_distribution(target, sampling):
+    """P(x1..xL | prompt) for every continuation, from one batched forward."""
+    seqs = list(itertools.product(range(VOCAB), repeat=LENGTH))
+    ids = torch.tensor([PROMPT + list(s) for s in seqs])
+    with torch.no_grad():
+        logits = target(ids).logits[:, len(PROMPT) - 1 : -1]
+    probs = warp(logits, sampling)  # [seqs, L, V]
+    tok = torch.tensor(seqs)
+    seq_p = probs.gather(-1, tok[..., None])[..., 0].double().prod(-1)
+    return dict(zip(seqs, seq_p.tolist()))
+
+
+def chi2_pvalue(counts: Counter, exact: dict, n: int) -> float:
+    """Chi-square goodness of fit; cells with expected count < 5 are pooled."""
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    for seq, p in exact.items():
+        if p * n >= 5:
+            obs.append(counts.get(seq, 0))
+            exp.append(p * n)
+        else:
+            pool_o += counts.get(seq, 0)
+            pool_e += p * n
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    exp = [e * n / sum(exp) for e in exp]  # absorb float rounding
+    return float(chisquare(obs, exp).pvalue)
+
+
+def speculative_counts(engine, n):
+    counts = Counter()
+    for seed in range(n):
+        out, _ = engine.generate(PROMPT, LENGTH, seed=seed)
+        counts[tuple(out)] += 1
+    return counts
+
+
+T1 = SamplingConfig(temperature=1.0)
+WARPED = SamplingConfig(temperature=0.8, top_p=0.9)
+CASES = [
+    # (id, strategy, sampling, broken rule?, expected lossless)
+    ("mcsd-without-replacement", StrategyConfig(strategy="mcsd", k_config="2,2"), T1, False, True),
+    ("mcsd-with-replacement", StrategyConfig(strategy="mcsd", k_config="3,1", replacement=True),
+     T1, False, True),
+    ("ti-mcsd+confidence-top-p", StrategyConfig(strategy="ti-mcsd", width=2, depth=2, stop="confidence",
+                                                confidence_threshold=0.5), WARPED, False, True),
+    ("ti-mcsd-longest-branch-LOSSY", StrategyConfig(strategy="ti-mcsd", width=2, depth=2,
+                                                    mode="longest-branch"), T1, False, False),
+    ("mcsd-broken-residual", StrategyConfig(strategy="mcsd", k_config="2,2"), T1, True, False),
+]
+
+
+@pytest.mark.parametrize("name,cfg,sampling,broken,lossless", CASES, ids=[c[0] for c in CASES])
+def test_continuations_follow_target(models, monkeypatch, name, cfg, sampling, broken, lossless):
+    target, draft = models
+    if broken:  # the classic bug: resample from p instead of norm(max(0, p - q)) after a reject
+        monkeypatch.setattr(acceptance, "residual", lambda p, q: p)
+    engine = build_engine(target, draft, cfg, sampling)
+    exact = exact_distribution(target, sampling)
+    counts = speculative_counts(engine, SAMPLES)
+    pvalue = chi2_pvalue(counts, exact, SAMPLES)
+    tv = 0.5 * sum(abs(counts.get(s, 0) / SAMPLES - p) for s, p in exact.items())
+    if lossless:
+        assert pvalue > 1e-3, f"{name}: p={pvalue:.2e}, TV={tv:.4f}"
+        print(f"{name}: chi-square p={pvalue:.3f}, TV={tv:.4f}")
+    else:
+        assert pvalue < 1e-6, f"{name} should be detected: p={pvalue:.2e}, TV={tv:.4f}"
