@@ -70,6 +70,10 @@ def default_target_dir() -> Path:
     # A GGUF-loaded model refuses save_pretrained: rebuild a plain one from its config.
     model = AutoModelForCausalLM.from_config(src.config, dtype=torch.float32)
     model.load_state_dict(src.state_dict())
+    # the weights are dequantized plain tensors now; a leftover GGUF quantization_config
+    # only makes later loads warn about packed weights that are not there
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     model.generation_config = src.generation_config
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
@@ -145,6 +149,10 @@ def check_pair(target, draft, target_tok=None, draft_tok=None) -> None:
         )
     if target_tok is None or draft_tok is None:
         return
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise ModelError(
+            "draft and target tokenizers map tokens to different token ids: they must share a tokenizer"
+        )
     if len(target_tok) != len(draft_tok):
         raise ModelError(
             f"draft and target tokenizers differ in size ({len(draft_tok)} vs {len(target_tok)})"

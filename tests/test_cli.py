@@ -1,0 +1,105 @@
+"""CLI contract of `python -m decoding.generate`, on tiny model directories made here."""
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from conftest import noisy_copy, tiny_llama
+from decoding.generate import main, parser
+
+WORDS = ["<unk>", "<eos>"] + [f"w{i}" for i in range(30)]
+
+
+def save_tiny(path, words, model):
+    tok = Tokenizer(tk_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    target = tiny_llama(0, vocab=len(WORDS), scale=6, max_pos=64)
+    t = save_tiny(root / "target", WORDS, target)
+    d = save_tiny(root / "draft", WORDS, noisy_copy(target, 0.03))
+    shuffled = WORDS[:2] + WORDS[2:][::-1]  # same size, different ids
+    bad = save_tiny(root / "badtok", shuffled, noisy_copy(target, 0.03))
+    return t, d, bad
+
+
+def run(capsys, *args):
+    rc = main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_json_output_and_lossless_equality(dirs, capsys):
+    t, d, _ = dirs
+    base = ["--prompt", "w1 w2 w3", "--target", t, "--draft", d, "--max-new-tokens", "20", "--json"]
+    rc, out, _ = run(capsys, *base, "--strategy", "ar")
+    ar = json.loads(out)
+    assert rc == 0 and set(ar) == {"text", "token_ids", "stats"}
+    for extra in (["--strategy", "sd"], ["--strategy", "mcsd", "--k-config", "3,2,1"],
+                  ["--strategy", "ti-mcsd", "--stop", "confidence"]):
+        rc, out, _ = run(capsys, *base, *extra)
+        res = json.loads(out)
+        assert rc == 0 and res["token_ids"] == ar["token_ids"] and res["stats"]["lossless"]
+        for key in ("target_calls", "drafted", "accepted", "acceptance_rate", "block_efficiency",
+                    "tokens_per_s", "wall_s", "draft_s", "verify_s", "bookkeeping_s"):
+            assert key in res["stats"]
+
+
+def test_streaming_prints_text_and_stats(dirs, capsys):
+    t, d, _ = dirs
+    rc, out, err = run(capsys, "--prompt", "w4", "--target", t, "--draft", d, "--max-new-tokens", "8")
+    assert rc == 0 and out.strip().startswith("w") and "tok/s" in err and "ti-mcsd" in err
+
+
+def test_longest_branch_says_lossy(dirs, capsys):
+    t, d, _ = dirs
+    rc, out, _ = run(capsys, "--prompt", "w1", "--target", t, "--draft", d, "--strategy", "ti-mcsd",
+                     "--mode", "longest-branch", "--max-new-tokens", "10", "--json")
+    stats = json.loads(out)["stats"]
+    assert rc == 0 and stats["lossless"] is False and "LOSSY" in stats["strategy"]
+    assert "LOSSY" in parser().format_help()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--prompt", ""], "empty prompt"),
+    (["--prompt", "   "], "empty prompt"),
+    (["--prompt", "w1", "--strategy", "mcsd", "--k-config", "4,x"], "bad k-config"),
+    (["--prompt", "w1", "--max-new-tokens", "500"], "prompt too long"),
+    (["--prompt", "w1", "--target", "/no/such/dir"], "model directory not found"),
+    (["--prompt", "w1", "--stop", "decider"], "decider"),
+    (["--prompt", "w1", "--temperature", "-1"], "temperature"),
+])
+def test_bad_input_one_error_line(dirs, capsys, args, message):
+    t, d, _ = dirs
+    full = ["--target", t, "--draft", d] + args if "--target" not in args else ["--draft", d] + args
+    rc, out, err = run(capsys, *full)
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("error:") and message in err
+
+
+def test_mismatched_tokenizer_refused(dirs, capsys):
+    t, _, bad = dirs
+    rc, _, err = run(capsys, "--prompt", "w1", "--target", t, "--draft", bad, "--strategy", "sd",
+                     "--max-new-tokens", "4")
+    assert rc == 2 and "different token ids" in err and err.count("\n") == 1
+
+
+def test_speculation_without_draft_refused(dirs, capsys):
+    t, _, _ = dirs
+    rc, _, err = run(capsys, "--prompt", "w1", "--target", t, "--strategy", "mcsd")
+    assert rc == 2 and "--draft" in err
+
+
+def test_unknown_strategy_exits_nonzero(dirs, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--prompt", "w1", "--strategy", "beam"])
+    assert e.value.code == 2

@@ -1,0 +1,131 @@
+"""Teacher corpus: resume without loss or duplicates, batching independence, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from training import corpus
+from training.corpus import CorpusConfig, Prompt, Teacher, build_corpus, load_corpus
+
+EOS, PAD = 2, 0
+
+
+@pytest.fixture(scope="module")
+def teacher() -> Teacher:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                      bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD)
+    model = LlamaForCausalLM(cfg).eval()
+    # A fake tokenizer: one id per character, so prompt lengths (and padding) vary.
+    encode = lambda text: [1] + [3 + ord(c) % 60 for c in text]
+    return Teacher(model, encode, [EOS], PAD, {"name": "tiny-llama", "vocab_size": 64})
+
+
+PROMPTS = [Prompt(f"p{i}", "code" if i % 3 else "general", "train", "ab" * (1 + i % 5) + str(i))
+           for i in range(11)]
+
+
+def make_cfg(out, **kw) -> CorpusConfig:
+    base = {"out": str(out), "dtype": "float32", "batch_size": 2, "shard_size": 3,
+            "max_new_tokens": 6, "temperature": 1.0}
+    return CorpusConfig(**{**base, **kw})
+
+
+def rows(path) -> list[dict]:
+    return sorted(load_corpus(path).to_list(), key=lambda r: r["prompt_id"])
+
+
+@pytest.mark.parametrize("crash_in", ["generate_batch", "_write_manifest"])
+def test_resume_after_interruption_matches_uninterrupted(tmp_path, teacher, monkeypatch,
+                                                         crash_in):
+    build_corpus(make_cfg(tmp_path / "a"), teacher, PROMPTS, progress=False)
+    expected = rows(tmp_path / "a")
+    assert [r["prompt_id"] for r in expected] == sorted(p.id for p in PROMPTS)
+
+    # Crash during the third shard: in generation, or after its parquet file was renamed into
+    # place but before the manifest listed it (an orphan shard the restart must discard).
+    real, calls = getattr(corpus, crash_in), {"n": 0}
+    crash_at = 5 if crash_in == "generate_batch" else 3
+
+    def crashing(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == crash_at:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(corpus, crash_in, crashing)
+    with pytest.raises(KeyboardInterrupt):
+        build_corpus(make_cfg(tmp_path / "b"), teacher, PROMPTS, progress=False)
+    monkeypatch.setattr(corpus, crash_in, real)
+    (tmp_path / "b" / ".shard-00009.parquet.tmp-1").write_bytes(b"half a file")
+    assert len(rows(tmp_path / "b")) == 6  # two complete shards survived
+
+    stats = build_corpus(make_cfg(tmp_path / "b"), teacher, PROMPTS, progress=False)
+    assert stats["new_rows"] == 5 and stats["remaining"] == 0
+    assert rows(tmp_path / "b") == expected
+    files = sorted(f.name for f in (tmp_path / "b").iterdir())
+    assert files == [".lock", "manifest.json"] + [f"shard-0000{i}.parquet" for i in range(4)]
+    # A third run has nothing left to do.
+    assert build_corpus(make_cfg(tmp_path / "b"), teacher, PROMPTS, progress=False)["new_rows"] == 0
+
+
+def test_rows_do_not_depend_on_batching(tmp_path, teacher):
+    build_corpus(make_cfg(tmp_path / "a", batch_size=1), teacher, PROMPTS, progress=False)
+    build_corpus(make_cfg(tmp_path / "b", batch_size=4, shard_size=8), teacher, PROMPTS,
+                 progress=False)
+    a = rows(tmp_path / "a")
+    assert a == rows(tmp_path / "b")
+    for r, p in zip(a, sorted(PROMPTS, key=lambda p: p.id)):
+        assert r["prompt_ids"] == teacher.encode(p.text)  # stored without padding
+        assert 1 <= len(r["completion_ids"]) <= 6
+        assert r["finished"] == (r["completion_ids"][-1] == EOS)
+
+
+def test_wrong_schema_manifest_raises(tmp_path, teacher):
+    build_corpus(make_cfg(tmp_path, max_new_tokens=2), teacher, PROMPTS[:2], progress=False)
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    (tmp_path / "manifest.json").write_text(json.dumps({**m, "schema_version": 99}))
+    with pytest.raises(ValueError, match="schema version 99"):
+        load_corpus(tmp_path)
+    with pytest.raises(ValueError, match="schema version"):
+        build_corpus(make_cfg(tmp_path), teacher, PROMPTS, progress=False)
+    (tmp_path / "manifest.json").write_text('{"kind": "something else"}')
+    with pytest.raises(ValueError, match="not a specstop-teacher-corpus manifest"):
+        load_corpus(tmp_path)
+
+
+def test_changed_settings_refuse_to_mix(tmp_path, teacher):
+    build_corpus(make_cfg(tmp_path, max_new_tokens=2), teacher, PROMPTS[:2], progress=False)
+    with pytest.raises(SystemExit, match="generation"):
+        build_corpus(make_cfg(tmp_path, max_new_tokens=3), teacher, PROMPTS, progress=False)
+
+
+def test_bad_prompt_files_exit_with_one_line(tmp_path):
+    with pytest.raises(SystemExit, match="prompt file not found"):
+        corpus.main(["--prompts", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path)])
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(SystemExit, match="prompt file is empty"):
+        corpus.main(["--prompts", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path)])
+    (tmp_path / "bad.jsonl").write_text('{"id": "x"}\n')
+    with pytest.raises(SystemExit, match="bad.jsonl:1: not a prompt row"):
+        corpus.main(["--prompts", str(tmp_path / "bad.jsonl")])
+    with pytest.raises(SystemExit, match="config file not found"):
+        corpus.main(["--config", str(tmp_path / "nope.yaml")])
+
+
+def test_shipped_prompt_splits_are_disjoint():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "data" / "prompts"
+    splits = {n: corpus.read_prompts([str(root / f"{n}.jsonl")])
+              for n in ("train", "val", "heldout_general", "heldout_code")}
+    ids = [p.id for ps in splits.values() for p in ps]
+    texts = [p.text for ps in splits.values() for p in ps]
+    assert len(set(ids)) == len(ids) and len(set(texts)) == len(texts)
+    assert len(splits["heldout_code"]) == 40 and 80 <= len(splits["heldout_general"]) <= 120
+    assert len(splits["train"]) >= 3500

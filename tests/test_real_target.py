@@ -1,0 +1,61 @@
+"""Marked `real`: the embedded SmolLM2 target. Every strategy gives the same greedy text as
+`ar` in the same dtype (fp32 with fp32, bf16 with bf16)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from decoding import models
+from decoding.sampling import SamplingConfig
+from decoding.session import Session
+from decoding.strategies import StrategyConfig, build_engine
+
+pytestmark = pytest.mark.real
+PROMPTS = ["Write a Python function that adds two numbers.", "Name three colors of the rainbow."]
+N = 32
+
+
+def layer_skip_draft(target, layers=4):
+    """The target's first layers + its head: a draft that shares the tokenizer and is often
+    right, so deep tree paths are really exercised (a random draft is never accepted)."""
+    cfg = target.config.__class__.from_dict(target.config.to_dict())
+    cfg.num_hidden_layers = layers
+    draft = AutoModelForCausalLM.from_config(cfg).to(target.dtype)
+    draft.load_state_dict(target.state_dict(), strict=False)
+    return draft.eval()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_strategies_agree_with_ar(dtype):
+    sess = Session.open(None, None, dtype)
+    draft = layer_skip_draft(sess.target)
+    greedy = SamplingConfig()
+    configs = [StrategyConfig(strategy="sd", gamma=4), StrategyConfig(strategy="mcsd", k_config="4,2,2,1"),
+               StrategyConfig(strategy="ti-mcsd", width=4, depth=6),
+               StrategyConfig(strategy="ti-mcsd", width=3, depth=8, stop="confidence")]
+    ar = build_engine(sess.target, None, StrategyConfig(strategy="ar"), greedy)
+    for text in PROMPTS:
+        ids = sess.encode(text, chat=True)
+        ref, _ = ar.generate(ids, N)
+        for cfg in configs:
+            out, stats = build_engine(sess.target, draft, cfg, greedy).generate(ids, N)
+            assert sess.tokenizer.decode(out) == sess.tokenizer.decode(ref), (dtype, cfg.name)
+            assert stats.accepted > 0  # the layer-skip draft is really accepted sometimes
+
+
+def test_default_target_conversion_is_cached():
+    d = models.default_target_dir()
+    assert (d / "model.safetensors").exists() and (d / "tokenizer.json").exists()
+    tok = models.load_tokenizer(d)
+    assert tok.chat_template and tok.eos_token == "<|im_end|>"
+
+
+def test_mismatched_tokenizer_is_refused(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sess = Session.open(None, None, "float32")
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=4))
+    with pytest.raises(models.ModelError, match="vocabularies differ"):
+        models.check_pair(sess.target, other)
+    torch.manual_seed(0)

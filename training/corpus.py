@@ -1,0 +1,385 @@
+"""Teacher corpus for draft alignment: the target continues prompts; token ids go to parquet.
+
+    python -m training.corpus --config configs/corpus.yaml [--max-prompts N] [--out DIR] ...
+
+Layout of the corpus directory (small enough to commit: token ids only, zstd parquet):
+    manifest.json        schema version, target fingerprint, generation settings, shard list
+    shard-00000.parquet  one row per prompt: prompt_id, kind, split, seed, prompt_ids,
+    ...                  completion_ids (int32 lists), finished (ended with EOS)
+
+Resumable: a shard is written to a temp file and renamed, then the manifest is rewritten the
+same way, so a shard is either complete and listed or ignored. A restart skips the prompt ids
+already listed and removes leftovers (temp files, unlisted shards) of an interrupted run.
+Each prompt samples with its own seeded generator, so its continuation does not depend on
+which prompts share its batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+SCHEMA_VERSION = 1
+CORPUS_KIND = "specstop-teacher-corpus"
+MANIFEST = "manifest.json"
+SAMPLER = "per-prompt-generator-v1"  # bump if the sampling procedure changes
+VOLATILE_CONFIG_KEYS = {"quantization_config", "transformers_version", "_model_name_or_path",
+                        "dtype", "torch_dtype", "_name_or_path"}
+ARROW_SCHEMA = pa.schema([
+    ("prompt_id", pa.string()), ("kind", pa.string()), ("split", pa.string()),
+    ("seed", pa.int64()), ("prompt_ids", pa.list_(pa.int32())),
+    ("completion_ids", pa.list_(pa.int32())), ("finished", pa.bool_()),
+])
+
+
+@dataclass
+class CorpusConfig:
+    prompt_files: list[str] = field(default_factory=lambda: ["data/prompts/train.jsonl"])
+    """JSONL prompt files ({id, source, kind, prompt}); a row's split is its file's stem."""
+    out: str = "data/corpus"
+    """Corpus directory: parquet shards + manifest.json."""
+    target: str | None = None
+    """Target model directory; None = the embedded SmolLM2-135M-Instruct."""
+    dtype: str = "bfloat16"
+    """Target weights dtype: float32 | bfloat16 | float16."""
+    batch_size: int = 32
+    """Prompts per generate() call (left padded)."""
+    shard_size: int = 128
+    """Prompts per shard: the most work an interruption can lose."""
+    max_new_tokens: int = 128
+    """Completion length cap."""
+    temperature: float = 0.7
+    """Sampling temperature over the full vocabulary; 0 = greedy."""
+    seed: int = 0
+    """Base seed; each prompt's generator is seeded from (seed, prompt id)."""
+    max_prompts: int | None = None
+    """Use only the first N prompts of the (concatenated) files; None = all."""
+    max_minutes: float | None = None
+    """Stop cleanly after the shard that crosses this wall-clock budget."""
+    threads: int | None = None
+    """torch intra-op threads; None = torch's default."""
+
+
+@dataclass
+class Teacher:
+    """What generation needs from the target; tests inject a tiny model and a fake encoder."""
+
+    model: torch.nn.Module
+    encode: Callable[[str], list[int]]
+    """Prompt text -> input ids, chat template and generation prompt applied."""
+    eos_token_ids: list[int]
+    pad_token_id: int
+    info: dict
+    """Identity written to the manifest; a resume must match it exactly."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    kind: str
+    split: str
+    text: str
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def load_teacher(cfg: CorpusConfig) -> Teacher:
+    from decoding.models import DEFAULT_TARGET_NAME, load_model, load_tokenizer, resolve_model_dir
+
+    model_dir = resolve_model_dir(cfg.target)
+    model, tok = load_model(cfg.target, dtype=cfg.dtype), load_tokenizer(cfg.target)
+
+    def encode(text: str) -> list[int]:
+        enc = tok.apply_chat_template([{"role": "user", "content": text}],
+                                      add_generation_prompt=True, tokenize=True)
+        return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [tok.eos_token_id])
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    # Canonical config without loader bookkeeping, so re-converting the same weights (or a
+    # newer transformers) keeps the fingerprint; a sample of the embedding pins the weights.
+    conf = json.loads((model_dir / "config.json").read_text())
+    conf = {k: v for k, v in conf.items() if k not in VOLATILE_CONFIG_KEYS}
+    embed = model.get_input_embeddings().weight[:512].detach().float().numpy().tobytes()
+    info = {
+        "name": DEFAULT_TARGET_NAME if cfg.target is None else model_dir.name,
+        "config_sha256": _sha256(json.dumps(conf, sort_keys=True).encode()),
+        "embed_sha256": _sha256(embed),
+        "vocab_size": len(tok),
+        "chat_template_sha256": _sha256((tok.chat_template or "").encode()),
+    }
+    return Teacher(model, encode, eos, pad, info)
+
+
+def read_prompts(paths: list[str], max_prompts: int | None = None) -> list[Prompt]:
+    """All prompts of the files in order; bad input ends the run with one clear line."""
+    out: list[Prompt] = []
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise SystemExit(f"error: prompt file not found: {path}")
+        n0 = len(out)
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                out.append(Prompt(str(row["id"]), row.get("kind", "general"), path.stem,
+                                  row["prompt"]))
+            except (ValueError, KeyError, TypeError) as e:
+                raise SystemExit(f"error: {path}:{i}: not a prompt row ({e!r})") from None
+        if len(out) == n0:
+            raise SystemExit(f"error: prompt file is empty: {path}")
+    ids = [p.id for p in out]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise SystemExit(f"error: duplicate prompt id {dup!r} across {', '.join(paths)}")
+    return out[:max_prompts] if max_prompts is not None else out
+
+
+def prompt_seed(seed: int, prompt_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{prompt_id}".encode()).digest()[:8]) >> 1
+
+
+class RowSampler(LogitsProcessor):
+    """Samples every row from its own generator (HF's sampler shares one stream per batch).
+
+    It returns a one-hot score row, so generate(do_sample=False) commits exactly that sample.
+    """
+
+    def __init__(self, seeds: list[int], temperature: float):
+        self.gens = [torch.Generator().manual_seed(s) for s in seeds]
+        self.temperature = temperature
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.temperature <= 0:
+            return scores
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+        picks = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, self.gens)])
+        onehot = torch.full_like(scores, float("-inf"))
+        return onehot.scatter_(1, picks[:, None], 0.0)
+
+
+@torch.inference_mode()
+def generate_batch(teacher: Teacher, batch: list[list[int]], seeds: list[int],
+                   cfg: CorpusConfig) -> list[tuple[list[int], bool]]:
+    """Left-padded batched generation -> per row (completion ids up to and incl. EOS, finished)."""
+    width = max(map(len, batch))
+    ids = torch.full((len(batch), width), teacher.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(batch):  # left padding: the last prompt token sits at the edge
+        ids[i, width - len(row):] = torch.tensor(row)
+        mask[i, width - len(row):] = 1
+    out = teacher.model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=cfg.max_new_tokens,
+        logits_processor=LogitsProcessorList([RowSampler(seeds, cfg.temperature)]),
+        eos_token_id=teacher.eos_token_ids, pad_token_id=teacher.pad_token_id)
+    results = []
+    for row in out[:, width:].tolist():
+        end = next((j for j, t in enumerate(row) if t in teacher.eos_token_ids), None)
+        results.append((row if end is None else row[: end + 1], end is not None))
+    return results
+
+
+def _atomic(path: Path, write: Callable[[Path], None]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write_manifest(out: Path, manifest: dict) -> None:
+    _atomic(out / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=1) + "\n"))
+
+
+def _write_shard(path: Path, table: pa.Table) -> None:
+    _atomic(path, lambda p: pq.write_table(table, p, compression="zstd"))
+
+
+def read_manifest(out: Path) -> dict | None:
+    """The validated manifest, or None if the directory holds no corpus yet."""
+    path = Path(out) / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        m = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(m, dict) or m.get("kind") != CORPUS_KIND:
+        raise ValueError(f"{path}: not a {CORPUS_KIND} manifest")
+    if m.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"{path}: corpus schema version {m.get('schema_version')!r}, this code "
+                         f"reads version {SCHEMA_VERSION}; regenerate the corpus or convert it")
+    if not isinstance(m.get("shards"), list):
+        raise ValueError(f"{path}: manifest has no shard list")  # noqa: TRY004 - bad content
+    return m
+
+
+def _chunks(items: list, n: int) -> Iterator[list]:
+    for i in range(0, len(items), n):
+        yield items[i: i + n]
+
+
+def build_corpus(cfg: CorpusConfig, teacher: Teacher, prompts: list[Prompt],
+                 progress: bool = True) -> dict:
+    """Generate the prompts not yet in cfg.out; returns counts for this run."""
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "w") as lock:  # one writer per directory; freed on exit
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise SystemExit(f"error: another corpus writer is running on {out}") from None
+        return _fill(cfg, teacher, prompts, out, progress)
+
+
+def _fill(cfg: CorpusConfig, teacher: Teacher, prompts: list[Prompt], out: Path,
+          progress: bool) -> dict:
+    from tqdm import tqdm
+
+    generation = {"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
+                  "dtype": cfg.dtype, "seed": cfg.seed, "sampler": SAMPLER}
+    manifest = read_manifest(out) or {"kind": CORPUS_KIND, "schema_version": SCHEMA_VERSION,
+                                      "target": teacher.info, "generation": generation,
+                                      "shards": []}
+    for key, now in (("target", teacher.info), ("generation", generation)):
+        if manifest.get(key) != now:  # mixing teachers or settings would corrupt the corpus
+            raise SystemExit(f"error: {out} was written with {key} {manifest.get(key)}, this run "
+                             f"has {now}; use another --out")
+    listed = {s["file"] for s in manifest["shards"]}
+    for stale in [*out.glob(".*.tmp-*"), *out.glob("shard-*.parquet")]:
+        if stale.name not in listed:  # leftovers of an interrupted run
+            stale.unlink()
+    done = {pid for s in manifest["shards"] for pid in s["prompt_ids"]}
+    todo = [p for p in prompts if p.id not in done]
+    next_idx = 1 + max((int(f[6:11]) for f in listed), default=-1)
+    t0, new_rows, new_tokens, gen_time = time.time(), 0, 0, 0.0
+    bar = tqdm(total=len(todo), unit="prompt", disable=not progress, dynamic_ncols=True,
+               mininterval=1 if sys.stderr.isatty() else 30)
+    for chunk in _chunks(todo, cfg.shard_size):
+        if cfg.max_minutes is not None and time.time() - t0 > 60 * cfg.max_minutes:
+            break
+        encoded = [teacher.encode(p.text) for p in chunk]
+        seeds = [prompt_seed(cfg.seed, p.id) for p in chunk]
+        order = sorted(range(len(chunk)), key=lambda i: (len(encoded[i]), i))  # less padding
+        results: list = [None] * len(chunk)
+        for idx in _chunks(order, cfg.batch_size):
+            tb = time.time()
+            res = generate_batch(teacher, [encoded[i] for i in idx], [seeds[i] for i in idx], cfg)
+            gen_time += time.time() - tb
+            for i, r in zip(idx, res):
+                results[i] = r
+            new_tokens += sum(len(c) for c, _ in res)
+            bar.set_postfix(tok_s=f"{new_tokens / gen_time:.0f}", tokens=new_tokens, refresh=False)
+            bar.update(len(idx))
+        table = pa.table({
+            "prompt_id": [p.id for p in chunk], "kind": [p.kind for p in chunk],
+            "split": [p.split for p in chunk], "seed": seeds, "prompt_ids": encoded,
+            "completion_ids": [c for c, _ in results], "finished": [f for _, f in results],
+        }, schema=ARROW_SCHEMA)
+        name = f"shard-{next_idx:05d}.parquet"
+        _write_shard(out / name, table)
+        manifest["shards"].append({
+            "file": name, "rows": len(chunk), "completion_tokens": sum(len(c) for c, _ in results),
+            "prompt_ids": [p.id for p in chunk]})
+        _write_manifest(out, manifest)
+        next_idx, new_rows = next_idx + 1, new_rows + len(chunk)
+    bar.close()
+    total = sum(s["rows"] for s in manifest["shards"])
+    return {"new_rows": new_rows, "new_tokens": new_tokens, "gen_seconds": round(gen_time, 1),
+            "tokens_per_s": round(new_tokens / gen_time, 1) if gen_time else 0.0,
+            "total_rows": total, "remaining": len(todo) - new_rows}
+
+
+def load_corpus(path: str | os.PathLike):
+    """The whole corpus as a datasets.Dataset; ValueError on a wrong schema or missing shard."""
+    import datasets
+    from datasets.table import InMemoryTable
+
+    m = read_manifest(Path(path))
+    if m is None:
+        raise ValueError(f"{path}: no {MANIFEST}: not a corpus directory")
+    tables = []
+    for s in m["shards"]:
+        f = Path(path) / s["file"]
+        if not f.is_file():
+            raise ValueError(f"{f}: listed in the manifest but missing")
+        t = pq.read_table(f)
+        if not t.schema.equals(ARROW_SCHEMA) or t.num_rows != s["rows"]:
+            raise ValueError(f"{f}: schema or row count differs from the manifest")
+        tables.append(t)
+    table = pa.concat_tables(tables) if tables else ARROW_SCHEMA.empty_table()
+    return datasets.Dataset(InMemoryTable(table))
+
+
+def parse_config(argv: list[str] | None = None) -> CorpusConfig:
+    p = argparse.ArgumentParser(prog="python -m training.corpus",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--config", help="YAML file with CorpusConfig fields")
+    p.add_argument("--prompts", nargs="+", dest="prompt_files", help="JSONL prompt files")
+    for name, typ in (("out", str), ("target", str), ("dtype", str), ("batch_size", int),
+                      ("shard_size", int), ("max_new_tokens", int), ("temperature", float),
+                      ("seed", int), ("max_prompts", int), ("max_minutes", float),
+                      ("threads", int)):
+        p.add_argument("--" + name.replace("_", "-"), type=typ, dest=name)
+    args = vars(p.parse_args(argv))
+    values: dict = {}
+    config = args.pop("config")
+    if config:
+        import yaml
+
+        path = Path(config)
+        if not path.is_file():
+            raise SystemExit(f"error: config file not found: {path}")
+        values = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(values, dict):
+            raise SystemExit(f"error: {path}: expected a mapping of CorpusConfig fields")
+        unknown = set(values) - {f.name for f in fields(CorpusConfig)}
+        if unknown:
+            raise SystemExit(f"error: {path}: unknown keys {sorted(unknown)}")
+    values.update({k: v for k, v in args.items() if v is not None})
+    cfg = CorpusConfig(**values)
+    if cfg.batch_size < 1 or cfg.shard_size < 1 or cfg.max_new_tokens < 1:
+        raise SystemExit("error: batch-size, shard-size and max-new-tokens must be >= 1")
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config(argv)
+    prompts = read_prompts(cfg.prompt_files, cfg.max_prompts)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        read_manifest(Path(cfg.out))  # fail on a bad corpus before loading the model
+        teacher = load_teacher(cfg)
+        print(f"corpus: {len(prompts)} prompts -> {cfg.out} ({json.dumps(asdict(cfg))})",
+              file=sys.stderr)
+        stats = build_corpus(cfg, teacher, prompts)
+    except ValueError as e:  # includes decoding.models.ModelError
+        raise SystemExit(f"error: {e}") from None
+    except KeyboardInterrupt:
+        raise SystemExit("interrupted: finished shards are kept; rerun to resume") from None
+    print(json.dumps(stats))
+
+
+if __name__ == "__main__":
+    main()
