@@ -124,7 +124,10 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="reports/engine")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
         results = [engine_suite(d, args.new_tokens, args.repeats) for d in args.dtypes.split(",")]
     except (models.ModelError, ValueError) as e:

@@ -38,6 +38,9 @@ class SpeculativeEngine:
         self.replacement = replacement
         self.longest_branch = longest_branch
         self.name = name
+        self.observer = None
+        """Optional callable(tree, target_logits, outcome, position) after each verified round
+        (trace collection); with `observer.hidden` set the draft also returns hidden states."""
 
     @property
     def lossless(self) -> bool:
@@ -61,6 +64,8 @@ class SpeculativeEngine:
             logits, _ = self.target.feed(committed, tree.layout, tree.tokens, 0, tree.size)  # verify
             t2 = time.perf_counter()
             out = self._decide(tree, logits, gen)                                      # decide
+            if self.observer is not None and tree.size:
+                self.observer(tree, logits, out, len(committed) - n0)
             self.target.commit(out.path, tree.size)                                    # commit
             if self.proposer and tree.size:
                 self.proposer.commit(tree, out.path)
@@ -81,7 +86,8 @@ class SpeculativeEngine:
     def _propose(self, committed, gen, anchor_p, position) -> DraftTree:
         if self.proposer is None or (self.longest_branch and anchor_p is None):
             return empty_tree()
-        return self.proposer.propose(committed, self.stop, gen, anchor_p, position)
+        hidden = self.stop.needs_hidden or getattr(self.observer, "hidden", False)
+        return self.proposer.propose(committed, self.stop, gen, anchor_p, position, hidden)
 
     def _decide(self, tree: DraftTree, logits: torch.Tensor, gen) -> Outcome:
         """Walk the verified tree. logits[-size-1] is the anchor's row when the anchor was

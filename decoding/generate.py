@@ -38,7 +38,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--stop", choices=("fixed", "confidence", "decider"), default="fixed",
                     help="stop policy that ends drafting each round")
     ap.add_argument("--confidence-threshold", type=float, default=0.4)
-    ap.add_argument("--decider", default=None, help="decider checkpoint dir, or 'latest'")
+    ap.add_argument("--decider", default=None,
+                    help="decider checkpoint dir, or 'latest' (the default) from checkpoints/deciders/registry.json")
+    ap.add_argument("--decider-rule", choices=("paper", "specdecpp"), default=None,
+                    help="paper: continue while any new node scores above the threshold; specdecpp: stop "
+                         "once P(a drafted token is rejected) exceeds it (default: the checkpoint's)")
+    ap.add_argument("--decider-threshold", type=float, default=None,
+                    help="override the threshold chosen at fit time by trace replay")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -64,7 +70,7 @@ def main(argv=None) -> int:
                             need_draft=args.strategy not in (None, "ar"))
         if args.strategy is None and sess.draft is None:
             cfg.strategy = "ar"  # no draft shipped or given: plain decoding
-        engine = sess.engine(cfg, sampling, decider=args.decider)
+        engine = sess.engine(cfg, sampling, args.decider, args.decider_rule, args.decider_threshold)
         ids = sess.encode(args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
                           tree_depth=len(cfg.k_levels))
         stream = None if args.json else sess.streamer(sys.stdout)

@@ -179,3 +179,116 @@ def small_draft_config(target_config, layers: int = 2, hidden: int = 256, heads:
         bos_token_id=target_config.bos_token_id, eos_token_id=target_config.eos_token_id,
         pad_token_id=getattr(target_config, "pad_token_id", None),
     )
+
+
+_VOLATILE_CONFIG_KEYS = {"quantization_config", "transformers_version", "_model_name_or_path",
+                         "dtype", "torch_dtype", "_name_or_path", "architectures"}
+
+
+def fingerprint(model, name: str | None = None) -> dict:
+    """Identity of a model's weights, the same whatever dtype it was loaded in.
+
+    Config without loader bookkeeping + a hash of the first 512 embedding rows rounded to
+    bf16. Deciders and corpora record it; a checkpoint for another model pair is refused.
+    """
+    import hashlib
+    import json
+
+    conf = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    emb = model.get_input_embeddings().weight[:512].detach().to(torch.bfloat16).float().cpu()
+    return {
+        "name": name or Path(str(getattr(model.config, "_name_or_path", "") or "model")).name,
+        "config_sha256": hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode()).hexdigest(),
+        "embed_sha256": hashlib.sha256(emb.numpy().tobytes()).hexdigest(),
+        "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
+    }
+
+
+def same_model(a: dict, b: dict) -> bool:
+    keys = ("config_sha256", "embed_sha256", "vocab_size")
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
+# --- A draft whose output layer scores only the target's frequent tokens -------------------
+# The draft's step cost is dominated by its V x H output layer (49152 x 256 for the default
+# pair: ~half its step). A head over the K most frequent tokens, scattered back into a
+# full-width logits row, keeps the engine and check_pair unchanged: tokens outside the head
+# get a very low logit (q = 0 after softmax), so they are never proposed, and verification
+# stays exactly lossless. Registered with the Auto classes on import, so load_model() and
+# `--draft DIR` read such a directory like any other (no trust_remote_code).
+PRUNED_HEAD_TYPE = "specstop_pruned_llama"
+MASKED_LOGIT = -1.0e4
+"""Logit of tokens the pruned head cannot propose: finite (no NaN in p*log q), exp() == 0."""
+
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+
+class PrunedHeadLlamaConfig(LlamaConfig):
+    """LlamaConfig plus `head_size`: how many token ids the output layer scores."""
+
+    model_type = PRUNED_HEAD_TYPE
+
+    def __init__(self, head_size: int | None = None, **kwargs):
+        self.head_size = head_size
+        super().__init__(**kwargs)
+
+
+class PrunedHead(torch.nn.Module):
+    """Tied output layer over `ids` only; `weight` is the full (tied) embedding matrix."""
+
+    def __init__(self, vocab: int, hidden: int, head_size: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(vocab, hidden))
+        self.register_buffer("ids", torch.arange(head_size), persistent=True)
+        self._cache: tuple | None = None
+
+    def pruned_weight(self) -> torch.Tensor:
+        """[K, H] rows of the kept ids; cached when no gradient is needed (inference)."""
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            return self.weight.index_select(0, self.ids)
+        key = (self.weight.data_ptr(), self.weight._version, self.ids.data_ptr(),
+               self.ids._version, self.weight.dtype, self.weight.device)
+        if self._cache is None or self._cache[0] != key:
+            with torch.no_grad():
+                self._cache = (key, self.weight.index_select(0, self.ids).contiguous())
+        return self._cache[1]
+
+    def pruned_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., K] logits of the kept ids (training uses these: no V-wide tensor)."""
+        return hidden @ self.pruned_weight().T
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        small = self.pruned_logits(hidden)
+        out = small.new_full((*small.shape[:-1], self.weight.shape[0]), MASKED_LOGIT)
+        return out.index_copy_(-1, self.ids, small)
+
+
+class PrunedHeadLlamaForCausalLM(LlamaForCausalLM):
+    """A Llama draft with a PrunedHead; head_size None (or = vocab) is a plain full head."""
+
+    config_class = PrunedHeadLlamaConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        k = config.head_size or config.vocab_size
+        self.lm_head = PrunedHead(config.vocab_size, config.hidden_size, k)
+        self.post_init()
+
+    def set_head_ids(self, ids) -> None:
+        """Choose the kept token ids (length head_size, unique, each < vocab)."""
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        if ids.shape != self.lm_head.ids.shape or ids.unique().numel() != ids.numel():
+            raise ModelError(f"head ids must be {self.lm_head.ids.numel()} unique token ids")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ModelError("head ids must lie in [0, vocab_size)")
+        self.lm_head.ids.copy_(ids.to(self.lm_head.ids.device))
+
+
+AutoConfig.register(PRUNED_HEAD_TYPE, PrunedHeadLlamaConfig, exist_ok=True)
+AutoModelForCausalLM.register(PrunedHeadLlamaConfig, PrunedHeadLlamaForCausalLM, exist_ok=True)
+
+
+def output_token_ids(model) -> torch.Tensor | None:
+    """Token ids a draft's output layer can propose (None = all of them)."""
+    head = model.get_output_embeddings()
+    return head.ids if isinstance(head, PrunedHead) else None

@@ -55,7 +55,8 @@ class TreeProposer:
     def reset(self) -> None:
         self.model.reset()
 
-    def propose(self, committed, stop: StopPolicy, generator, anchor_p=None, position: int = 0) -> DraftTree:
+    def propose(self, committed, stop: StopPolicy, generator, anchor_p=None, position: int = 0,
+                hidden: bool = False) -> DraftTree:
         lay = self.layout
         tokens = [0] * lay.size
         valid = [True] * lay.size
@@ -68,8 +69,7 @@ class TreeProposer:
             depth = 1
         while depth < lay.max_depth:
             start, end = tree.fed, lay.level_ends[depth]
-            logits, hidden = self.model.feed(committed, lay, tokens[start:end], start, end,
-                                             hidden=stop.needs_hidden)
+            logits, h = self.model.feed(committed, lay, tokens[start:end], start, end, hidden=hidden)
             tree.fed = end
             parents = [ANCHOR] if depth == 0 else list(range(lay.level_ends[depth - 1], end))
             rows = logits[-len(parents):]
@@ -77,9 +77,8 @@ class TreeProposer:
                 tree.q[par] = warp(row, self.sampling)
             level = self._fill_level(tree, depth + 1, {p: tree.q[p] for p in parents}, logq, generator)
             depth += 1
-            if hidden is not None:
-                h_of = dict(zip(parents, hidden[-len(parents):]))
-                level.parent_hidden = torch.stack([h_of[lay.parents[n]] for n in level.nodes])
+            if h is not None:
+                level.parent_hidden = h[-len(parents):]
             level.position = position
             tree.levels.append(level)
             if stop.should_stop(level):
@@ -98,12 +97,16 @@ class TreeProposer:
             for node, t, v in zip(kids, toks, ok):
                 tree.tokens[node], tree.valid[node] = t, v and parent_ok
                 logq[node] = (0.0 if par == ANCHOR else logq[par]) + torch.log(q[t].clamp_min(1e-30))
-        par_of = [lay.parents[n] for n in nodes]
-        parent_q = torch.stack([dists[p] for p in par_of])
-        toks = torch.tensor([tree.tokens[n] for n in nodes])
+        parents = list(dists)
+        row = {p: i for i, p in enumerate(parents)}
+        parent_of = [row[lay.parents[n]] for n in nodes]
+        parent_q = torch.stack([dists[p] for p in parents])
+        toks = [tree.tokens[n] for n in nodes]
         return DraftLevel(
-            depth=depth, nodes=nodes, tokens=toks.tolist(), valid=[tree.valid[n] for n in nodes],
-            q_token=parent_q.gather(1, toks[:, None])[:, 0], parent_q=parent_q,
+            depth=depth, nodes=nodes, tokens=toks, valid=[tree.valid[n] for n in nodes],
+            q_token=parent_q[parent_of, toks], parent_q=parent_q, parent_of=parent_of,
+            parent_nodes=[lay.parents[n] for n in nodes],
+            branch=[lay.children[lay.parents[n] + 1].index(n) for n in nodes],
             path_logq=logq[nodes].clone(),
         )
 

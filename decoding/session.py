@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from . import models
+from .decider import DeciderConfig, DeciderStop, load_decider
 from .sampling import SamplingConfig
 from .stopping import make_stop_policy
 from .strategies import StrategyConfig, build_engine
@@ -47,9 +48,23 @@ class Session:
         eos = self.target.generation_config.eos_token_id
         return eos if eos is not None else self.tokenizer.eos_token_id
 
-    def engine(self, cfg: StrategyConfig, sampling: SamplingConfig, decider=None):
-        stop = make_stop_policy(cfg.stop, cfg.confidence_threshold, decider)
+    def engine(self, cfg: StrategyConfig, sampling: SamplingConfig, decider=None, rule=None,
+               threshold=None):
+        """decider: checkpoint dir or 'latest'; rule / threshold override the checkpoint's."""
+        if cfg.stop == "decider":
+            stop = self.decider_stop(decider, rule, threshold)
+        else:
+            stop = make_stop_policy(cfg.stop, cfg.confidence_threshold)
         return build_engine(self.target, self.draft, cfg, sampling, stop)
+
+    def decider_stop(self, decider=None, rule=None, threshold=None) -> DeciderStop:
+        if self.draft is None:
+            raise models.ModelError("--stop decider needs a draft model")
+        net, dcfg = load_decider(decider or "latest", self.target, self.draft)
+        dcfg.rule = rule or dcfg.rule
+        dcfg.threshold = dcfg.threshold if threshold is None else threshold
+        DeciderConfig.__post_init__(dcfg)
+        return DeciderStop(net, dcfg)
 
     def encode(self, prompt: str, chat: bool = False, max_new_tokens: int = 0, tree_depth: int = 0) -> list[int]:
         if not prompt or not prompt.strip():

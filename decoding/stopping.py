@@ -24,11 +24,17 @@ class DraftLevel:
     q_token: torch.Tensor
     """[k] draft probability of each node's token under its parent's distribution."""
     parent_q: torch.Tensor
-    """[k, V] the distribution each token was drawn from (rows repeat for siblings)."""
+    """[P, V] the distributions this level was drawn from, one row per parent."""
+    parent_of: list[int]
+    """[k] row of parent_q each node was drawn from."""
+    parent_nodes: list[int]
+    """[k] parent node id of each node (-1 = the anchor)."""
+    branch: list[int]
+    """[k] draw order of each node among its siblings (0 = first candidate)."""
     path_logq: torch.Tensor
     """[k] cumulative log q of the path from the anchor down to each node."""
     parent_hidden: torch.Tensor | None = None
-    """[k, H] draft last-layer hidden state that produced each token (when requested)."""
+    """[P, H] draft last-layer hidden state at each parent (when a policy asks for it)."""
     position: int = 0
     """Number of tokens generated so far in this request."""
 
@@ -61,11 +67,10 @@ class DraftConfidence(StopPolicy):
         return ok.numel() == 0 or float(ok.max()) < self.threshold
 
 
-def make_stop_policy(name: str, threshold: float | None = None, decider: str | None = None) -> StopPolicy:
+def make_stop_policy(name: str, threshold: float | None = None) -> StopPolicy:
+    """Policies that need no checkpoint; `decider` is built by Session (it needs the models)."""
     if name == "fixed":
         return FixedDepth()
     if name == "confidence":
         return DraftConfidence(0.4 if threshold is None else threshold)
-    if name == "decider":
-        raise ValueError("--stop decider needs a trained decider (--decider DIR); none is available yet")
     raise ValueError(f"unknown stop policy {name!r}; choose fixed, confidence or decider")

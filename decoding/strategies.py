@@ -77,5 +77,7 @@ def build_engine(target, draft, cfg: StrategyConfig, sampling: SamplingConfig,
     lossy = cfg.mode == "longest-branch"
     proposer = TreeProposer(draft, layout_from_k_config(cfg.k_levels), sampling,
                             replacement=cfg.replacement, roots_from_target=lossy)
+    if stop is None and cfg.stop == "decider":
+        raise ValueError("--stop decider needs a decider checkpoint (see Session.engine)")
     stop = stop or make_stop_policy(cfg.stop, cfg.confidence_threshold)
     return SpeculativeEngine(target, proposer, sampling, stop, cfg.replacement, lossy, cfg.name)

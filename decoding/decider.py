@@ -1,0 +1,176 @@
+"""The decision model: predicts from draft-side features whether a drafted token will be
+accepted, and the stop policy that uses it. Checkpoints describe themselves:
+
+    checkpoints/deciders/<run-id>/config.json        kind, schema version, model pair, threshold, rule
+                                 /model.safetensors  weights + feature normalisation
+                                 /metrics.json       held-out metrics and replay results
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import features as F
+from .models import ModelError, fingerprint, same_model
+from .stopping import DraftLevel, StopPolicy
+
+KINDS = ("mlp11", "hidden", "logistic", "mlp")
+RULES = ("paper", "specdecpp")
+DECIDERS_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "deciders"
+
+
+@dataclass
+class DeciderConfig:
+    kind: str = "mlp11"
+    """mlp11: the paper's 11-feature MLP (11->44->1); hidden: draft hidden state MLP
+    (H->512->256->1); logistic: all features -> 1; mlp: all features -> 64 -> 1."""
+    num_features: int = F.NUM_FEATURES
+    hidden_size: int = 0
+    """Draft hidden size (kind=hidden only)."""
+    feature_schema: int = F.FEATURE_SCHEMA_VERSION
+    threshold: float = 0.4
+    """Stop threshold, chosen by replaying traces with the cost model."""
+    rule: str = "paper"
+    """paper: continue while any new node scores > threshold; specdecpp: stop once
+    P(some drafted token on the best branch is rejected) > threshold."""
+    model_pair: dict = field(default_factory=dict)
+    """{"target": fingerprint, "draft": fingerprint} the traces were recorded with."""
+    cost_model: dict = field(default_factory=dict)
+    label: str = "soft"
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown decider kind {self.kind!r}; choose from {', '.join(KINDS)}")
+        if self.rule not in RULES:
+            raise ValueError(f"unknown stop rule {self.rule!r}; choose paper or specdecpp")
+
+
+class DeciderNet(nn.Module):
+    def __init__(self, cfg: DeciderConfig):
+        super().__init__()
+        self.kind = cfg.kind
+        n_in = {"mlp11": 1 + F.TOP_K, "hidden": cfg.hidden_size}.get(cfg.kind, cfg.num_features)
+        layers = {
+            "mlp11": [nn.Linear(n_in, 44), nn.ReLU(), nn.Linear(44, 1)],
+            "hidden": [nn.Linear(n_in, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 1)],
+            "logistic": [nn.Linear(n_in, 1)],
+            "mlp": [nn.Linear(n_in, 64), nn.ReLU(), nn.Linear(64, 1)],
+        }[cfg.kind]
+        self.net = nn.Sequential(*layers)
+        # input standardisation, fitted on training traces and saved with the weights
+        self.register_buffer("mean", torch.zeros(n_in))
+        self.register_buffer("std", torch.ones(n_in))
+
+    def select(self, feats: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+        if self.kind == "hidden":
+            if hidden is None:
+                raise ValueError("the hidden-state decider needs draft hidden states")
+            return hidden.float()
+        return feats[..., F.PAPER_FEATURES] if self.kind == "mlp11" else feats
+
+    def forward(self, feats: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [k] of 'this node will be accepted'."""
+        x = (self.select(feats, hidden) - self.mean) / self.std
+        return self.net(x).squeeze(-1)
+
+
+class DeciderStop(StopPolicy):
+    """Stop policy driven by a trained decider, with the paper's or SpecDec++'s rule."""
+
+    name = "decider"
+
+    def __init__(self, net: DeciderNet, cfg: DeciderConfig):
+        self.net = net.eval()
+        self.cfg = cfg
+        self.needs_hidden = cfg.kind == "hidden"
+        self._path: dict[int, float] = {}
+
+    @torch.inference_mode()
+    def scores(self, level: DraftLevel) -> torch.Tensor:
+        return torch.sigmoid(self.net(F.node_features(level), F.node_hidden(level)))
+
+    def should_stop(self, level: DraftLevel) -> bool:
+        s = self.scores(level)
+        valid = torch.tensor(level.valid)
+        if not valid.any():
+            return True
+        if self.cfg.rule == "paper":
+            return bool((s[valid] <= self.cfg.threshold).all())
+        if level.depth == 1:
+            self._path = {}
+        path = [self._path.get(p, 1.0) * float(x) for p, x in zip(level.parent_nodes, s)]
+        self._path.update(zip(level.nodes, path))
+        best = max(v for v, ok in zip(path, level.valid) if ok)
+        return 1.0 - best > self.cfg.threshold
+
+
+def _atomic_dir(out: Path, write) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        write(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_decider(out: str | os.PathLike, net: DeciderNet, cfg: DeciderConfig, metrics: dict) -> Path:
+    from safetensors.torch import save_file
+
+    def write(tmp: Path):
+        (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+        save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(tmp / "model.safetensors"))
+        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=1))
+
+    out = Path(out)
+    _atomic_dir(out, write)
+    return out
+
+
+def resolve_decider_dir(path: str | os.PathLike | None) -> Path:
+    if path in (None, "latest"):
+        reg = DECIDERS_DIR / "registry.json"
+        try:
+            latest = json.loads(reg.read_text())["latest"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise ModelError(f"no usable decider registry at {reg}: pass --decider DIR") from None
+        return DECIDERS_DIR / latest
+    return Path(path)
+
+
+def load_decider(path, target=None, draft=None) -> tuple[DeciderNet, DeciderConfig]:
+    """Load a decider; refuse one for another feature schema or model pair (one clear error)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    d = resolve_decider_dir(path)
+    if not (d / "config.json").is_file() or not (d / "model.safetensors").is_file():
+        raise ModelError(f"not a decider checkpoint (needs config.json and model.safetensors): {d}")
+    try:
+        cfg = DeciderConfig(**json.loads((d / "config.json").read_text()))
+    except (ValueError, TypeError) as e:
+        raise ModelError(f"corrupt decider config {d / 'config.json'}: {e}") from None
+    if cfg.feature_schema != F.FEATURE_SCHEMA_VERSION:
+        raise ModelError(f"decider {d} uses feature schema {cfg.feature_schema}, this code computes "
+                         f"schema {F.FEATURE_SCHEMA_VERSION}: retrain it (python -m training.fit)")
+    for role, model in (("target", target), ("draft", draft)):
+        want = cfg.model_pair.get(role)
+        if model is not None and want is not None and not same_model(want, fingerprint(model)):
+            raise ModelError(f"decider {d} was trained for another {role} model "
+                             f"({want.get('name')}): collect traces and fit one for this pair")
+    net = DeciderNet(cfg)
+    try:
+        net.load_state_dict(load_file(str(d / "model.safetensors")))
+    except (SafetensorError, RuntimeError, OSError) as e:
+        raise ModelError(f"corrupt decider weights {d / 'model.safetensors'}: {str(e).splitlines()[0]}") from None
+    return net.eval(), cfg

@@ -1,0 +1,52 @@
+"""THE decider feature schema: one function used by trace collection, training and inference.
+
+Every feature is computed from draft-side information only (what the draft saw and drew),
+so a stop decision based on them never changes what verification commits. Bump
+FEATURE_SCHEMA_VERSION whenever a feature's meaning or order changes: checkpoints record
+it and inference refuses a decider trained on another schema.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .stopping import DraftLevel
+
+FEATURE_SCHEMA_VERSION = 1
+TOP_K = 10
+FEATURE_NAMES = (
+    ["q_entropy"] + [f"q_top{i + 1}" for i in range(TOP_K)]  # the paper's 11 features
+    + ["q_token", "token_rank", "depth", "branch", "path_logq", "log_position"]
+)
+PAPER_FEATURES = slice(0, 1 + TOP_K)
+NUM_FEATURES = len(FEATURE_NAMES)
+
+
+def node_features(level: DraftLevel) -> torch.Tensor:
+    """[k, NUM_FEATURES] float32 features for the k nodes of one drafted level."""
+    q = level.parent_q.float()
+    entropy = -(q * torch.log(q.clamp_min(1e-30))).sum(-1, keepdim=True)
+    top = q.topk(min(TOP_K, q.shape[-1]), dim=-1).values
+    if top.shape[-1] < TOP_K:  # tiny vocabularies (tests)
+        top = torch.nn.functional.pad(top, (0, TOP_K - top.shape[-1]))
+    per_parent = torch.cat([entropy, top], dim=-1)[level.parent_of]
+    q_tok = level.q_token.float()
+    # rank of the drawn token in its parent's distribution (0 = the draft's argmax)
+    rank = (q[level.parent_of] > q_tok[:, None]).sum(-1).float()
+    k = len(level.nodes)
+    per_node = torch.stack([
+        q_tok,
+        rank,
+        torch.full((k,), float(level.depth)),
+        torch.tensor(level.branch, dtype=torch.float32),
+        level.path_logq.float(),
+        torch.full((k,), float(torch.log1p(torch.tensor(float(level.position))))),
+    ], dim=-1)
+    return torch.cat([per_parent, per_node], dim=-1)
+
+
+def node_hidden(level: DraftLevel) -> torch.Tensor | None:
+    """[k, H] the draft's last hidden state that produced each node's token (or None)."""
+    if level.parent_hidden is None:
+        return None
+    return level.parent_hidden[level.parent_of]
