@@ -1,9 +1,12 @@
 """Greedy equality: every lossless strategy reproduces plain greedy decoding token for token."""
 
+from collections import Counter
+
 import pytest
 import torch
 
 from conftest import noisy_copy, tiny_llama
+from decoding.decider import DeciderConfig, DeciderNet, DeciderStop
 from decoding.sampling import SamplingConfig
 from decoding.stopping import DraftConfidence
 from decoding.strategies import StrategyConfig, build_engine
@@ -97,3 +100,42 @@ def test_confidence_policy_shortens_drafts(pair):
     full = build_engine(target, draft, cfg, GREEDY).generate([1, 2], N)[1]
     short = build_engine(target, draft, cfg, GREEDY, stop=DraftConfidence(0.999)).generate([1, 2], N)[1]
     assert max(short.drafted_depths) < 6 <= max(full.drafted_depths)
+
+
+def random_decider(rule, threshold, seed=0, kind="logistic", hidden_size=0, cut=0.11):
+    """A decider whose stops vary from round to round (any stop must stay lossless).
+
+    logistic: score = sigmoid(40 * (q_token - cut)); hidden: sigmoid(100 * relu(h . v) - 1)
+    for a random direction v, so scores swing with the draft's hidden state."""
+    from decoding.features import FEATURE_NAMES
+
+    torch.manual_seed(seed)
+    cfg = DeciderConfig(kind=kind, rule=rule, threshold=threshold, hidden_size=hidden_size)
+    net = DeciderNet(cfg)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.zero_()
+        first, last = net.net[0], net.net[-1]
+        if kind == "logistic":
+            last.weight[0, FEATURE_NAMES.index("q_token")] = 40.0
+            last.bias.fill_(-40.0 * cut)
+        else:
+            first.weight[0] = torch.nn.functional.normalize(torch.randn(hidden_size), dim=0)
+            net.net[2].weight[0, 0] = 1.0
+            last.weight[0, 0] = 100.0
+            last.bias.fill_(-1.0)
+    return DeciderStop(net, cfg)
+
+
+@pytest.mark.parametrize("rule,threshold", [("paper", 0.5), ("specdecpp", 0.5)])
+@pytest.mark.parametrize("kind", ["logistic", "hidden"])
+def test_decider_stop_is_lossless(pair, rule, threshold, kind):
+    target, draft = pair
+    cfg = StrategyConfig(strategy="ti-mcsd", width=3, depth=6, stop="decider")
+    depths = Counter()
+    for prompt in PROMPTS:
+        stop = random_decider(rule, threshold, kind=kind, hidden_size=draft.config.hidden_size)
+        out, stats = build_engine(target, draft, cfg, GREEDY, stop=stop).generate(prompt, N)
+        assert out == reference(target, prompt)
+        depths.update(stats.drafted_depths)
+    assert len(depths) >= 2  # the decider really varied the draft depth

@@ -11,6 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import tiny_llama
+from test_engine_greedy import random_decider
 from decoding import acceptance
 from decoding.sampling import SamplingConfig, warp
 from decoding.strategies import StrategyConfig, build_engine
@@ -57,11 +58,12 @@ def chi2_pvalue(counts: Counter, exact: dict, n: int) -> float:
 
 
 def speculative_counts(engine, n):
-    counts = Counter()
+    counts, depths = Counter(), Counter()
     for seed in range(n):
-        out, _ = engine.generate(PROMPT, LENGTH, seed=seed)
+        out, stats = engine.generate(PROMPT, LENGTH, seed=seed)
         counts[tuple(out)] += 1
-    return counts
+        depths.update(stats.drafted_depths)
+    return counts, depths
 
 
 T1 = SamplingConfig(temperature=1.0)
@@ -72,10 +74,12 @@ CASES = [
     ("mcsd-with-replacement", StrategyConfig(strategy="mcsd", k_config="3,1", replacement=True),
      T1, False, True),
     ("ti-mcsd+confidence-top-p", StrategyConfig(strategy="ti-mcsd", width=2, depth=2, stop="confidence",
-                                                confidence_threshold=0.5), WARPED, False, True),
+                                                confidence_threshold=0.2), WARPED, False, True),
     ("ti-mcsd-longest-branch-LOSSY", StrategyConfig(strategy="ti-mcsd", width=2, depth=2,
                                                     mode="longest-branch"), T1, False, False),
     ("mcsd-broken-residual", StrategyConfig(strategy="mcsd", k_config="2,2"), T1, True, False),
+    ("ti-mcsd+decider-specdecpp", StrategyConfig(strategy="ti-mcsd", width=2, depth=2, stop="decider"),
+     T1, False, True),
 ]
 
 
@@ -84,9 +88,12 @@ def test_continuations_follow_target(models, monkeypatch, name, cfg, sampling, b
     target, draft = models
     if broken:  # the classic bug: resample from p instead of norm(max(0, p - q)) after a reject
         monkeypatch.setattr(acceptance, "residual", lambda p, q: p)
-    engine = build_engine(target, draft, cfg, sampling)
+    stop = random_decider("specdecpp", 0.5, cut=0.18) if cfg.stop == "decider" else None
+    engine = build_engine(target, draft, cfg, sampling, stop=stop)
     exact = exact_distribution(target, sampling)
-    counts = speculative_counts(engine, SAMPLES)
+    counts, depths = speculative_counts(engine, SAMPLES)
+    if cfg.stop != "fixed":  # a stop policy that never (or always) stops would prove little
+        assert depths[1] > 0.05 * sum(depths.values()) and depths[2] > 0.05 * sum(depths.values())
     pvalue = chi2_pvalue(counts, exact, SAMPLES)
     tv = 0.5 * sum(abs(counts.get(s, 0) / SAMPLES - p) for s, p in exact.items())
     if lossless:
