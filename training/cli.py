@@ -18,17 +18,19 @@ def _flag_type(tp):
     return tp if tp in (int, float, str) else None
 
 
-def parse_config(cls, argv=None, prog: str = "", description: str = ""):
-    """`--config FILE.yaml` then `--field value` overrides; errors end with one clear line."""
+def parse_config(cls, argv=None, prog: str = "", description: str = "", aliases=None):
+    """`--config FILE.yaml` then `--field value` overrides; errors end with one clear line.
+    `aliases` maps a field to extra flag spellings."""
     hints = typing.get_type_hints(cls)
     ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--config", help=f"YAML file with {cls.__name__} fields")
     for f in dataclasses.fields(cls):
         tp = _flag_type(hints[f.name])
+        flags = ["--" + f.name.replace("_", "-"), *(aliases or {}).get(f.name, [])]
         if tp is None:  # lists: space-separated values
-            ap.add_argument("--" + f.name.replace("_", "-"), dest=f.name, nargs="+")
+            ap.add_argument(*flags, dest=f.name, nargs="+")
         else:
-            ap.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=tp)
+            ap.add_argument(*flags, dest=f.name, type=tp)
     args = vars(ap.parse_args(argv))
     values: dict = {}
     path = args.pop("config")

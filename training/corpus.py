@@ -16,25 +16,24 @@ which prompts share its batch.
 
 from __future__ import annotations
 
-import argparse
-import fcntl
 import hashlib
 import json
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from . import shards
+from .cli import parse_config as parse_config_file
+
 SCHEMA_VERSION = 1
 CORPUS_KIND = "specstop-teacher-corpus"
-MANIFEST = "manifest.json"
 SAMPLER = "per-prompt-generator-v1"  # bump if the sampling procedure changes
 VOLATILE_CONFIG_KEYS = {"quantization_config", "transformers_version", "_model_name_or_path",
                         "dtype", "torch_dtype", "_name_or_path"}
@@ -196,42 +195,9 @@ def generate_batch(teacher: Teacher, batch: list[list[int]], seeds: list[int],
     return results
 
 
-def _atomic(path: Path, write: Callable[[Path], None]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _write_manifest(out: Path, manifest: dict) -> None:
-    _atomic(out / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=1) + "\n"))
-
-
-def _write_shard(path: Path, table: pa.Table) -> None:
-    _atomic(path, lambda p: pq.write_table(table, p, compression="zstd"))
-
-
 def read_manifest(out: Path) -> dict | None:
-    """The validated manifest, or None if the directory holds no corpus yet."""
-    path = Path(out) / MANIFEST
-    if not path.exists():
-        return None
-    try:
-        m = json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(m, dict) or m.get("kind") != CORPUS_KIND:
-        raise ValueError(f"{path}: not a {CORPUS_KIND} manifest")
-    if m.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"{path}: corpus schema version {m.get('schema_version')!r}, this code "
-                         f"reads version {SCHEMA_VERSION}; regenerate the corpus or convert it")
-    if not isinstance(m.get("shards"), list):
-        raise ValueError(f"{path}: manifest has no shard list")  # noqa: TRY004 - bad content
-    return m
+    """The validated corpus manifest, or None if the directory holds no corpus yet."""
+    return shards.read_manifest(Path(out), CORPUS_KIND, SCHEMA_VERSION)
 
 
 def _chunks(items: list, n: int) -> Iterator[list]:
@@ -242,69 +208,43 @@ def _chunks(items: list, n: int) -> Iterator[list]:
 def build_corpus(cfg: CorpusConfig, teacher: Teacher, prompts: list[Prompt],
                  progress: bool = True) -> dict:
     """Generate the prompts not yet in cfg.out; returns counts for this run."""
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".lock", "w") as lock:  # one writer per directory; freed on exit
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise SystemExit(f"error: another corpus writer is running on {out}") from None
-        return _fill(cfg, teacher, prompts, out, progress)
-
-
-def _fill(cfg: CorpusConfig, teacher: Teacher, prompts: list[Prompt], out: Path,
-          progress: bool) -> dict:
     from tqdm import tqdm
 
     generation = {"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
                   "dtype": cfg.dtype, "seed": cfg.seed, "sampler": SAMPLER}
-    manifest = read_manifest(out) or {"kind": CORPUS_KIND, "schema_version": SCHEMA_VERSION,
-                                      "target": teacher.info, "generation": generation,
-                                      "shards": []}
-    for key, now in (("target", teacher.info), ("generation", generation)):
-        if manifest.get(key) != now:  # mixing teachers or settings would corrupt the corpus
-            raise SystemExit(f"error: {out} was written with {key} {manifest.get(key)}, this run "
-                             f"has {now}; use another --out")
-    listed = {s["file"] for s in manifest["shards"]}
-    for stale in [*out.glob(".*.tmp-*"), *out.glob("shard-*.parquet")]:
-        if stale.name not in listed:  # leftovers of an interrupted run
-            stale.unlink()
-    done = {pid for s in manifest["shards"] for pid in s["prompt_ids"]}
-    todo = [p for p in prompts if p.id not in done]
-    next_idx = 1 + max((int(f[6:11]) for f in listed), default=-1)
-    t0, new_rows, new_tokens, gen_time = time.time(), 0, 0, 0.0
-    bar = tqdm(total=len(todo), unit="prompt", disable=not progress, dynamic_ncols=True,
-               mininterval=1 if sys.stderr.isatty() else 30)
-    for chunk in _chunks(todo, cfg.shard_size):
-        if cfg.max_minutes is not None and time.time() - t0 > 60 * cfg.max_minutes:
-            break
-        encoded = [teacher.encode(p.text) for p in chunk]
-        seeds = [prompt_seed(cfg.seed, p.id) for p in chunk]
-        order = sorted(range(len(chunk)), key=lambda i: (len(encoded[i]), i))  # less padding
-        results: list = [None] * len(chunk)
-        for idx in _chunks(order, cfg.batch_size):
-            tb = time.time()
-            res = generate_batch(teacher, [encoded[i] for i in idx], [seeds[i] for i in idx], cfg)
-            gen_time += time.time() - tb
-            for i, r in zip(idx, res):
-                results[i] = r
-            new_tokens += sum(len(c) for c, _ in res)
-            bar.set_postfix(tok_s=f"{new_tokens / gen_time:.0f}", tokens=new_tokens, refresh=False)
-            bar.update(len(idx))
-        table = pa.table({
-            "prompt_id": [p.id for p in chunk], "kind": [p.kind for p in chunk],
-            "split": [p.split for p in chunk], "seed": seeds, "prompt_ids": encoded,
-            "completion_ids": [c for c, _ in results], "finished": [f for _, f in results],
-        }, schema=ARROW_SCHEMA)
-        name = f"shard-{next_idx:05d}.parquet"
-        _write_shard(out / name, table)
-        manifest["shards"].append({
-            "file": name, "rows": len(chunk), "completion_tokens": sum(len(c) for c, _ in results),
-            "prompt_ids": [p.id for p in chunk]})
-        _write_manifest(out, manifest)
-        next_idx, new_rows = next_idx + 1, new_rows + len(chunk)
-    bar.close()
-    total = sum(s["rows"] for s in manifest["shards"])
+    identity = {"target": teacher.info, "generation": generation}
+    with shards.ShardWriter(cfg.out, CORPUS_KIND, SCHEMA_VERSION, identity) as writer:
+        done = writer.done()
+        todo = [p for p in prompts if p.id not in done]
+        t0, new_rows, new_tokens, gen_time = time.time(), 0, 0, 0.0
+        bar = tqdm(total=len(todo), unit="prompt", disable=not progress, dynamic_ncols=True,
+                   mininterval=1 if sys.stderr.isatty() else 30)
+        for chunk in _chunks(todo, cfg.shard_size):
+            if cfg.max_minutes is not None and time.time() - t0 > 60 * cfg.max_minutes:
+                break
+            encoded = [teacher.encode(p.text) for p in chunk]
+            seeds = [prompt_seed(cfg.seed, p.id) for p in chunk]
+            order = sorted(range(len(chunk)), key=lambda i: (len(encoded[i]), i))  # less padding
+            results: list = [None] * len(chunk)
+            for idx in _chunks(order, cfg.batch_size):
+                tb = time.time()
+                res = generate_batch(teacher, [encoded[i] for i in idx], [seeds[i] for i in idx], cfg)
+                gen_time += time.time() - tb
+                for i, r in zip(idx, res):
+                    results[i] = r
+                new_tokens += sum(len(c) for c, _ in res)
+                bar.set_postfix(tok_s=f"{new_tokens / gen_time:.0f}", tokens=new_tokens, refresh=False)
+                bar.update(len(idx))
+            table = pa.table({
+                "prompt_id": [p.id for p in chunk], "kind": [p.kind for p in chunk],
+                "split": [p.split for p in chunk], "seed": seeds, "prompt_ids": encoded,
+                "completion_ids": [c for c, _ in results], "finished": [f for _, f in results],
+            }, schema=ARROW_SCHEMA)
+            writer.write(table, [p.id for p in chunk],
+                         completion_tokens=sum(len(c) for c, _ in results))
+            new_rows += len(chunk)
+        bar.close()
+        total = sum(s["rows"] for s in writer.manifest["shards"])
     return {"new_rows": new_rows, "new_tokens": new_tokens, "gen_seconds": round(gen_time, 1),
             "tokens_per_s": round(new_tokens / gen_time, 1) if gen_time else 0.0,
             "total_rows": total, "remaining": len(todo) - new_rows}
@@ -315,49 +255,13 @@ def load_corpus(path: str | os.PathLike):
     import datasets
     from datasets.table import InMemoryTable
 
-    m = read_manifest(Path(path))
-    if m is None:
-        raise ValueError(f"{path}: no {MANIFEST}: not a corpus directory")
-    tables = []
-    for s in m["shards"]:
-        f = Path(path) / s["file"]
-        if not f.is_file():
-            raise ValueError(f"{f}: listed in the manifest but missing")
-        t = pq.read_table(f)
-        if not t.schema.equals(ARROW_SCHEMA) or t.num_rows != s["rows"]:
-            raise ValueError(f"{f}: schema or row count differs from the manifest")
-        tables.append(t)
-    table = pa.concat_tables(tables) if tables else ARROW_SCHEMA.empty_table()
+    _, table = shards.read_shards(Path(path), CORPUS_KIND, SCHEMA_VERSION, ARROW_SCHEMA)
     return datasets.Dataset(InMemoryTable(table))
 
 
 def parse_config(argv: list[str] | None = None) -> CorpusConfig:
-    p = argparse.ArgumentParser(prog="python -m training.corpus",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("--config", help="YAML file with CorpusConfig fields")
-    p.add_argument("--prompts", nargs="+", dest="prompt_files", help="JSONL prompt files")
-    for name, typ in (("out", str), ("target", str), ("dtype", str), ("batch_size", int),
-                      ("shard_size", int), ("max_new_tokens", int), ("temperature", float),
-                      ("seed", int), ("max_prompts", int), ("max_minutes", float),
-                      ("threads", int)):
-        p.add_argument("--" + name.replace("_", "-"), type=typ, dest=name)
-    args = vars(p.parse_args(argv))
-    values: dict = {}
-    config = args.pop("config")
-    if config:
-        import yaml
-
-        path = Path(config)
-        if not path.is_file():
-            raise SystemExit(f"error: config file not found: {path}")
-        values = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(values, dict):
-            raise SystemExit(f"error: {path}: expected a mapping of CorpusConfig fields")
-        unknown = set(values) - {f.name for f in fields(CorpusConfig)}
-        if unknown:
-            raise SystemExit(f"error: {path}: unknown keys {sorted(unknown)}")
-    values.update({k: v for k, v in args.items() if v is not None})
-    cfg = CorpusConfig(**values)
+    cfg = parse_config_file(CorpusConfig, argv, "python -m training.corpus",
+                            __doc__.split("\n")[0], aliases={"prompt_files": ["--prompts"]})
     if cfg.batch_size < 1 or cfg.shard_size < 1 or cfg.max_new_tokens < 1:
         raise SystemExit("error: batch-size, shard-size and max-new-tokens must be >= 1")
     return cfg
