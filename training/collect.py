@@ -50,6 +50,8 @@ class CollectConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     max_new_tokens: int = 128
+    chat: bool = True
+    """Wrap each prompt in the tokenizer's chat template (as users of an instruct model do)."""
     hidden: bool = False
     """Also record the draft's last hidden state (float16) for the hidden-state decider."""
     shard_size: int = 16
@@ -98,7 +100,7 @@ def collect(cfg: CollectConfig, session, prompts, progress: bool = True) -> dict
             chunk = todo[i : i + cfg.shard_size]
             for p in chunk:
                 rec.start(p.id)
-                ids = session.encode(p.text, chat=True, max_new_tokens=cfg.max_new_tokens,
+                ids = session.encode(p.text, chat=cfg.chat, max_new_tokens=cfg.max_new_tokens,
                                      tree_depth=len(scfg.k_levels))
                 engine.generate(ids, cfg.max_new_tokens, session.eos_token_id, prompt_seed(cfg.seed, p.id))
                 bar.set_postfix(acceptance=f"{rec.accepted / max(rec.drafted, 1):.3f}", refresh=False)
