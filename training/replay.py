@@ -53,7 +53,8 @@ def calibrate(target, draft, context: int = 256, repeats: int = 5, sizes=None) -
     from decoding.tree import layout_from_k_config
 
     cm = CostModel(**({"sizes": sizes} if sizes else {}))
-    prompt = list(range(10, 10 + context))
+    vocab = target.get_output_embeddings().weight.shape[0]
+    prompt = [(10 + i) % vocab for i in range(context)]
     for model, out in ((target, cm.target_ms), (draft, cm.draft_ms)):
         m = CachedModel(model)
         for n in cm.sizes:
@@ -63,7 +64,7 @@ def calibrate(target, draft, context: int = 256, repeats: int = 5, sizes=None) -
                 m.reset()
                 m.feed(prompt[:-1], lay, [], 0, 0)
                 t = time.perf_counter()
-                m.feed(prompt, lay, list(range(1, n + 1)), 0, n)
+                m.feed(prompt, lay, [(1 + i) % vocab for i in range(n)], 0, n)
                 times.append(1000 * (time.perf_counter() - t))
             out.append(float(np.median(times[1:])))
     return cm

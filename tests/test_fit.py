@@ -1,0 +1,273 @@
+"""training.fit: synthetic traces with a known label rule -> trained, exported, registered decider."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+import yaml
+from synth_traces import PAIR, write_traces
+
+from decoding import decider as D
+from training import fit, registry
+from training.datamodule import TraceDataModule, prompt_split
+from training.decider_module import DeciderModule
+from training.metrics import classification, ece
+from training.shards import ShardWriter
+from training.traces import KIND, SCHEMA, SCHEMA_VERSION
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def config(tmp: Path, traces: Path, **over) -> Path:
+    """A fast fit config (tiny MLP, high lr, illustrative cost model) writing under `tmp`."""
+    cfg = {"seed_everything": 0, "threads": 1,
+           "model": {"kind": "mlp", "lr": 0.01},
+           "data": {"traces": str(traces), "label": "hard", "batch_size": 128},
+           "trainer": {"max_epochs": 6, "accelerator": "cpu", "devices": 1, "logger": False,
+                       "enable_progress_bar": False, "default_root_dir": str(tmp / "work")},
+           "replay": {"cost_model": "default", "decider_ms": 0.0, "grid": [0.1, 0.3, 0.5, 0.7, 0.9]},
+           "export": {"out": str(tmp / "deciders"), "reports": None}}
+    for key, val in over.items():
+        cfg[key] = {**cfg.get(key, {}), **val} if isinstance(val, dict) else val
+    path = tmp / "fit.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    return write_traces(tmp_path_factory.mktemp("traces") / "t", n_prompts=60)
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory, traces):
+    tmp = tmp_path_factory.mktemp("fit")
+    assert fit.main(["--config", str(config(tmp, traces)), "--export.run_id", "run-a"]) == 0
+    return tmp, tmp / "deciders" / "run-a"
+
+
+def test_split_is_by_prompt_and_deterministic(traces):
+    dm = TraceDataModule(traces=str(traces))
+    sp = dm.load()
+    sets = {k: set(v.prompts) for k, v in sp.items()}
+    assert all(sets.values())
+    assert not (sets["train"] & sets["val"] or sets["train"] & sets["test"] or sets["val"] & sets["test"])
+    assert len(set().union(*sets.values())) == 60
+    for name, s in sp.items():  # every row of a prompt follows it
+        assert set(s.table.column("prompt_id").to_pylist()) == sets[name]
+        assert all(prompt_split(p, 0, 0.15, 0.15) == name for p in s.prompts)
+    assert sum(s.table.num_rows for s in sp.values()) == 60 * 8 * 12
+    again = TraceDataModule(traces=str(traces)).load()
+    assert {k: v.prompts for k, v in again.items()} == {k: v.prompts for k, v in sp.items()}
+    assert dm.eval_target == "greedy_match"  # greedy traces
+
+
+def test_fit_learns_known_rule_and_exports(fitted, traces):
+    _, run = fitted
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["classification"]["test"]["decider"]["roc_auc"] > 0.9
+    for base in ("logistic_regression", "hist_gradient_boosting", "confidence_q_token"):
+        assert m["classification"]["test"][base]["roc_auc"] > 0.9  # same table
+    rep = m["replay"]["test"]
+    for key in ("fixed-1", "fixed-4", "confidence", "oracle", "decider-paper", "decider-specdecpp"):
+        assert rep[key]["tokens_per_s"] > 0
+    assert rep["oracle"]["tokens_per_s"] >= rep[rep["best_fixed"]]["tokens_per_s"]
+    assert "oracle_share" in rep["decider-paper"] and m["replay"]["chosen"]["rule"] in D.RULES
+    for png in ("roc.png", "calibration.png"):
+        assert (run / png).read_bytes()[:4] == b"\x89PNG"
+    # config.json carries what inference needs
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["model_pair"] == PAIR and cfg["threshold"] == m["replay"]["chosen"]["threshold"]
+    assert cfg["cost_model"]["target_ms"] and cfg["label"] == "hard" and cfg["kind"] == "mlp"
+
+
+def test_export_load_round_trip_gives_identical_scores(fitted, traces, monkeypatch):
+    tmp, run = fitted
+    m = json.loads((run / "metrics.json").read_text())
+    net, cfg = D.load_decider(run)
+    test = TraceDataModule(traces=str(traces)).load()["test"]
+    keep = test.valid & (test.target >= 0)
+    p = fit.score(net, test)[keep]
+    again = classification(test.target[keep], p)
+    stored = m["classification"]["test"]["decider"]
+    for k in ("roc_auc", "brier", "ece"):  # the exported weights score exactly as evaluated
+        assert again[k] == pytest.approx(stored[k], abs=1e-12)
+    monkeypatch.setattr(D, "DECIDERS_DIR", tmp / "deciders")
+    net2, cfg2 = D.load_decider("latest")
+    assert cfg2 == cfg
+    x = torch.from_numpy(test.features[:64])
+    assert torch.equal(net(x), net2(x))
+
+
+def test_registry_is_atomic_and_latest_resolves(tmp_path, fitted, monkeypatch):
+    _, run = fitted
+    root = tmp_path / "deciders"
+    for i in range(8):
+        (root / f"r{i}").mkdir(parents=True)
+        for f in ("config.json", "model.safetensors"):
+            (root / f"r{i}" / f).write_bytes((run / f).read_bytes())
+    threads = [threading.Thread(target=registry.register, args=(root, f"r{i}", {"i": i}))
+               for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    reg = registry.read_registry(root)
+    assert sorted(r["run_id"] for r in reg["runs"]) == [f"r{i}" for i in range(8)]  # none lost
+    registry.register(root, "r3", {"i": 33}, promote=False)
+    assert len(registry.read_registry(root)["runs"]) == 8
+    registry.register(root, "r5", {"i": 5})
+    before = (root / "registry.json").read_text()
+
+    def crash(*a):
+        raise OSError("disk full")
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError):
+        registry.register(root, "r6", {"i": 6})
+    monkeypatch.undo()
+    assert (root / "registry.json").read_text() == before  # a failed update leaves it intact
+    assert not list(root.glob(".*.tmp-*"))
+    monkeypatch.setattr(D, "DECIDERS_DIR", root)
+    assert D.resolve_decider_dir("latest") == root / "r5"
+    D.load_decider("latest")
+    with pytest.raises(ValueError, match="not an exported decider"):
+        registry.register(root, "missing", {})
+    (root / "registry.json").write_text("{oops")
+    with pytest.raises(ValueError, match="corrupt registry"):
+        registry.read_registry(root)
+
+
+def test_hidden_kind_soft_labels_and_balancing(tmp_path):
+    tr = write_traces(tmp_path / "th", n_prompts=40, hidden=8)
+    cfg = config(tmp_path, tr, model={"kind": "hidden", "lr": 0.003},
+                 data={"label": "soft", "balance": "pos_weight"},
+                 trainer={"max_epochs": 4}, replay={"baselines": False, "rule": "paper"})
+    assert fit.main(["--config", str(cfg), "--export.run_id", "h"]) == 0
+    run = tmp_path / "deciders" / "h"
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["classification"]["test"]["decider"]["roc_auc"] > 0.9
+    assert m["replay"]["chosen"]["rule"] == "paper" and "logistic_regression-paper" not in m["replay"]["test"]
+    _, cfg = D.load_decider(run)
+    assert cfg.kind == "hidden" and cfg.hidden_size == 8 and cfg.label == "soft"
+
+
+def test_balancing_is_undone_at_export():
+    class DM:
+        label, balance, hidden_size = "hard", "pos_weight", 0
+
+        def train_inputs(self):
+            return torch.randn(100, 17), None
+
+        def prior_ratio(self):
+            return 3.0
+    mod = DeciderModule(kind="logistic")
+    mod.build(DM())
+    assert mod.pos_weight == 3.0
+    b = float(mod.net.net[-1].bias.detach())
+    net = mod.calibrated_net()
+    assert float(net.net[-1].bias.detach()) == pytest.approx(b - np.log(3.0))
+    assert float(mod.calibrated_net().net[-1].bias.detach()) == pytest.approx(b - np.log(3.0))  # once
+
+
+def test_ece_and_metrics_known_values():
+    y = np.array([0, 0, 1, 1.0])
+    assert ece(y, np.array([0.0, 0.0, 1.0, 1.0])) == 0.0
+    assert ece(y, np.full(4, 0.5)) == pytest.approx(0.0)  # one bin, 0.5 vs 0.5
+    assert ece(np.ones(4), np.full(4, 0.25)) == pytest.approx(0.75)
+    c = classification(y, np.array([0.1, 0.2, 0.8, 0.9]))
+    assert c["roc_auc"] == 1.0 and c["brier"] == pytest.approx(0.025)
+
+
+def test_cost_model_sources(tmp_path, monkeypatch, pair):
+    from dataclasses import asdict
+
+    from decoding.models import fingerprint
+    from decoding.session import Session
+    from training import threshold as T
+    from training.threshold import DEFAULT_COST, ReplayConfig, load_cost, policy_ms
+
+    assert load_cost(ReplayConfig(cost_model="default"), {}) is DEFAULT_COST
+    p = tmp_path / "cost.json"
+    p.write_text(json.dumps({**asdict(DEFAULT_COST), "overhead_ms": 1.5}))
+    assert load_cost(ReplayConfig(cost_model=str(p)), {}).overhead_ms == 1.5
+    with pytest.raises(ValueError, match="cannot read a CostModel"):
+        load_cost(ReplayConfig(cost_model=str(tmp_path / "none.json")), {})
+    target, draft = pair
+    stub = type("S", (), {"target": target, "draft": draft})
+    monkeypatch.setattr(Session, "open", classmethod(lambda cls, *a, **k: stub))
+    with pytest.raises(ValueError, match="not the target the traces were recorded with"):
+        load_cost(ReplayConfig(cost_model="measure"), PAIR)
+    # replay.calibrate feeds token ids up to 265: too many for the tiny test vocabulary
+    monkeypatch.setattr(T, "calibrate", lambda t, d: ("timed", t, d))
+    assert load_cost(ReplayConfig(cost_model="measure"),
+                     {"target": fingerprint(target), "draft": fingerprint(draft)}) == ("timed", target, draft)
+    for kind in ("mlp", "hidden"):
+        net = D.DeciderNet(D.DeciderConfig(kind=kind, hidden_size=8))
+        assert policy_ms(net, vocab=64, width=3, repeats=3) > 0
+
+
+def _bad_schema(path: Path):
+    """A trace directory whose shard lacks the `hidden` column."""
+    schema = pa.schema([f for f in SCHEMA if f.name != "hidden"])
+    cols = {f.name: pa.array([], f.type) for f in schema}
+    ident = {"feature_schema": 1, "feature_names": [], "model_pair": PAIR, "collect": {}}
+    with ShardWriter(path, KIND, SCHEMA_VERSION, ident) as w:
+        w.write(pa.table(cols, schema=schema), ["p0"])
+    return path
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "trace directory not found"),
+    ("schema", "schema or row count differs"),
+    ("feature_schema", "feature schema 99"),
+    ("empty_split", "split is empty"),
+    ("hidden", "no draft hidden states"),
+])
+def test_bad_input_is_one_clear_error(tmp_path, capsys, case, message):
+    traces = {"missing": lambda: tmp_path / "nope",
+              "schema": lambda: _bad_schema(tmp_path / "bad"),
+              "feature_schema": lambda: write_traces(tmp_path / "fs", 4, feature_schema=99),
+              "empty_split": lambda: write_traces(tmp_path / "few", 2),
+              "hidden": lambda: write_traces(tmp_path / "nh", 10)}[case]()
+    args = ["--config", str(config(tmp_path, traces))]
+    if case == "hidden":
+        args += ["--model.kind", "hidden"]
+    assert fit.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and message in err[-1]
+    assert not (tmp_path / "deciders").exists()
+
+
+def test_held_out_test_traces_must_not_share_prompts(tmp_path, traces, capsys):
+    held = write_traces(tmp_path / "held", 12, prefix="h", seed=7)
+    dm = TraceDataModule(traces=str(traces), test_traces=str(held))
+    sp = dm.load()
+    assert set(sp["test"].prompts) == {f"h{i:03d}" for i in range(12)}
+    assert len(sp["train"].prompts) + len(sp["val"].prompts) == 60
+    with pytest.raises(ValueError, match="must be held out"):
+        TraceDataModule(traces=str(traces), test_traces=str(traces)).load()
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_gives_equivalent_result(tmp_path, traces, fitted):
+    cfg = config(tmp_path, traces)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "training.fit", "--config", str(cfg), "--export.run_id", "ddp",
+                          "--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    m = json.loads((tmp_path / "deciders" / "ddp" / "metrics.json").read_text())
+    single = json.loads((fitted[1] / "metrics.json").read_text())
+    assert m["training"]["world_size"] == 2
+    auc, ref = (x["classification"]["test"]["decider"]["roc_auc"] for x in (m, single))
+    assert auc > 0.9 and abs(auc - ref) < 0.03
+    reg = registry.read_registry(tmp_path / "deciders")
+    assert [r["run_id"] for r in reg["runs"]] == ["ddp"] and reg["latest"] == "ddp"  # rank 0 only
+    assert json.loads((tmp_path / "deciders" / "ddp" / "config.json").read_text())["model_pair"] == PAIR

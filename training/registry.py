@@ -1,0 +1,55 @@
+"""`registry.json` in a deciders root: every exported run with its headline metrics, and
+`latest` (a run-id = subdirectory name) that `decoding.decider.load_decider('latest')` reads.
+
+Updates take an exclusive lock (concurrent fits must not lose each other's entries) and
+replace the file atomically (temp file + fsync + os.replace), so a reader sees the old or
+the new registry, never a partial one.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+from .shards import write_json
+
+REGISTRY = "registry.json"
+
+
+def read_registry(root) -> dict:
+    """{"latest": run-id | None, "runs": [info, ...]}; ValueError if the file is corrupt."""
+    path = Path(root) / REGISTRY
+    if not path.exists():
+        return {"latest": None, "runs": []}
+    try:
+        reg = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: corrupt registry ({e})") from None
+    if not isinstance(reg, dict) or not isinstance(reg.get("runs"), list):
+        raise ValueError(f"{path}: not a decider registry (needs a 'runs' list)")  # noqa: TRY004
+    reg.setdefault("latest", None)
+    return reg
+
+
+@contextmanager
+def _locked(root: Path):
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".registry.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # blocks: registering is quick
+        yield
+
+
+def register(root, run_id: str, info: dict, promote: bool = True) -> dict:
+    """Add (or replace) run `run_id` and, if `promote`, make it `latest`. Returns the registry."""
+    root = Path(root)
+    if not (root / run_id / "config.json").is_file():
+        raise ValueError(f"{root / run_id}: not an exported decider (no config.json)")
+    with _locked(root):
+        reg = read_registry(root)
+        reg["runs"] = [r for r in reg["runs"] if r.get("run_id") != run_id] + [{"run_id": run_id, **info}]
+        if promote:
+            reg["latest"] = run_id
+        write_json(root / REGISTRY, reg)
+    return reg

@@ -1,0 +1,174 @@
+"""Choose a decider's stop rule and threshold by replaying VAL traces under a cost model,
+then report every policy on the TEST prompts (fixed depths, confidence, oracle, deciders).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from decoding.decider import RULES
+
+from .datamodule import Split
+from .replay import (
+    CostModel,
+    baseline_table,
+    calibrate,
+    confidence_policy,
+    decider_policy,
+    oracle_share,
+    replay,
+    rounds_of,
+    sweep,
+)
+
+
+def _grid() -> list[float]:
+    return [round(float(t), 3) for t in np.linspace(0.05, 0.95, 37)]
+
+
+@dataclass
+class ReplayConfig:
+    """How the threshold is chosen: replayed tokens/s on the validation prompts."""
+
+    cost_model: str = "measure"
+    """measure: time the target/draft on this machine (replay.calibrate); default: a fixed
+    illustrative cost model (tests, quick runs); or a path to a CostModel JSON file."""
+    target: str | None = None
+    """Target model dir for `measure` (None = the default target); must match the traces."""
+    draft: str | None = None
+    """Draft model dir for `measure` (None = the shipped default draft)."""
+    dtype: str = "bfloat16"
+    rule: str = "auto"
+    """auto: the rule (paper or specdecpp) with the best val tokens/s; or force one."""
+    grid: list[float] = field(default_factory=_grid)
+    """Thresholds tried for each rule."""
+    decider_ms: float | None = None
+    """Decider cost per drafted level (features + net) charged in replay; None = measure it."""
+    baselines: bool = True
+    """Also replay the scikit-learn baselines as deciders (same rules, val-chosen thresholds)."""
+
+    def __post_init__(self):
+        if self.rule not in ("auto", *RULES):
+            raise ValueError(f"replay.rule must be auto, paper or specdecpp (got {self.rule!r})")
+        if not self.grid or not all(0.0 <= t <= 1.0 for t in self.grid):
+            raise ValueError("replay.grid must be a non-empty list of thresholds in [0, 1]")
+
+
+# Illustrative only (NOT measured): a 135M-class target on CPU with a ~15x cheaper draft;
+# verification of a 32-node tree ~1.4x a single-token step (DESIGN.md section 6).
+DEFAULT_COST = CostModel(target_ms=[25.0, 25.5, 26.0, 27.0, 29.5, 34.0, 42.0],
+                         draft_ms=[1.7, 1.75, 1.8, 1.9, 2.1, 2.5, 3.3])
+
+
+def load_cost(cfg: ReplayConfig, model_pair: dict) -> CostModel:
+    if cfg.cost_model == "default":
+        return DEFAULT_COST
+    if cfg.cost_model == "measure":
+        from decoding.models import fingerprint, same_model
+        from decoding.session import Session
+
+        try:
+            sess = Session.open(cfg.target, cfg.draft, cfg.dtype, need_draft=True)
+        except ValueError as e:  # ModelError: say which option needs the models
+            raise ValueError(f"replay.cost_model measure: {e} (set replay.target / replay.draft, "
+                             f"or use a cost model JSON)") from None
+        for role, model in (("target", sess.target), ("draft", sess.draft)):
+            want = model_pair.get(role)
+            if want and not same_model(want, fingerprint(model)):
+                raise ValueError(f"replay.{role} is not the {role} the traces were recorded with "
+                                 f"({want.get('name')}): the cost model must time the same pair")
+        return calibrate(sess.target, sess.draft)
+    p = Path(cfg.cost_model)
+    try:
+        return CostModel(**json.loads(p.read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"replay.cost_model: cannot read a CostModel from {p} ({e})") from None
+
+
+@torch.inference_mode()
+def policy_ms(net, vocab: int, width: int, repeats: int = 50) -> float:
+    """Median ms of one decider decision at inference: features over `width` parents'
+    full-vocabulary distributions, then the net (what DeciderStop does per level)."""
+    from decoding import features as F
+    from decoding.stopping import DraftLevel
+
+    q = torch.softmax(torch.randn(width, vocab), -1)
+    h = torch.randn(width, net.mean.numel()) if net.kind == "hidden" else None
+    level = DraftLevel(depth=2, nodes=list(range(width)), tokens=[0] * width, valid=[True] * width,
+                       q_token=q[:, 0], parent_q=q, parent_of=list(range(width)),
+                       parent_nodes=list(range(width)), branch=[0] * width,
+                       path_logq=torch.zeros(width), parent_hidden=h, position=10)
+    times = []
+    for _ in range(repeats + 2):
+        t = time.perf_counter()
+        torch.sigmoid(net(F.node_features(level), F.node_hidden(level)))
+        times.append(1000 * (time.perf_counter() - t))
+    return float(np.median(times[2:]))
+
+
+class Replayer:
+    """Rounds and node arrays of one split, ready for any number of policies."""
+
+    def __init__(self, split: Split):
+        t = split.table
+        self.split = split
+        self.rounds = rounds_of(t)
+        self.parents = t.column("parent").to_numpy()
+        self.nodes = t.column("node").to_numpy()
+
+    def policy(self, scores: np.ndarray, threshold: float, rule: str):
+        return decider_policy(scores, self.split.valid, self.parents, self.nodes, threshold, rule)
+
+    def best(self, scores: np.ndarray, rule: str, grid, cost: CostModel) -> dict:
+        t, res = sweep(self.rounds, lambda th: self.policy(scores, th, rule), cost, grid)
+        return {**res, "threshold": float(t), "rule": rule}
+
+    def at(self, scores: np.ndarray, rule: str, threshold: float, cost: CostModel) -> dict:
+        res = replay(self.rounds, self.policy(scores, threshold, rule), cost)
+        return {**res, "threshold": float(threshold), "rule": rule}
+
+
+def select_and_report(val: Split, test: Split, val_scores: dict[str, np.ndarray],
+                      test_scores: dict[str, np.ndarray], cost: CostModel, cfg: ReplayConfig,
+                      decider_ms: float) -> dict:
+    """Thresholds from VAL per scorer and rule; everything reported on TEST.
+    `val_scores` / `test_scores`: {scorer: probability per row of the split table}."""
+    rv, rt = Replayer(val), Replayer(test)
+    rules = RULES if cfg.rule == "auto" else (cfg.rule,)
+    dcost = replace(cost, policy_ms=cost.policy_ms + decider_ms)  # deciders pay for inference
+    table = baseline_table(rt.rounds, test.features, test.valid, cost)
+    chosen_val, policies = {}, {}
+    for name, sv in val_scores.items():
+        for rule in rules:
+            v = rv.best(sv, rule, cfg.grid, dcost)
+            chosen_val[f"{name}-{rule}"] = v
+            res = rt.at(test_scores[name], rule, v["threshold"], dcost)
+            policies[f"{name}-{rule}"] = {**res, "oracle_share": oracle_share(res["tokens_per_s"], table)}
+    best_key = max((k for k in chosen_val if k.startswith("decider-")),
+                   key=lambda k: chosen_val[k]["tokens_per_s"])
+    # the confidence baseline gets the same treatment as deciders: threshold from val
+    ct, cv = sweep(rv.rounds, lambda t: confidence_policy(val.features, val.valid, t), cost, cfg.grid)
+    chosen_val["confidence"] = {**cv, "threshold": float(ct)}
+    conf = {**replay(rt.rounds, confidence_policy(test.features, test.valid, ct), cost), "threshold": float(ct)}
+    hindsight = table.pop("confidence")  # baseline_table tunes it on the test rounds themselves
+    base = table[table["best_fixed"]]["tokens_per_s"]
+    return {
+        "val": chosen_val,
+        "test": {**table,
+                 "confidence": {**conf, "oracle_share": oracle_share(conf["tokens_per_s"], table)},
+                 "confidence-test-tuned": {**hindsight,
+                                           "oracle_share": oracle_share(hindsight["tokens_per_s"], table)},
+                 **policies},
+        "chosen": {"rule": chosen_val[best_key]["rule"], "threshold": chosen_val[best_key]["threshold"],
+                   "test_tokens_per_s": policies[best_key]["tokens_per_s"],
+                   "test_speedup_vs_best_fixed": policies[best_key]["tokens_per_s"] / base,
+                   "test_oracle_share": policies[best_key]["oracle_share"]},
+        "decider_ms_per_level": decider_ms,
+        "val_rounds": len(rv.rounds), "test_rounds": len(rt.rounds),
+    }
