@@ -29,6 +29,9 @@ test-fast: venv
 demo: venv
 	$(BIN)/python -m decoding.generate --chat --prompt "Write a Python function that reverses a string." --strategy ar --max-new-tokens 48
 
+bench: venv
+	$(BIN)/python -m decoding.bench --config configs/bench.yaml
+
 lint: venv
 	$(BIN)/ruff check decoding training tests
 

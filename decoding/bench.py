@@ -1,143 +1,240 @@
 """Benchmarks. Figures are measured here, never hard-coded; noisy shared machines mean
 only ratios from ONE run are quoted.
 
-    python -m decoding.bench --suite engine   # ar vs model.generate, per-round time split
+    python -m decoding.bench --config configs/bench.yaml   # every strategy and peer side by side
+    python -m decoding.bench --quick --out DIR             # CI smoke: tiny random models, seconds
+    python -m decoding.bench --suite engine                # ar vs model.generate, per-round time split
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from . import models
+from .bench_config import BenchConfig, StrategySpec, as_dict, load_config
+from .bench_engine import engine_markdown, engine_suite, random_draft  # noqa: F401  (public helpers)
+from .bench_oracle import oracle_bound
+from .bench_quick import quick_config
+from .bench_report import add_bound_rows, compute_goals, markdown, plots, write_atomic, write_json
+from .bench_runs import LogLik, make_runner, measure, row_of
 from .sampling import SamplingConfig
 from .session import Session
-from .strategies import StrategyConfig, build_engine
-from .tree import layout_from_k_config
-
-PROMPTS = [
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Explain in a few sentences why the sky is blue.",
-]
 
 
-def _chat_ids(tok, text):
-    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                  tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
-def _hf_generate(model, ids, n):
-    x = torch.tensor([ids])
-    t = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             pad_token_id=model.generation_config.pad_token_id)
-    return out[0, len(ids):].tolist(), time.perf_counter() - t
+def load_prompts(path: str, n: int) -> list[dict]:
+    """The first n rows of a prompt JSONL file ({"id", "kind", "prompt"})."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"prompt file not found: {p}")
+    rows = []
+    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip() and len(rows) < n:
+            try:
+                row = json.loads(line)
+                rows.append({"id": str(row["id"]), "prompt": row["prompt"]})
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{p}:{i}: not a prompt row ({e!r})") from None
+    if not rows:
+        raise ValueError(f"{p}: no prompts")
+    return rows
 
 
-def random_draft(target, layers=2, seed=0):
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(models.small_draft_config(target.config, layers)).to(target.dtype).eval()
+def _needs_draft(specs: list[StrategySpec]) -> bool:
+    return any(s.strategy not in ("ar", "hf-prompt-lookup") for s in specs)
 
 
-def engine_suite(dtype: str, new_tokens: int, repeats: int) -> dict:
-    """ar vs model.generate (tokens/s ratio) and the draft / verify / bookkeeping split of a
-    round on the real target with a 2-layer random draft."""
-    sess = Session.open(None, None, dtype)
-    greedy = SamplingConfig()
-    ar = build_engine(sess.target, None, StrategyConfig(strategy="ar"), greedy)
-    prompts = [_chat_ids(sess.tokenizer, p) for p in PROMPTS]
-    ours, theirs, same = [], [], True
-    _hf_generate(sess.target, prompts[0], 8)  # warm-up
-    for _ in range(repeats):
-        for ids in prompts:
-            ref, t_hf = _hf_generate(sess.target, ids, new_tokens)
-            out, st = ar.generate(ids, new_tokens)  # no EOS: both run exactly new_tokens
-            same &= out == ref
-            ours.append(new_tokens / st.wall_s)
-            theirs.append(new_tokens / t_hf)
-    res = {"dtype": dtype, "ar_tok_s": statistics.median(ours), "generate_tok_s": statistics.median(theirs),
-           "ar_equals_generate": same}
-    res["ar_over_generate"] = res["ar_tok_s"] / res["generate_tok_s"]
-    draft = random_draft(sess.target)
-    res["rounds"] = {}
-    for cfg in (StrategyConfig(strategy="sd", gamma=4), StrategyConfig(strategy="mcsd", k_config="4,2,2,1"),
-                StrategyConfig(strategy="ti-mcsd", width=4, depth=6)):
-        eng = build_engine(sess.target, draft, cfg, greedy)
-        tot = {"draft_s": 0.0, "verify_s": 0.0, "bookkeeping_s": 0.0, "rounds": 0, "equal_to_ar": True}
-        for ids in prompts:
-            out, st = eng.generate(ids, new_tokens)
-            tot["equal_to_ar"] &= out == ar.generate(ids, new_tokens)[0]
-            for k in ("draft_s", "verify_s", "bookkeeping_s"):
-                tot[k] += getattr(st, k)
-            tot["rounds"] += st.rounds
-        round_s = tot["draft_s"] + tot["verify_s"] + tot["bookkeeping_s"]
-        res["rounds"][cfg.name] = {
-            "tree_nodes": layout_from_k_config(cfg.k_levels).size,
-            "ms_per_round": 1000 * round_s / tot["rounds"],
-            "draft_ms": 1000 * tot["draft_s"] / tot["rounds"],
-            "verify_ms": 1000 * tot["verify_s"] / tot["rounds"],
-            "bookkeeping_ms": 1000 * tot["bookkeeping_s"] / tot["rounds"],
-            "bookkeeping_share": tot["bookkeeping_s"] / round_s,
-            "equal_to_ar": tot["equal_to_ar"],
-        }
-    return res
+def _decider_name(cfg: BenchConfig) -> str | None:
+    from .decider import resolve_decider_dir
+
+    try:
+        d = resolve_decider_dir(cfg.decider) if cfg.decider else None
+    except ValueError:
+        return None
+    return d.name if d is not None and (d / "config.json").is_file() else None
 
 
-def engine_markdown(results: list[dict], new_tokens: int) -> str:
-    lines = [f"# Engine benchmark ({new_tokens} new tokens, greedy, batch 1, CPU)", "",
-             "| dtype | ar tok/s | model.generate tok/s | ratio | same tokens |", "|---|---|---|---|---|"]
-    for r in results:
-        lines.append(f"| {r['dtype']} | {r['ar_tok_s']:.1f} | {r['generate_tok_s']:.1f} | "
-                     f"{r['ar_over_generate']:.3f} | {r['ar_equals_generate']} |")
-    lines += ["", "Per-round split, real target + 2-layer random draft (acceptance ~0, so this is "
-              "pure cost):", "", "| dtype | strategy | ms/round | draft ms | verify ms | bookkeeping ms | "
-              "bookkeeping share | equal to ar |", "|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        for name, x in r["rounds"].items():
-            lines.append(f"| {r['dtype']} | {name} | {x['ms_per_round']:.1f} | {x['draft_ms']:.1f} | "
-                         f"{x['verify_ms']:.1f} | {x['bookkeeping_ms']:.1f} | {x['bookkeeping_share']:.1%} | "
-                         f"{x['equal_to_ar']} |")
-    return "\n".join(lines) + "\n"
+def run_sweep(sess, cfg: BenchConfig, prompts: list[list[int]]) -> dict:
+    """Greedy tokens/s of a few tree shapes (fixed depth) next to ar, on a few prompts."""
+    sw, greedy = cfg.sweep, SamplingConfig(0.0, cfg.top_p)
+    specs = [StrategySpec("ar")]
+    specs += [StrategySpec(f"ti-mcsd[W={w},D={d}]", "ti-mcsd", width=w, depth=d) for w, d in sw.ti_mcsd]
+    specs += [StrategySpec(f"mcsd[{k}]", "mcsd", k_config=k) for k in sw.mcsd]
+    runners = {s.name: make_runner(sess, s, greedy, cfg) for s in specs}
+    accs = measure(runners, prompts[: sw.prompts], cfg, sw.max_new_tokens, sw.repeats, cfg.device,
+                   cfg.seed, cfg.warmup_tokens)
+    ar = accs["ar"]
+    ar_tps = sorted(ar.tok_s)[len(ar.tok_s) // 2]
+    points = []
+    for s in specs[1:]:
+        a = accs[s.name]
+        tps = sorted(a.tok_s)[len(a.tok_s) // 2]
+        new = sum(x["new_tokens"] for x in a.stats)
+        calls = sum(x["target_calls"] for x in a.stats)
+        rounds = sum(x["rounds"] for x in a.stats)
+        points.append({"name": s.name, "family": s.strategy, "tree_nodes": s.tree_nodes,
+                       "label": f"{s.width}x{s.depth}" if s.strategy == "ti-mcsd" else s.k_config,
+                       "tokens_per_s": tps, "speedup": tps / ar_tps if ar_tps else None,
+                       "block_efficiency": new / calls if calls else None,
+                       "ms_per_round": 1000 * a.time_split["wall_s"] / (rounds * len(a.tok_s)) if rounds else None})
+        _log(f"  sweep {s.name}: {tps:.1f} tok/s ({s.tree_nodes} nodes)")
+    return {"prompt_set": sw.prompt_set, "prompts": min(sw.prompts, len(prompts)),
+            "max_new_tokens": sw.max_new_tokens, "repeats": sw.repeats, "ar_tokens_per_s": ar_tps,
+            "points": points}
 
 
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+def run_compare(cfg: BenchConfig, command: str) -> dict:
+    t0 = time.perf_counter()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    sets = {k: load_prompts(v, cfg.prompts_per_set) for k, v in cfg.prompt_sets.items()}
+    sess = Session.open(cfg.target, cfg.draft, cfg.dtype, cfg.device, need_draft=_needs_draft(cfg.strategies))
+    depth = max((len(s.engine_config().k_levels) for s in cfg.strategies if not s.peer), default=0)
+    n_max = max(cfg.max_new_tokens, cfg.sweep.max_new_tokens if cfg.sweep.enabled else 0)
+    ids = {k: [sess.encode(p["prompt"], chat=cfg.chat, max_new_tokens=n_max, tree_depth=depth) for p in v]
+           for k, v in sets.items()}
+    loglik = LogLik(sess.target)
+    conditions, n_cond = [], len(cfg.temperatures) * len(ids)
+    for temp in cfg.temperatures:
+        sampling = SamplingConfig(temp, cfg.top_p)
+        for set_name, prompts in ids.items():
+            name = f"{'greedy' if sampling.greedy else f'T={temp:g}'}/{set_name}"
+            _log(f"[{time.perf_counter() - t0:6.0f}s] {name}: {len(cfg.strategies)} rows x {cfg.repeats} repeats")
+            runners = {s.name: make_runner(sess, s, sampling, cfg) for s in cfg.strategies}
+            accs = measure(runners, prompts, cfg, cfg.max_new_tokens, cfg.repeats, cfg.device, cfg.seed,
+                           cfg.warmup_tokens)
+            rows = [row_of(s, runners[s.name], accs.get(s.name), accs.get("ar"), sampling.greedy, prompts, loglik)
+                    for s in cfg.strategies]
+            for r in rows:
+                _log(f"  {r['name']}: " + (f"{r['tokens_per_s']['median']:.1f} tok/s, "
+                                           f"{r['speedup']['median']:.2f}x" if r["status"] == "ok" else r["status"]))
+            conditions.append({"name": name, "temperature": temp, "prompt_set": set_name,
+                               "prompt_ids": [p["id"] for p in sets[set_name]], "n_prompts": len(prompts),
+                               "rows": rows})
+            el = time.perf_counter() - t0
+            _log(f"  {len(conditions)}/{n_cond} conditions in {el / 60:.1f} min; about "
+                 f"{el / len(conditions) * (n_cond - len(conditions)) / 60:.1f} min to go (+ sweep)")
+    _log(f"[{time.perf_counter() - t0:6.0f}s] oracle bound (replay)")
+    bound = oracle_bound(cfg.oracle, sess, cfg.decider)
+    sweep = None
+    if cfg.sweep.enabled:
+        _log(f"[{time.perf_counter() - t0:6.0f}s] tree-size sweep")
+        sw_prompts = load_prompts(cfg.prompt_sets[cfg.sweep.prompt_set], cfg.sweep.prompts)
+        sweep = run_sweep(sess, cfg, [sess.encode(p["prompt"], chat=cfg.chat, max_new_tokens=n_max,
+                                                  tree_depth=depth) for p in sw_prompts])
+    results = {
+        "meta": {"date": time.strftime("%Y-%m-%d"), "command": command, "target": sess.target_dir.name,
+                 "draft": str(sess.draft_dir) if sess.draft_dir else None, "dtype": cfg.dtype,
+                 "device": cfg.device, "threads": torch.get_num_threads(), "prompts_per_set": cfg.prompts_per_set,
+                 "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "decider": _decider_name(cfg),
+                 "versions": {"torch": torch.__version__, "python": platform.python_version(),
+                              "transformers": __import__("transformers").__version__},
+                 "config": as_dict(cfg)},
+        "conditions": conditions, "oracle": bound, "sweep": sweep}
+    add_bound_rows(results, cfg)
+    results["goals"] = compute_goals(results, cfg)
+    results["meta"]["wall_s"] = time.perf_counter() - t0
+    return results
+
+
+def write_report(results: dict, out: Path) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    files = plots(results, out)
+    results["meta"]["files"] = ["results.json", "results.md", *files]
+    md = markdown(results)
+    write_json(out / "results.json", results)
+    write_atomic(out / "results.md", md)
+    return md
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m decoding.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", choices=("compare", "engine"), default="compare",
+                    help="compare (default): every strategy and peer; engine: ar vs model.generate")
+    ap.add_argument("--config", default="configs/bench.yaml", help="compare suite config (YAML)")
+    ap.add_argument("--quick", action="store_true", help="CI smoke: tiny random models, a few seconds")
+    ap.add_argument("--out", default=None, help="output dir (default: the config's out; engine: reports/engine)")
+    ap.add_argument("--target", default=None, help="override the config's target model dir")
+    ap.add_argument("--draft", default=None, help="override the config's draft model dir")
+    ap.add_argument("--decider", default=None, help="override the config's decider (dir or 'latest')")
+    ap.add_argument("--oracle-traces", default=None, help="trace dir for the oracle-stop bound")
+    ap.add_argument("--prompts", type=int, default=None, help="override prompts_per_set")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="override max_new_tokens")
+    ap.add_argument("--temperatures", default=None, help="override temperatures, e.g. 0 or 0,0.7")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the tokens/s vs tree size sweep")
+    ap.add_argument("--repeats", type=int, default=None, help="repeated runs (engine suite default: 3)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="engine suite: dtypes")
+    ap.add_argument("--new-tokens", type=int, default=64, help="engine suite: new tokens")
+    return ap
+
+
+def _apply_overrides(cfg: BenchConfig, a) -> BenchConfig:
+    for key, val in (("target", a.target), ("draft", a.draft), ("decider", a.decider),
+                     ("prompts_per_set", a.prompts), ("max_new_tokens", a.max_new_tokens),
+                     ("repeats", a.repeats), ("threads", a.threads)):
+        if val is not None:
+            setattr(cfg, key, val)
+    if a.oracle_traces:
+        cfg.oracle.traces = a.oracle_traces
+    if a.temperatures:
+        try:
+            cfg.temperatures = [float(t) for t in a.temperatures.split(",")]
+        except ValueError:
+            raise ValueError(f"--temperatures: not a list of numbers: {a.temperatures}") from None
+    if a.no_sweep:
+        cfg.sweep.enabled = False
+    cfg.validate()
+    return cfg
+
+
+def _engine_main(a) -> int:
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    results = [engine_suite(d, a.new_tokens, a.repeats or 3) for d in a.dtypes.split(",")]
+    out = Path(a.out or "reports/engine")
+    write_atomic(out / "results.json", json.dumps(results, indent=2))
+    md = engine_markdown(results, a.new_tokens)
+    write_atomic(out / "results.md", md)
+    print(md)
+    return 0
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m decoding.bench", description=__doc__)
-    ap.add_argument("--suite", choices=("engine",), default="engine")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default="reports/engine")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parser().parse_args(argv)
+    command = "python -m decoding.bench " + " ".join(argv)
     try:
-        results = [engine_suite(d, args.new_tokens, args.repeats) for d in args.dtypes.split(",")]
-    except (models.ModelError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if a.suite == "engine":
+            if a.quick:
+                raise ValueError("--quick belongs to the compare suite")
+            return _engine_main(a)
+        if a.quick:
+            root = Path(tempfile.mkdtemp(prefix="specstop-bench-quick-"))
+            cfg = _apply_overrides(quick_config(root, a.oracle_traces), a)
+            out = Path(a.out) if a.out else root / "report"
+        else:
+            cfg = _apply_overrides(load_config(a.config), a)
+            out = Path(a.out or cfg.out.format(date=time.strftime("%Y-%m-%d")))
+        results = run_compare(cfg, command)
+        md = write_report(results, out)
+    except (models.ModelError, ValueError, FileNotFoundError) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    write_atomic(out / "results.json", json.dumps(results, indent=2))
-    md = engine_markdown(results, args.new_tokens)
-    write_atomic(out / "results.md", md)
     print(md)
+    _log(f"wrote {out}/ ({', '.join(results['meta']['files'])})")
     return 0
 
 

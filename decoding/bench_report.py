@@ -1,0 +1,288 @@
+"""Turning measured rows into the report: bound rows, goals, results.md, PNG plots.
+Every number here is computed from results.json; nothing is hard-coded."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from .bench_config import BenchConfig
+from .bench_oracle import LABEL, reference_row
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _clean(obj):
+    """JSON-safe: NaN/inf -> None."""
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def write_json(path: Path, obj) -> None:
+    write_atomic(path, json.dumps(_clean(obj), indent=1))
+
+
+def ok_rows(cond: dict, kind: str | None = None) -> list[dict]:
+    return [r for r in cond["rows"] if r["status"] == "ok" and (kind is None or r["kind"] == kind)]
+
+
+def add_bound_rows(results: dict, cfg: BenchConfig) -> None:
+    """Where the traces' temperature matches a condition, a row estimating the oracle-stop
+    tokens/s: the measured reference row x (replayed oracle / replayed full depth)."""
+    b = results["oracle"]
+    if b["status"] != "ok":
+        return
+    ref = reference_row(b, cfg.strategies)
+    b["reference_row"] = ref
+    temp = float((b.get("collect") or {}).get("temperature", 0.0))
+    for cond in results["conditions"]:
+        if ref is None or cond["temperature"] != temp:
+            continue
+        rows = {r["name"]: r for r in ok_rows(cond)}
+        if ref not in rows or "ar" not in rows:
+            continue
+        est = rows[ref]["tokens_per_s"]["median"] * b["oracle_over_full_depth"]
+        cond["rows"].append({"name": LABEL, "kind": "bound", "status": "ok", "lossless": True,
+                             "reference": ref, "tokens_per_s": {"median": est},
+                             "speedup": {"median": est / rows["ar"]["tokens_per_s"]["median"]}})
+
+
+def _paired(a: dict, b: dict) -> float:
+    """Median over repeats of a's tokens/s / b's (repeats are interleaved, so paired)."""
+    xs = sorted(x / y for x, y in zip(a["tokens_per_s"]["per_repeat"], b["tokens_per_s"]["per_repeat"]) if y)
+    n = len(xs)
+    return (xs[n // 2] + xs[(n - 1) // 2]) / 2 if n else float("nan")
+
+
+def _verdict(value: float, goal: float) -> str:
+    if not math.isfinite(value):
+        return "n/a"
+    return "PASS" if value >= goal else f"SHORT BY {100 * (1 - value / goal):.0f}%"
+
+
+def compute_goals(results: dict, cfg: BenchConfig) -> list[dict]:
+    """Greedy conditions only, lossless rows of our engine, same dtype (one process)."""
+    g, out = cfg.goals, []
+    mcsd_ref = next((s.name for s in cfg.strategies if s.strategy == "mcsd" and s.stop == "fixed"
+                     and s.engine_config().k_config == g.mcsd_reference.replace(" ", "")), None)
+    for cond in results["conditions"]:
+        if cond["temperature"] != 0:
+            continue
+        rows = {r["name"]: r for r in ok_rows(cond)}
+        ours = [r for r in ok_rows(cond, "engine") if r["lossless"] and r["strategy"] != "ar"]
+
+        def best(cands, over):
+            vals = [(_paired(r, over), r["name"]) for r in cands]
+            return max(vals) if vals else (float("nan"), None)
+
+        checks = [("vs_ar", f">= {g.vs_ar}x over ar", g.vs_ar, "ar", ours),
+                  ("dynamic_vs_mcsd", f">= {g.dynamic_vs_mcsd}x over fixed mcsd[{g.mcsd_reference}]",
+                   g.dynamic_vs_mcsd, mcsd_ref, [r for r in ours if r["dynamic"]]),
+                  ("vs_hf_assisted", f">= {g.vs_hf_assisted}x over HF assisted (same draft)",
+                   g.vs_hf_assisted, "hf-assisted", ours)]
+        for key, text, goal, ref, cands in checks:
+            item = {"goal": key, "text": text, "condition": cond["name"], "target": goal}
+            if ref is None or ref not in rows:
+                out.append({**item, "value": None, "best": None, "verdict": f"n/a: no measured {ref or 'reference'} row"})
+                continue
+            if not cands:
+                out.append({**item, "value": None, "best": None, "verdict": "n/a: no measured candidate row"})
+                continue
+            value, name = best(cands, rows[ref])
+            out.append({**item, "value": value, "best": name, "reference": ref, "verdict": _verdict(value, goal)})
+    return out
+
+
+def _f(x, fmt="{:.2f}", none="–"):
+    return none if x is None or (isinstance(x, float) and not math.isfinite(x)) else fmt.format(x)
+
+
+def _table_row(r: dict) -> str:
+    if r["status"] != "ok":
+        return f"| {r['name']} | {'yes' if r.get('lossless') else 'NO'} | {r['status']} |" + " |" * 7
+    if r["kind"] == "bound":
+        return (f"| **{r['name']}** (x {r['reference']}) | – | ≈{r['tokens_per_s']['median']:.1f} | "
+                f"≈{r['speedup']['median']:.2f}x |" + " – |" * 6)
+    t, s = r["tokens_per_s"], r["speedup"]
+    eq = r.get("equal_to_ar")
+    ag = r.get("agreement")
+    return "| " + " | ".join([
+        r["name"], "yes" if r["lossless"] else "**NO (lossy)**",
+        f"{t['median']:.1f} ({t['min']:.1f}..{t['max']:.1f})",
+        f"{s['median']:.2f}x ({s['min']:.2f}..{s['max']:.2f})" if s else "–",
+        _f(r.get("block_efficiency")), _f(r.get("acceptance_rate")),
+        f"{eq['equal']}/{eq['n']}" if eq else "–", _f(ag and ag["prefix_fraction"]),
+        _f(r.get("loglik_per_token"), "{:.3f}"), _f(r.get("peak_mem_mb"), "{:.0f}")]) + " |"
+
+
+def _profile_lines(results: dict) -> list[str]:
+    lines = ["| strategy | T | draft | verify | bookkeeping | other | ms/round | acceptance | block eff. |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    by = {}
+    for cond in results["conditions"]:
+        for r in ok_rows(cond, "engine"):
+            by.setdefault((r["name"], cond["temperature"]), []).append(r)
+    for (name, temp), rs in by.items():
+        p = {k: sum(r["profile"][k] for r in rs) / len(rs) for k in ("draft", "verify", "bookkeeping", "other")}
+        ms = [r["profile"]["ms_per_round"] for r in rs if r["profile"]["ms_per_round"]]
+        acc = [r["acceptance_rate"] for r in rs if r["acceptance_rate"] is not None]
+        be = [r["block_efficiency"] for r in rs if r["block_efficiency"]]
+        lines.append(f"| {name} | {temp:g} | {p['draft']:.0%} | {p['verify']:.0%} | {p['bookkeeping']:.0%} | "
+                     f"{p['other']:.0%} | {_f(sum(ms) / len(ms) if ms else None, '{:.1f}')} | "
+                     f"{_f(sum(acc) / len(acc) if acc else None)} | {_f(sum(be) / len(be) if be else None)} |")
+    return lines
+
+
+def markdown(results: dict) -> str:
+    m = results["meta"]
+    L = [f"# Benchmark {m['date']}", "",
+         (f"`{m['command']}` — target {m['target']}, draft {m['draft']}, decider {m.get('decider')}, {m['dtype']} on {m['device']}, "
+         f"{m['threads']} thread(s), {m['prompts_per_set']} prompts per set, max {m['max_new_tokens']} new "
+         f"tokens, {m['repeats']} repeats after a warm-up, wall {m['wall_s'] / 60:.1f} min. "
+         "Speedup = median over repeats of tokens/s ÷ ar's in the same repeat (repeats interleave all "
+         "rows, so background load hits them alike); ranges are min..max over repeats."), ""]
+    head = ("| strategy | lossless | tok/s (min..max) | speedup vs ar | block eff. | acceptance | "
+            "equal to ar | common prefix | LL/token | peak MB |")
+    for cond in results["conditions"]:
+        L += [f"## {cond['name']} (T={cond['temperature']:g}, {cond['n_prompts']} prompts)", "", head,
+              "|" + "---|" * 10]
+        L += [_table_row(r) for r in cond["rows"]]
+        L.append("")
+    L += [("Block eff. = tokens committed per target forward; acceptance = accepted / drafted tokens; "
+          "equal to ar = greedy outputs identical to ar's in this dtype (bf16 batched verification can "
+          "flip near-ties); common prefix = mean fraction of ar's output reproduced before the first "
+          "difference; LL/token = mean target log-likelihood (T=1) of the generated tokens; peak MB = "
+          "peak RSS (CUDA: allocated) above the pre-run baseline of the row's runs."), ""]
+    L += _oracle_lines(results["oracle"])
+    L += ["## Goals (greedy, lossless, same dtype; computed from the rows above)", ""]
+    for g in results["goals"]:
+        v = "–" if g["value"] is None else f"{g['value']:.2f}x ({g['best']} vs {g['reference']})"
+        L.append(f"- **{g['text']}** — {g['condition']}: {v} — **{g['verdict']}**")
+    if not results["goals"]:
+        L.append("No greedy condition was measured: the goals are read on greedy decoding.")
+    L += ["", "## Profile (share of wall time, mean over prompt sets)", ""] + _profile_lines(results)
+    if results.get("sweep"):
+        sw = results["sweep"]
+        L += ["", (f"## Tokens/s vs tree size ({sw['prompts']} {sw['prompt_set']} prompts, greedy, "
+                   f"{sw['max_new_tokens']} tokens; ar {sw['ar_tokens_per_s']:.1f} tok/s)"), "",
+              "| tree | nodes | tok/s | speedup | block eff. | ms/round |", "|---|---|---|---|---|---|"]
+        for p in sw["points"]:
+            L.append(f"| {p['name']} | {p['tree_nodes']} | {p['tokens_per_s']:.1f} | {p['speedup']:.2f}x | "
+                     f"{_f(p['block_efficiency'])} | {_f(p['ms_per_round'], '{:.1f}')} |")
+    pngs = [f for f in m.get("files", []) if f.endswith(".png")]
+    L += ["", "Plots: " + ", ".join(f"`{f}`" for f in pngs) + "."] if pngs else []
+    return "\n".join(L) + "\n"
+
+
+def _oracle_lines(b: dict) -> list[str]:
+    L = [f"## {b['label']}", ""]
+    if b["status"] != "ok":
+        return L + [f"{b['status']}.", ""]
+    rt = b["replay_tokens_per_s"]
+    L.append(f"Source: {b['source']}; traces drafted {json.dumps(b.get('collect') or {})}. Replayed "
+             f"tokens/s under the cost model: " + ", ".join(f"{k} {v:.1f}" for k, v in rt.items()) +
+             f". Oracle / full depth ({b['full_depth']}) = {b['oracle_over_full_depth']:.3f}x, oracle / "
+             f"best fixed ({b['best_fixed']}) = {b['oracle_over_best_fixed']:.3f}x.")
+    if b.get("reference_row"):
+        L.append(f"The bound rows above scale the measured `{b['reference_row']}` row by the first ratio.")
+    for k, v in (b.get("deciders") or {}).items():
+        L.append(f"- replayed {k}: {_f(v['tokens_per_s'], '{:.1f}')} tok/s, oracle share "
+                 f"{_f(v['oracle_share'], '{:.2f}')} (threshold {_f(v['threshold'], '{:.3f}')})")
+    return L + [""]
+
+
+def _save(fig, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+    os.replace(tmp, path)
+
+
+def plots(results: dict, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    conds = results["conditions"]
+    names = [r["name"] for r in conds[0]["rows"] if r["name"] != "ar"]
+    names += [LABEL] if any(r["name"] == LABEL for c in conds for r in c["rows"]) and LABEL not in names else []
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(names)), 4.5))
+    w = 0.8 / len(conds)
+    for j, cond in enumerate(conds):
+        rows = {r["name"]: r for r in ok_rows(cond)}
+        xs, ys, lo, hi = [], [], [], []
+        for i, n in enumerate(names):
+            if n in rows and rows[n].get("speedup"):
+                s = rows[n]["speedup"]
+                xs.append(i + (j - (len(conds) - 1) / 2) * w)
+                ys.append(s["median"])
+                lo.append(s["median"] - s.get("min", s["median"]))
+                hi.append(s.get("max", s["median"]) - s["median"])
+        ax.bar(xs, ys, w, yerr=[lo, hi], capsize=2, label=cond["name"])
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks(range(len(names)), [n.replace(" ", "\n", 1) for n in names], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("speedup vs ar (median, min..max)")
+    ax.legend(fontsize=8)
+    _save(fig, out / "speedup.png")
+    plt.close(fig)
+
+    eng = [n for n in names if any(r["name"] == n and r["kind"] == "engine" for c in conds for r in ok_rows(c))]
+    cols = min(4, max(1, len(eng)))
+    rws = max(1, math.ceil(len(eng) / cols))
+    fig, axes = plt.subplots(rws, cols, figsize=(3.3 * cols, 2.6 * rws), squeeze=False)
+    for ax, n in zip(axes.flat, eng):
+        for j, cond in enumerate(conds):
+            r = next((r for r in ok_rows(cond) if r["name"] == n), None)
+            if not r or not r.get("accepted_lengths"):
+                continue
+            h = {int(k): v for k, v in r["accepted_lengths"].items()}
+            tot = sum(h.values())
+            ks = sorted(h)
+            ax.bar([k + (j - (len(conds) - 1) / 2) * w for k in ks], [h[k] / tot for k in ks], w, label=cond["name"])
+        ax.set_title(n, fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("accepted draft tokens per round", fontsize=7)
+    for ax in list(axes.flat)[len(eng):]:
+        ax.axis("off")
+    if eng:
+        axes.flat[0].legend(fontsize=6)
+        axes.flat[0].set_ylabel("share of rounds", fontsize=7)
+    fig.tight_layout()
+    _save(fig, out / "accepted_lengths.png")
+    plt.close(fig)
+
+    files = ["speedup.png", "accepted_lengths.png"]
+    sw = results.get("sweep")
+    if sw and sw["points"]:
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        for fam in sorted({p["family"] for p in sw["points"]}):
+            pts = sorted((p for p in sw["points"] if p["family"] == fam), key=lambda p: p["tree_nodes"])
+            ax.plot([p["tree_nodes"] for p in pts], [p["tokens_per_s"] for p in pts], "o-", label=fam)
+            for p in pts:
+                ax.annotate(p["label"], (p["tree_nodes"], p["tokens_per_s"]), fontsize=7,
+                            textcoords="offset points", xytext=(3, 3))
+        ax.axhline(sw["ar_tokens_per_s"], color="k", lw=0.8, ls="--", label="ar")
+        ax.set_xscale("log")
+        nodes = sorted({p["tree_nodes"] for p in sw["points"]})
+        ax.set_xticks(nodes, [str(n) for n in nodes])
+        ax.minorticks_off()
+        ax.set_xlabel("tree nodes verified per round")
+        ax.set_ylabel("tokens/s")
+        ax.legend(fontsize=8)
+        _save(fig, out / "tree_size.png")
+        plt.close(fig)
+        files.append("tree_size.png")
+    return files
