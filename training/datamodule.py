@@ -193,6 +193,14 @@ class TraceDataModule(L.LightningDataModule):
         self.manifest, self.eval_target, self.splits = manifest, name, splits
         return splits
 
+    def whole(self, path: str) -> tuple[dict, Split]:
+        """Every row of another trace set as one split (e.g. held-out traces for retraining)."""
+        manifest, table = self._load(path)
+        temp = float(manifest.get("collect", {}).get("temperature", 0.0) or 0.0)
+        name = self.eval_target_name
+        name = ("greedy_match" if temp == 0 else "accepted") if name == "auto" else name
+        return manifest, self._split(table, np.arange(table.num_rows), name)
+
     def setup(self, stage: str | None = None) -> None:
         self.load()
 

@@ -226,6 +226,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. a full disk during export: nothing half-written, registry untouched
+        print(f"error: cannot write the decider: {e}", file=sys.stderr)
+        return 1
     ch = metrics["replay"]["chosen"]
     print(json.dumps({"run_dir": str(run_dir), "test_roc_auc": metrics["classification"]["test"]["decider"]["roc_auc"],
                       "test_ece": metrics["classification"]["test"]["decider"]["ece"], **ch}))

@@ -1,0 +1,247 @@
+"""Scheduled retraining: new prompts -> traces -> challenger decider -> compare -> promote.
+
+    python -m training.retrain --config configs/retrain.yaml
+
+Each run lives in `<work>/<input-key>/` (config.json, traces, decision.json), where the key
+hashes the new prompt files, this config and the model pair: re-running on the same inputs
+finds decision.json and changes nothing; a run killed midway resumes (collection skips
+finished prompts, a finished fit is reused). The champion is the registry's `latest`; the
+challenger is promoted only when it beats the champion on the SAME held-out traces by the
+configured margin (replayed tokens/s, ROC-AUC not worse) and does not lose the live check.
+
+Exit codes: 0 challenger promoted | 10 champion kept | 11 up to date (nothing to do) |
+2 bad input (one `error:` line) | 75 another retrain holds the lock | 1 unexpected failure
+(e.g. a full disk); the registry is untouched by every non-zero exit.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from decoding.decider import DECIDERS_DIR, load_decider
+from decoding.models import ModelError, fingerprint
+
+from .cli import parse_config
+from .collect import CollectConfig, collect
+from .corpus import Prompt
+from .registry import read_registry, register
+from .shards import write_json
+
+EXIT_PROMOTED, EXIT_KEPT, EXIT_UP_TO_DATE, EXIT_BAD_INPUT, EXIT_LOCKED = 0, 10, 11, 2, 75
+
+
+@dataclass
+class RetrainConfig:
+    new_prompts: str = "data/logged"
+    """Directory of JSONL files of logged prompts ({"prompt": ..., optional "id", "kind"})."""
+    work: str = "runs/retrain"
+    """Versioned run directories live here."""
+    deciders: str | None = None
+    """Deciders root with registry.json (None = checkpoints/deciders)."""
+    fit_config: str = "configs/fit_decider.yaml"
+    fit_overrides: list[str] = field(default_factory=list)
+    """Extra `training.fit` flags, e.g. ["--replay.cost_model", "default"]."""
+    heldout_fraction: float = 0.25
+    """Share of the new prompts kept out of training: champion and challenger are compared on them."""
+    margin: float = 0.02
+    """Promote when challenger replay tokens/s >= champion's * (1 + margin) ..."""
+    auc_tolerance: float = 0.01
+    """... and its held-out ROC-AUC is at most this much below the champion's."""
+    live_prompts: int = 2
+    """Held-out prompts generated live with each decider (0 = skip the live check)."""
+    live_tolerance: float = 0.10
+    """The challenger may be at most this much slower live (noisy shared machines)."""
+    target: str | None = None
+    draft: str | None = None
+    dtype: str = "bfloat16"
+    strategy: str = "ti-mcsd"
+    width: int = 4
+    depth: int = 6
+    temperature: float = 0.0
+    max_new_tokens: int = 128
+    chat: bool = True
+    hidden: bool = False
+    redistill_below: float | None = None
+    """Recommend re-distilling the draft when acceptance on the new prompts falls below this."""
+    redistill_command: list[str] = field(default_factory=list)
+    """Run this command (e.g. python -m training.distill --config ...) when recommended."""
+    threads: int | None = None
+
+
+def read_logged(folder: Path) -> list[Prompt]:
+    files = sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
+    if not files:
+        raise ValueError(f"no new prompt files (*.jsonl) in {folder}")
+    seen: dict[str, Prompt] = {}
+    for f in files:
+        for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                text = row["prompt"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f'{f}:{i}: not a prompt row (needs a "prompt" field)') from None
+            pid = str(row.get("id") or hashlib.sha256(text.encode()).hexdigest()[:16])
+            seen.setdefault(pid, Prompt(pid, row.get("kind", "general"), f.stem, text))
+    if not seen:
+        raise ValueError(f"the prompt files in {folder} are empty")
+    return sorted(seen.values(), key=lambda p: p.id)
+
+
+def input_key(cfg: RetrainConfig, prompts: list[Prompt], pair: dict) -> str:
+    ident = {"config": asdict(cfg), "prompts": [(p.id, p.text) for p in prompts], "pair": pair}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def is_heldout(pid: str, fraction: float) -> bool:
+    return int.from_bytes(hashlib.sha256(f"heldout:{pid}".encode()).digest()[:8], "big") / 2**64 < fraction
+
+
+def assess(decider_dir: Path, path: Path, cost, with_hidden: bool) -> dict:
+    """A decider on held-out traces: ROC-AUC and replayed tokens/s at its own rule/threshold."""
+    from . import metrics as M
+    from .datamodule import TraceDataModule
+    from .fit import score
+    from .threshold import Replayer
+
+    net, dcfg = load_decider(decider_dir)
+    _, split = TraceDataModule(traces=str(path), with_hidden=with_hidden).whole(str(path))
+    s = score(net, split)
+    keep = split.valid & (split.target >= 0)
+    rep = Replayer(split).at(s, dcfg.rule, dcfg.threshold, cost)
+    return {"roc_auc": M.roc_auc(split.target[keep], s[keep]), "tokens_per_s": rep["tokens_per_s"],
+            "rule": dcfg.rule, "threshold": dcfg.threshold}
+
+
+def live_tokens_per_s(session, decider_dir: Path, prompts: list[Prompt], cfg: RetrainConfig) -> float:
+    from decoding.sampling import SamplingConfig
+    from decoding.strategies import StrategyConfig
+
+    scfg = StrategyConfig(strategy=cfg.strategy, width=cfg.width, depth=cfg.depth, stop="decider")
+    eng = session.engine(scfg, SamplingConfig(cfg.temperature), decider=str(decider_dir))
+    tokens = secs = 0.0
+    for p in prompts:
+        ids = session.encode(p.text, chat=cfg.chat, max_new_tokens=cfg.max_new_tokens, tree_depth=cfg.depth)
+        _, st = eng.generate(ids, cfg.max_new_tokens, session.eos_token_id)
+        tokens, secs = tokens + st.new_tokens, secs + st.wall_s
+    return tokens / secs if secs else 0.0
+
+
+def decide(champ: dict | None, chall: dict, cfg: RetrainConfig) -> tuple[bool, str]:
+    if champ is None:
+        return True, "no champion yet"
+    if chall["tokens_per_s"] < champ["tokens_per_s"] * (1 + cfg.margin):
+        return False, (f"replay {chall['tokens_per_s']:.2f} tok/s is not {cfg.margin:.0%} above the "
+                       f"champion's {champ['tokens_per_s']:.2f}")
+    if (chall["roc_auc"] or 0) < (champ["roc_auc"] or 0) - cfg.auc_tolerance:
+        return False, f"ROC-AUC {chall['roc_auc']:.3f} below the champion's {champ['roc_auc']:.3f}"
+    if "live_tokens_per_s" in chall and chall["live_tokens_per_s"] < champ["live_tokens_per_s"] * (1 - cfg.live_tolerance):
+        return False, "slower than the champion in the live check"
+    return True, "beats the champion on held-out traces"
+
+
+def run(cfg: RetrainConfig, session=None, log=print) -> int:
+    from decoding.session import Session
+    from .replay import CostModel
+
+    root = Path(cfg.deciders) if cfg.deciders else DECIDERS_DIR
+    prompts = read_logged(Path(cfg.new_prompts))
+    work = Path(cfg.work)
+    work.mkdir(parents=True, exist_ok=True)
+    with open(work / ".lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            log(f"error: another retrain run holds {work / '.lock'}")
+            return EXIT_LOCKED
+        session = session or Session.open(cfg.target, cfg.draft, cfg.dtype, need_draft=True)
+        pair = {"target": fingerprint(session.target), "draft": fingerprint(session.draft)}
+        run_dir = work / input_key(cfg, prompts, pair)
+        if (run_dir / "decision.json").exists():
+            log(f"up to date: {run_dir} already decided for these inputs")
+            return EXIT_UP_TO_DATE
+        champion_id = read_registry(root).get("latest")
+        if champion_id:  # fail before any work on a corrupt or foreign champion
+            load_decider(root / champion_id, session.target, session.draft)
+        run_dir.mkdir(exist_ok=True)
+        write_json(run_dir / "config.json", {"config": asdict(cfg), "prompts": len(prompts),
+                                             "champion": champion_id})
+        held = [p for p in prompts if is_heldout(p.id, cfg.heldout_fraction)]
+        train = [p for p in prompts if not is_heldout(p.id, cfg.heldout_fraction)]
+        if not held or not train:
+            raise ValueError(f"{len(prompts)} new prompts give an empty train or held-out part: log more")
+        ccfg = CollectConfig(strategy=cfg.strategy, width=cfg.width, depth=cfg.depth, dtype=cfg.dtype,
+                             temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                             chat=cfg.chat, hidden=cfg.hidden, shard_size=8)
+        stats = {name: collect(replace(ccfg, out=str(run_dir / name)), session, ps, progress=False)
+                 for name, ps in (("traces_train", train), ("traces_heldout", held))}
+        challenger_id = f"retrain-{run_dir.name}"
+        if not (root / challenger_id / "metrics.json").exists():
+            from .fit import main as fit_main
+
+            rc = fit_main(["--config", cfg.fit_config, "--data.traces", str(run_dir / "traces_train"),
+                           "--data.test_traces", str(run_dir / "traces_heldout"), "--export.out", str(root),
+                           "--export.run_id", challenger_id, "--export.promote", "false",
+                           "--export.reports", str(run_dir / "reports"),
+                           "--trainer.default_root_dir", str(run_dir / "fit"), *cfg.fit_overrides])
+            if rc != 0:
+                return rc
+        chall_cfg = json.loads((root / challenger_id / "config.json").read_text())
+        cost = CostModel(**chall_cfg["cost_model"])  # one cost model judges both deciders
+        hidden = chall_cfg["kind"] == "hidden"
+        chall = assess(root / challenger_id, run_dir / "traces_heldout", cost, hidden)
+        champ = None
+        if champion_id:
+            champ_hidden = json.loads((root / champion_id / "config.json").read_text())["kind"] == "hidden"
+            champ = assess(root / champion_id, run_dir / "traces_heldout", cost, champ_hidden)
+        if champ is not None and cfg.live_prompts > 0:
+            live = held[: cfg.live_prompts]
+            champ["live_tokens_per_s"] = live_tokens_per_s(session, root / champion_id, live, cfg)
+            chall["live_tokens_per_s"] = live_tokens_per_s(session, root / challenger_id, live, cfg)
+        promote, reason = decide(champ, chall, cfg)
+        acceptance = stats["traces_heldout"]["acceptance_rate"]
+        redistill = {"acceptance": acceptance, "below": cfg.redistill_below,
+                     "recommended": cfg.redistill_below is not None and acceptance < cfg.redistill_below}
+        if redistill["recommended"] and cfg.redistill_command:
+            redistill["exit_code"] = subprocess.run(cfg.redistill_command).returncode
+        decision = {"promoted": promote, "reason": reason, "champion": champion_id,
+                    "challenger": challenger_id, "champion_metrics": champ, "challenger_metrics": chall,
+                    "collect": stats, "redistill": redistill,
+                    "decided": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        if promote:
+            reg = read_registry(root)
+            info = next((r for r in reg.get("runs", []) if r.get("run_id") == challenger_id), {})
+            register(root, challenger_id, {k: v for k, v in info.items() if k != "run_id"}, promote=True)
+        write_json(run_dir / "decision.json", json.loads(json.dumps(decision, default=float)))
+        log(json.dumps({"promoted": promote, "reason": reason, "run_dir": str(run_dir)}))
+        return EXIT_PROMOTED if promote else EXIT_KEPT
+
+
+def main(argv=None) -> int:
+    cfg = parse_config(RetrainConfig, argv, "python -m training.retrain", __doc__.split("\n")[0])
+    if cfg.threads:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
+    try:
+        return run(cfg)
+    except (ModelError, ValueError) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
