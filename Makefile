@@ -26,8 +26,9 @@ test: venv
 test-fast: venv
 	$(BIN)/python -m pytest tests -m "not real"
 
+# collect traces -> fit a decider -> generate with it beside fixed depth (writes runs/demo/)
 demo: venv
-	$(BIN)/python -m decoding.generate --chat --prompt "Write a Python function that reverses a string." --strategy ar --max-new-tokens 48
+	$(BIN)/python -m training.demo
 
 bench: venv
 	$(BIN)/python -m decoding.bench --config configs/bench.yaml
