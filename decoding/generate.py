@@ -51,12 +51,19 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: torch's; on a busy machine fewer threads than "
+                         "cores avoids oversubscription, which can slow decoding many times over)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     return ap
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         # validate every option before the (slow) model load
         cfg = StrategyConfig(strategy=args.strategy or "ti-mcsd", gamma=args.gamma,
