@@ -33,6 +33,17 @@ demo: venv
 bench: venv
 	$(BIN)/python -m decoding.bench --config configs/bench.yaml
 
+# Reproduce the shipped draft from scratch: finish/resume the committed corpus, cache the
+# target's top-64 log-probs (bf16 prefill), distil (time-boxed, see configs/distill_draft.yaml),
+# export checkpoints/drafts/smollm2-135m-draft/ and measure it into reports/draft/.
+draft: venv
+	$(BIN)/python -m training.corpus --config configs/corpus.yaml
+	$(BIN)/python -m training.teacher_cache --corpus data/corpus
+	rm -rf runs/distill/smollm2-135m-draft
+	$(BIN)/python -m training.distill --config configs/distill_draft.yaml
+	$(BIN)/python -m training.distill_eval --draft checkpoints/drafts/smollm2-135m-draft \
+		--metrics-csv runs/distill/smollm2-135m-draft/version_0/metrics.csv
+
 lint: venv
 	$(BIN)/ruff check decoding training tests
 

@@ -1,0 +1,224 @@
+"""Train (distil) a draft for the target, then export it as an HF directory.
+
+    python -m training.distill --config configs/distill_draft.yaml [--trainer.max_time ...]
+    python -m training.distill export --ckpt runs/distill/NAME/checkpoints/best.ckpt --name NAME
+
+Training is LightningCLI (any `--trainer.*`, `--model.*`, `--data.*` override works, also
+`--trainer.strategy ddp --trainer.devices 2 --trainer.accelerator cpu`). It resumes from the
+run's last.ckpt when one exists, stops at trainer.max_time, and exports the best checkpoint
+(highest validation top-1 agreement) to `checkpoints/drafts/<name>/`: config.json,
+model.safetensors (16-bit), the target's tokenizer files and specstop_draft.json (target
+fingerprint, data, losses, metrics). The directory is written to a temp dir and renamed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from .distill_data import CorpusDataModule
+from .distill_module import DistillModule, DraftConfig
+
+METADATA = "specstop_draft.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt")
+
+
+@dataclass
+class RunConfig:
+    name: str = "smollm2-135m-draft"
+    """Exported draft name: checkpoints/drafts/<name>/."""
+    drafts: str = "checkpoints/drafts"
+    """Where the exported draft directory goes."""
+    export: bool = True
+    """Export the best checkpoint after fit (rank 0)."""
+    resume: bool = True
+    """Continue from runs/distill/<name>/checkpoints/last.ckpt when it exists."""
+    threads: int | None = None
+    """torch intra-op threads per process (None = torch's default)."""
+    threads_file: str | None = None
+    """Optional file holding a thread count, re-read every 20 steps: a long run can take
+    over cores that free up (e.g. when corpus generation ends) without a restart."""
+    dtype: str = "bfloat16"
+    """16-bit dtype of the exported weights: bfloat16 | float16."""
+
+
+def _sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def target_fingerprint(target: str | None) -> dict:
+    """The same identity training.corpus writes into its manifest."""
+    from .corpus import CorpusConfig, load_teacher
+
+    # bf16, as the corpus is generated (configs/corpus.yaml): the embedding sample is hashed
+    return load_teacher(CorpusConfig(target=target, dtype="bfloat16")).info
+
+
+def export_draft(module: DistillModule, out: Path, meta: dict, dtype: str = "bfloat16") -> Path:
+    """Write the (merged) draft + tokenizer + metadata to `out` atomically."""
+    from decoding.models import resolve_model_dir
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        model = module.draft
+        if module.cfg.lora:  # keep the (small) adapter, and serve a plain merged model
+            model.save_pretrained(tmp / "adapter")
+            model = model.merge_and_unload()  # note: folds the adapter into module.draft
+        model = model.to({"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]).eval()
+        model.save_pretrained(tmp, safe_serialization=True)
+        tdir = resolve_model_dir(module.target_path)
+        for f in TOKENIZER_FILES:
+            if (tdir / f).exists():
+                shutil.copy2(tdir / f, tmp / f)
+        (tmp / METADATA).write_text(json.dumps(meta, indent=1) + "\n")
+        old = None
+        if out.exists():  # swap: rename the old dir away, the new one in, then delete the old
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_module(ckpt: str | os.PathLike) -> DistillModule:
+    """Rebuild the module from a checkpoint, reading only tensors and plain types."""
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    hp = dict(state["specstop_hparams"])
+    hp["draft"] = DraftConfig(**hp["draft"])
+    module = DistillModule(**hp)
+    module.load_state_dict(state["state_dict"])
+    module.initialised = True
+    return module
+
+
+def build_metadata(module: DistillModule, ckpt: str, corpus: str | None, metrics: dict,
+                   train_tokens: int | None) -> dict:
+    from decoding.models import output_token_ids
+
+    man = Path(corpus) / "manifest.json" if corpus else None
+    head = output_token_ids(module.base())
+    return {
+        "kind": "specstop-draft", "schema_version": 1,
+        "target": target_fingerprint(module.target_path),
+        "data": {"corpus": corpus, "corpus_manifest_sha256":
+                 _sha256_file(man) if man and man.exists() else None,
+                 "train_completion_tokens": train_tokens},
+        "training": {k: v for k, v in module.hp.items()} | {"checkpoint": str(ckpt)},
+        "draft": {"params": sum(p.numel() for p in module.base().parameters()),
+                  "head_size": None if head is None else int(head.numel())},
+        "metrics": {"validation": metrics},
+    }
+
+
+def _ckpt_metrics(ckpt: str) -> dict:
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    out = {}
+    for cb in state.get("callbacks", {}).values():
+        if isinstance(cb, dict) and "best_model_score" in cb and cb["best_model_score"] is not None:
+            out[str(cb.get("monitor"))] = float(cb["best_model_score"])
+    return out | {"global_step": int(state.get("global_step", 0)), "epoch": int(state.get("epoch", 0))}
+
+
+class ThreadsFromFile(Callback):
+    def __init__(self, path: str, every: int = 20):
+        self.path, self.every = Path(path), every
+
+    def on_train_batch_start(self, trainer, module, batch, idx: int) -> None:
+        if idx % self.every == 0 and self.path.is_file():
+            try:
+                n = int(self.path.read_text().strip())
+            except ValueError:
+                return
+            if n >= 1 and n != torch.get_num_threads():
+                torch.set_num_threads(n)
+                print(f"distill: now {n} threads", file=sys.stderr, flush=True)
+
+
+def fit(argv: list[str] | None = None) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    class CLI(LightningCLI):
+        def add_arguments_to_parser(self, parser):
+            parser.add_class_arguments(RunConfig, "run")
+
+    threads = _peek_threads(argv if argv is not None else sys.argv[1:])
+    if threads:
+        torch.set_num_threads(threads)
+    cli = CLI(DistillModule, CorpusDataModule, run=False, args=argv,
+              save_config_kwargs={"overwrite": True})
+    run: RunConfig = RunConfig(**vars(cli.config["run"]) if not isinstance(cli.config["run"], dict)
+                               else cli.config["run"])
+    trainer, module, data = cli.trainer, cli.model, cli.datamodule
+    if run.threads_file:
+        trainer.callbacks.append(ThreadsFromFile(run.threads_file))
+    cb = trainer.checkpoint_callback
+    if cb is None or not cb.dirpath:
+        raise SystemExit("error: the config needs a ModelCheckpoint callback with a dirpath")
+    last = Path(cb.dirpath) / "last.ckpt"
+    trainer.fit(module, datamodule=data, ckpt_path=str(last) if run.resume and last.exists() else None)
+    if not run.export or trainer.global_rank != 0:
+        return
+    best = cb.best_model_path or str(last)
+    best_module = load_module(best)
+    meta = build_metadata(best_module, best, data.corpus, _ckpt_metrics(best), data.train_tokens())
+    out = export_draft(best_module, Path(run.drafts) / run.name, meta, run.dtype)
+    print(f"distill: exported {best} -> {out}", file=sys.stderr)
+
+
+def _peek_threads(argv: list[str]) -> int | None:
+    """Thread count must be set before torch does any work; read it from argv/the config."""
+    import yaml
+
+    for i, a in enumerate(argv):
+        if a.startswith("--run.threads"):
+            v = a.split("=", 1)[1] if "=" in a else argv[i + 1]
+            return None if v in ("null", "None") else int(v)
+    for i, a in enumerate(argv):
+        if a == "--config" and i + 1 < len(argv) and Path(argv[i + 1]).is_file():
+            conf = yaml.safe_load(Path(argv[i + 1]).read_text()) or {}
+            return (conf.get("run") or {}).get("threads")
+    return None
+
+
+def export_main(argv: list[str]) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m training.distill export")
+    p.add_argument("--ckpt", required=True, help="Lightning checkpoint of a distillation run")
+    p.add_argument("--name", required=True, help="draft name: checkpoints/drafts/<name>/")
+    p.add_argument("--drafts", default="checkpoints/drafts")
+    p.add_argument("--corpus", default="data/corpus")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    a = p.parse_args(argv)
+    if not Path(a.ckpt).is_file():
+        raise SystemExit(f"error: checkpoint not found: {a.ckpt}")
+    module = load_module(a.ckpt)
+    meta = build_metadata(module, a.ckpt, a.corpus, _ckpt_metrics(a.ckpt), None)
+    print(export_draft(module, Path(a.drafts) / a.name, meta, a.dtype))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["export"]:
+        export_main(args[1:])
+    else:
+        fit(argv)  # None: LightningCLI reads sys.argv itself
+
+
+if __name__ == "__main__":
+    main()
