@@ -82,6 +82,9 @@ def export_draft(module: DistillModule, out: Path, meta: dict, dtype: str = "bfl
             if (tdir / f).exists():
                 shutil.copy2(tdir / f, tmp / f)
         (tmp / METADATA).write_text(json.dumps(meta, indent=1) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp makes 0700 (and some writers 0600): a shareable artifact
+        for f in tmp.rglob("*"):
+            os.chmod(f, 0o755 if f.is_dir() else 0o644)
         old = None
         if out.exists():  # swap: rename the old dir away, the new one in, then delete the old
             old = out.with_name(f".{out.name}.old-{os.getpid()}")

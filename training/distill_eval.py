@@ -7,7 +7,8 @@
    agreement, target argmax within the draft's top-4, expected acceptance sum_x min(p, q)
    over the full vocabulary (T = 1).
 2. Engine runs (greedy, batch 1): acceptance rate and block efficiency of `sd` (gamma 4)
-   and `mcsd` 4,2,2,1 on a few held-out prompts per kind.
+   and `mcsd` 4,2,2,1 on a few held-out prompts per kind (`ar` for a tokens/s reference;
+   tokens/s on a shared CPU are indicative only).
 3. Draft step cost as a fraction of a target step: same dtype, batch 1, one new token with
    a KV cache; target and draft timed alternately (a shared machine), median of repeats.
 4. The learning curve of the draft's run (validation agreement vs training minutes), if its
@@ -52,7 +53,14 @@ def eval_corpus(kind: str, n: int, root: Path, dtype: str) -> list[dict]:
 @torch.inference_mode()
 def teacher_forced(target, draft, rows: list[dict]) -> dict:
     """Agreement / top-4 / sum-min over every completion token of the rows (one row at a time)."""
-    n = agree = top4 = 0
+    from decoding.models import output_token_ids
+
+    head = output_token_ids(draft)
+    in_head = torch.ones(draft.config.vocab_size, dtype=torch.bool)
+    if head is not None:  # an upper bound on agreement: the draft never proposes other ids
+        in_head[:] = False
+        in_head[head] = True
+    n = agree = top4 = covered = 0
     accept = 0.0
     for r in rows:
         ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])
@@ -63,9 +71,10 @@ def teacher_forced(target, draft, rows: list[dict]) -> dict:
         agree += int((lq.argmax(-1) == t1).sum())
         top4 += int((lq.topk(4, -1).indices == t1[:, None]).any(-1).sum())
         accept += float(torch.minimum(lp.exp(), lq.exp()).sum())
+        covered += int(in_head[t1].sum())
         n += b - a
     return {"positions": n, "top1_agreement": agree / n, "target_top1_in_draft_top4": top4 / n,
-            "expected_acceptance_summin": accept / n}
+            "expected_acceptance_summin": accept / n, "target_top1_in_draft_head": covered / n}
 
 
 def engine_runs(target, draft, rows: list[dict], max_new: int, eos) -> dict:
@@ -73,7 +82,8 @@ def engine_runs(target, draft, rows: list[dict], max_new: int, eos) -> dict:
     from decoding.strategies import StrategyConfig, build_engine
 
     out = {}
-    for cfg in (StrategyConfig("sd", gamma=4), StrategyConfig("mcsd", k_config="4,2,2,1")):
+    for cfg in (StrategyConfig("ar"), StrategyConfig("sd", gamma=4),
+                StrategyConfig("mcsd", k_config="4,2,2,1")):
         eng = build_engine(target, draft, cfg, SamplingConfig())
         tot = {"drafted": 0, "accepted": 0, "new_tokens": 0, "target_calls": 0, "wall_s": 0.0}
         for r in rows:
