@@ -103,3 +103,35 @@ def test_unknown_strategy_exits_nonzero(dirs, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--prompt", "w1", "--strategy", "beam"])
     assert e.value.code == 2
+
+
+def _decider_for(tmp_path, target_dir, draft_dir, name="dec", **cfg_kw):
+    from decoding.decider import DeciderConfig, DeciderNet, save_decider
+    from decoding.models import fingerprint, load_model
+
+    pair = {"target": fingerprint(load_model(target_dir)), "draft": fingerprint(load_model(draft_dir))}
+    cfg = DeciderConfig(kind="logistic", model_pair=pair, **cfg_kw)
+    return str(save_decider(tmp_path / name, DeciderNet(cfg), cfg, {}))
+
+
+def test_decider_checkpoints_are_checked(dirs, capsys, tmp_path):
+    t, d, bad = dirs
+    base = ["--prompt", "w1 w2", "--target", t, "--draft", d, "--strategy", "ti-mcsd", "--stop", "decider",
+            "--max-new-tokens", "6", "--json"]
+    ok = _decider_for(tmp_path, t, d, threshold=-1.0)
+    rc, out, _ = run(capsys, *base, "--decider", ok)
+    assert rc == 0 and json.loads(out)["stats"]["lossless"]
+    other_draft = save_tiny(tmp_path / "draft2", WORDS, noisy_copy(tiny_llama(0, vocab=len(WORDS), scale=6,
+                                                                            max_pos=64), 0.03, seed=7))
+    other = _decider_for(tmp_path, t, other_draft, name="other")  # recorded with another draft
+    rc, out, err = run(capsys, *base, "--decider", other)
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "another draft model" in err
+    schema = _decider_for(tmp_path, t, d, name="schema", feature_schema=99)
+    rc, _, err = run(capsys, *base, "--decider", schema)
+    assert rc == 2 and "feature schema 99" in err
+    weights = tmp_path / "dec" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:40])  # truncated checkpoint
+    rc, _, err = run(capsys, *base, "--decider", ok)
+    assert rc == 2 and err.count("\n") == 1 and "corrupt decider weights" in err
+    rc, _, err = run(capsys, *base, "--decider", str(tmp_path / "missing"))
+    assert rc == 2 and "not a decider checkpoint" in err
