@@ -21,8 +21,8 @@ def main() -> int:
 
     steps = [
         ("collect", lambda: collect.main([
-            "--config", "configs/collect.yaml", "--out", str(OUT / "traces"), "--max-prompts", "16",
-            "--max-new-tokens", "64"])),
+            "--config", "configs/collect.yaml", "--out", str(OUT / "traces"), "--max-prompts", "24",
+            "--max-new-tokens", "48", "--threads", "2"])),
         ("fit", lambda: fit.main([
             "--config", "configs/fit_decider.yaml", "--data.traces", str(OUT / "traces"),
             "--data.val_fraction", "0.25", "--data.test_fraction", "0.25", "--trainer.max_epochs", "5",
