@@ -62,6 +62,17 @@ def default_target_dir() -> Path:
     out = cache_root() / "smollm2-135m-instruct"
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / ".convert.lock", "w") as lock:  # parallel test workers convert once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "model.safetensors").exists():
+            _convert_smollm2(out)
+    return out
+
+
+def _convert_smollm2(out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = smollm2_gguf_path()
@@ -75,19 +86,16 @@ def default_target_dir() -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.generation_config = src.generation_config
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if out.exists():  # a concurrent conversion won the race
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, out)
+        if out.exists():  # a half-finished directory left by a killed run
+            shutil.rmtree(out)
+        os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 def resolve_model_dir(path: str | os.PathLike | None) -> Path:
