@@ -10,7 +10,6 @@ With --num-shards N, process I takes every N-th prompt and writes `<out>/part-I-
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from dataclasses import asdict, dataclass, field
@@ -25,7 +24,7 @@ from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine
 
 from .cli import parse_config
-from .corpus import read_prompts
+from .corpus import prompt_seed, read_prompts
 from .shards import ShardWriter
 from .traces import KIND, SCHEMA, SCHEMA_VERSION, TraceRecorder
 
@@ -65,10 +64,6 @@ class CollectConfig:
     def __post_init__(self):
         if not 0 <= self.shard_index < self.num_shards:
             raise ValueError(f"--shard-index must be in [0, {self.num_shards})")
-
-
-def prompt_seed(seed: int, prompt_id: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{prompt_id}".encode()).digest()[:8]) >> 1
 
 
 def out_dir(cfg: CollectConfig) -> Path:
