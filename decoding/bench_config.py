@@ -8,6 +8,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .decider import RULES
+from .stopping import CONFIDENCE_RULES
 from .strategies import StrategyConfig
 from .tree import layout_from_k_config
 
@@ -32,8 +34,10 @@ class StrategySpec:
     stop: str = "fixed"
     """fixed | confidence | decider."""
     confidence_threshold: float = 0.4
+    confidence_rule: str = "level"
+    """level (HF's rule) | tree (extend nodes while their path's draft probability >= threshold)."""
     rule: str | None = None
-    """Decider stop rule (paper | specdecpp); null = the checkpoint's."""
+    """Decider stop rule (paper | specdecpp | tree); null = the checkpoint's."""
     threshold: float | None = None
     """Decider threshold; null = the one chosen at fit time."""
     prompt_lookup_num_tokens: int = 10
@@ -46,7 +50,8 @@ class StrategySpec:
     def engine_config(self) -> StrategyConfig:
         return StrategyConfig(strategy=self.strategy, gamma=self.gamma, k_config=self.k_config,
                               width=self.width, depth=self.depth, mode=self.mode, stop=self.stop,
-                              confidence_threshold=self.confidence_threshold)
+                              confidence_threshold=self.confidence_threshold,
+                              confidence_rule=self.confidence_rule)
 
     @property
     def tree_nodes(self) -> int | None:
@@ -59,8 +64,10 @@ class StrategySpec:
     def validate(self) -> None:
         if not self.peer:
             self.engine_config()  # raises ValueError on a bad strategy / mode / k-config
-        if self.rule not in (None, "paper", "specdecpp"):
-            raise ValueError(f"strategy {self.name}: rule must be paper or specdecpp")
+        if self.rule not in (None, *RULES):
+            raise ValueError(f"strategy {self.name}: rule must be one of {', '.join(RULES)}")
+        if self.confidence_rule not in CONFIDENCE_RULES:
+            raise ValueError(f"strategy {self.name}: confidence_rule must be one of {', '.join(CONFIDENCE_RULES)}")
         if self.prompt_lookup_num_tokens < 1:
             raise ValueError(f"strategy {self.name}: prompt_lookup_num_tokens must be >= 1")
 
@@ -101,6 +108,8 @@ class GoalsConfig:
     mcsd_reference: str = "4,2,2,1"
     """k-config of the fixed-depth mcsd row the dynamic strategies are compared with."""
     vs_hf_assisted: float = 1.3
+    dynamic_vs_best_fixed: float = 1.1
+    """Best stop policy over the fastest fixed-shape row of our engine (issue 4)."""
 
 
 @dataclass

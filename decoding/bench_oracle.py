@@ -31,7 +31,7 @@ def _from_metrics(decider) -> dict:
 
 
 def _from_traces(cfg: OracleConfig, sess, decider) -> dict:
-    from training.replay import CostModel, baseline_table, calibrate, rounds_of
+    from training.replay import CostModel, ReplaySet, baseline_table, calibrate
     from training.traces import feature_matrix, load_traces
 
     from .models import fingerprint, same_model
@@ -49,8 +49,7 @@ def _from_traces(cfg: OracleConfig, sess, decider) -> dict:
         cost = CostModel(**json.loads((resolve_decider_dir(decider) / "config.json").read_text())["cost_model"])
     else:
         cost = CostModel(**json.loads(Path(cfg.cost_model).read_text()))
-    valid = table.column("valid").to_numpy(zero_copy_only=False)
-    tab = baseline_table(rounds_of(table), feature_matrix(table), valid, cost)
+    tab = baseline_table(ReplaySet(table), feature_matrix(table), cost)
     return {"source": f"traces {cfg.traces}", "collect": manifest.get("collect") or {}, "table": tab,
             "deciders": {}, "cost_model": {"target_ms": cost.target_ms, "draft_ms": cost.draft_ms}}
 

@@ -23,7 +23,7 @@ from .models import ModelError, fingerprint, same_model
 from .stopping import DraftLevel, StopPolicy
 
 KINDS = ("mlp11", "hidden", "logistic", "mlp")
-RULES = ("paper", "specdecpp")
+RULES = ("paper", "specdecpp", "tree")
 DECIDERS_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "deciders"
 
 
@@ -40,7 +40,8 @@ class DeciderConfig:
     """Stop threshold, chosen by replaying traces with the cost model."""
     rule: str = "paper"
     """paper: continue while any new node scores > threshold; specdecpp: stop once
-    P(some drafted token on the best branch is rejected) > threshold."""
+    P(some drafted token on the best branch is rejected) > threshold; tree: extend each node
+    whose predicted path acceptance (product of scores down to it) is >= threshold."""
     model_pair: dict = field(default_factory=dict)
     """{"target": fingerprint, "draft": fingerprint} the traces were recorded with."""
     cost_model: dict = field(default_factory=dict)
@@ -50,7 +51,7 @@ class DeciderConfig:
         if self.kind not in KINDS:
             raise ValueError(f"unknown decider kind {self.kind!r}; choose from {', '.join(KINDS)}")
         if self.rule not in RULES:
-            raise ValueError(f"unknown stop rule {self.rule!r}; choose paper or specdecpp")
+            raise ValueError(f"unknown stop rule {self.rule!r}; choose from {', '.join(RULES)}")
 
 
 class DeciderNet(nn.Module):
@@ -97,6 +98,14 @@ class DeciderStop(StopPolicy):
     def scores(self, level: DraftLevel) -> torch.Tensor:
         return torch.sigmoid(self.net(F.node_features(level), F.node_hidden(level)))
 
+    def _path_scores(self, level: DraftLevel, s: torch.Tensor) -> list[float]:
+        """Predicted probability that the whole path down to each node is accepted."""
+        if level.depth == 1:
+            self._path = {}
+        path = [self._path.get(p, 1.0) * float(x) for p, x in zip(level.parent_nodes, s)]
+        self._path.update(zip(level.nodes, path))
+        return path
+
     def should_stop(self, level: DraftLevel) -> bool:
         s = self.scores(level)
         valid = torch.tensor(level.valid)
@@ -104,12 +113,15 @@ class DeciderStop(StopPolicy):
             return True
         if self.cfg.rule == "paper":
             return bool((s[valid] <= self.cfg.threshold).all())
-        if level.depth == 1:
-            self._path = {}
-        path = [self._path.get(p, 1.0) * float(x) for p, x in zip(level.parent_nodes, s)]
-        self._path.update(zip(level.nodes, path))
+        path = self._path_scores(level, s)
         best = max(v for v, ok in zip(path, level.valid) if ok)
         return 1.0 - best > self.cfg.threshold
+
+    def expand(self, level: DraftLevel) -> list[bool]:
+        if self.cfg.rule != "tree":
+            return super().expand(level)
+        path = self._path_scores(level, self.scores(level))
+        return [ok and v >= self.cfg.threshold for v, ok in zip(path, level.valid)]
 
 
 def _atomic_dir(out: Path, write) -> None:

@@ -12,10 +12,12 @@ import argparse
 import json
 import sys
 
+from .decider import RULES
 from .models import ModelError
 from .sampling import SamplingConfig
-from .strategies import MODES, STRATEGIES, StrategyConfig
 from .session import Session
+from .stopping import CONFIDENCE_RULES
+from .strategies import MODES, STRATEGIES, StrategyConfig
 
 
 def parser() -> argparse.ArgumentParser:
@@ -38,11 +40,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--stop", choices=("fixed", "confidence", "decider"), default="fixed",
                     help="stop policy that ends drafting each round")
     ap.add_argument("--confidence-threshold", type=float, default=0.4)
+    ap.add_argument("--confidence-rule", choices=CONFIDENCE_RULES, default="level",
+                    help="level: HF's rule (stop once no node of a level has q >= threshold); tree: extend "
+                         "each node while its path's draft probability is >= threshold")
     ap.add_argument("--decider", default=None,
                     help="decider checkpoint dir, or 'latest' (the default) from checkpoints/deciders/registry.json")
-    ap.add_argument("--decider-rule", choices=("paper", "specdecpp"), default=None,
+    ap.add_argument("--decider-rule", choices=RULES, default=None,
                     help="paper: continue while any new node scores above the threshold; specdecpp: stop "
-                         "once P(a drafted token is rejected) exceeds it (default: the checkpoint's)")
+                         "once P(a drafted token is rejected) exceeds it; tree: extend each node whose "
+                         "predicted path acceptance is >= the threshold (default: the checkpoint's)")
     ap.add_argument("--decider-threshold", type=float, default=None,
                     help="override the threshold chosen at fit time by trace replay")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -69,7 +75,8 @@ def main(argv=None) -> int:
         cfg = StrategyConfig(strategy=args.strategy or "ti-mcsd", gamma=args.gamma,
                              k_config=args.k_config, width=args.width, depth=args.depth,
                              mode=args.mode, replacement=args.replacement, stop=args.stop,
-                             confidence_threshold=args.confidence_threshold)
+                             confidence_threshold=args.confidence_threshold,
+                             confidence_rule=args.confidence_rule)
         sampling = SamplingConfig(args.temperature, args.top_p)
         if args.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be >= 1")

@@ -42,7 +42,12 @@ def empty_tree() -> DraftTree:
 
 
 class TreeProposer:
-    """get_candidates / update, in transformers' CandidateGenerator spirit."""
+    """get_candidates / update, in transformers' CandidateGenerator spirit.
+
+    `layout` is the largest tree that may be drafted. After each level the stop policy picks
+    which of its nodes get their children drafted (`StopPolicy.expand`), so the drafted tree
+    is a sub-tree of `layout`, renumbered densely in breadth-first order.
+    """
 
     def __init__(self, draft, layout: TreeLayout, sampling: SamplingConfig,
                  replacement: bool = False, roots_from_target: bool = False):
@@ -51,64 +56,87 @@ class TreeProposer:
         self.sampling = sampling
         self.replacement = replacement
         self.roots_from_target = roots_from_target
+        self._layouts: dict[tuple[int, ...], TreeLayout] = {}
 
     def reset(self) -> None:
         self.model.reset()
 
     def propose(self, committed, stop: StopPolicy, generator, anchor_p=None, position: int = 0,
                 hidden: bool = False) -> DraftTree:
-        lay = self.layout
-        tokens = [0] * lay.size
-        valid = [True] * lay.size
-        tree = DraftTree(lay, tokens, valid)
-        logq = torch.zeros(lay.size)
-        depth = 0
+        tree = DraftTree(TreeLayout(()), [], [])
+        grow = _Growth()
+        frontier = [ANCHOR]  # nodes whose children are drafted next
         if self.roots_from_target:
-            self._fill_level(tree, 1, {ANCHOR: anchor_p}, logq, generator)
-            tree.from_draft_start = lay.level_ends[1]
-            depth = 1
-        while depth < lay.max_depth:
-            start, end = tree.fed, lay.level_ends[depth]
-            logits, h = self.model.feed(committed, lay, tokens[start:end], start, end, hidden=hidden)
+            self._fill_level(tree, grow, {ANCHOR: anchor_p}, generator)
+            tree.from_draft_start = tree.size
+            frontier = list(range(tree.size))
+        while frontier and tree.layout.max_depth < self.layout.max_depth:
+            # feed the whole last level (a contiguous block: the caches stay simple), but draw
+            # children only below the frontier
+            start, end = tree.fed, tree.size
+            logits, h = self.model.feed(committed, tree.layout, tree.tokens[start:end], start, end, hidden=hidden)
             tree.fed = end
-            parents = [ANCHOR] if depth == 0 else list(range(lay.level_ends[depth - 1], end))
-            rows = logits[-len(parents):]
-            for par, row in zip(parents, rows):
-                tree.q[par] = warp(row, self.sampling)
-            level = self._fill_level(tree, depth + 1, {p: tree.q[p] for p in parents}, logq, generator)
-            depth += 1
+            fed = [ANCHOR] if start == end else list(range(start, end))
+            row = {n: i - len(fed) for i, n in enumerate(fed)}
+            for par in frontier:
+                tree.q[par] = warp(logits[row[par]], self.sampling)
+            level = self._fill_level(tree, grow, {p: tree.q[p] for p in frontier}, generator)
             if h is not None:
-                level.parent_hidden = h[-len(parents):]
+                level.parent_hidden = h[[row[p] for p in frontier]]
             level.position = position
             tree.levels.append(level)
-            if stop.should_stop(level):
-                break
-        tree.layout = lay.sliced(depth)
-        del tokens[tree.layout.size:], valid[tree.layout.size:]
+            keep = stop.expand(level)
+            frontier = [n for n, k in zip(level.nodes, keep) if k and self.layout.children[grow.full[n] + 1]]
         return tree
 
-    def _fill_level(self, tree: DraftTree, depth: int, dists: dict, logq, generator) -> DraftLevel:
-        lay = tree.layout
-        nodes = list(range(lay.level_ends[depth - 1], lay.level_ends[depth]))
-        for par, q in dists.items():
-            kids = lay.children[par + 1]
+    def _fill_level(self, tree: DraftTree, grow: _Growth, dists: dict, generator) -> DraftLevel:
+        """Draw the children (as in the full layout) of every parent in `dists`."""
+        nodes, parent_of, branch = [], [], []
+        for row, (par, q) in enumerate(dists.items()):
+            kids = self.layout.children[(grow.full[par] if par != ANCHOR else ANCHOR) + 1]
             toks, ok = draw_candidates(q, len(kids), self.sampling, self.replacement, generator)
             parent_ok = par == ANCHOR or tree.valid[par]
-            for node, t, v in zip(kids, toks, ok):
-                tree.tokens[node], tree.valid[node] = t, v and parent_ok
-                logq[node] = (0.0 if par == ANCHOR else logq[par]) + torch.log(q[t].clamp_min(1e-30))
-        parents = list(dists)
-        row = {p: i for i, p in enumerate(parents)}
-        parent_of = [row[lay.parents[n]] for n in nodes]
-        parent_q = torch.stack([dists[p] for p in parents])
+            for b, (kid, t, v) in enumerate(zip(kids, toks, ok)):
+                nodes.append(len(tree.tokens))
+                tree.tokens.append(t)
+                tree.valid.append(v and parent_ok)
+                grow.add(kid, par, (0.0 if par == ANCHOR else grow.logq[par]) + float(torch.log(q[t].clamp_min(1e-30))))
+                parent_of.append(row)
+                branch.append(b)
+        tree.layout = self._layout(grow)
+        parent_q = torch.stack(list(dists.values()))
         toks = [tree.tokens[n] for n in nodes]
         return DraftLevel(
-            depth=depth, nodes=nodes, tokens=toks, valid=[tree.valid[n] for n in nodes],
+            depth=tree.layout.max_depth, nodes=nodes, tokens=toks, valid=[tree.valid[n] for n in nodes],
             q_token=parent_q[parent_of, toks], parent_q=parent_q, parent_of=parent_of,
-            parent_nodes=[lay.parents[n] for n in nodes],
-            branch=[lay.children[lay.parents[n] + 1].index(n) for n in nodes],
-            path_logq=logq[nodes].clone(),
+            parent_nodes=[grow.parents[n] for n in nodes], branch=branch,
+            path_logq=torch.tensor([grow.logq[n] for n in nodes]),
         )
+
+    def _layout(self, grow: _Growth) -> TreeLayout:
+        n, depth = len(grow.full), self.layout.depths[grow.full[-1]]
+        if grow.full[-1] == n - 1 and self.layout.level_ends[depth] == n:
+            return self.layout.sliced(depth)  # whole levels of the full layout: cached slice
+        key = tuple(grow.parents)
+        if key not in self._layouts:
+            if len(self._layouts) > 4096:
+                self._layouts.clear()
+            self._layouts[key] = TreeLayout(key)
+        return self._layouts[key]
 
     def commit(self, tree: DraftTree, path) -> None:
         self.model.commit(path, tree.fed)
+
+
+@dataclass
+class _Growth:
+    """Book-keeping of a tree being drafted: full-layout id, parent and path log q per node."""
+
+    full: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    logq: list[float] = field(default_factory=list)
+
+    def add(self, full_id: int, parent: int, logq: float) -> None:
+        self.full.append(full_id)
+        self.parents.append(parent)
+        self.logq.append(logq)

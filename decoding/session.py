@@ -26,7 +26,7 @@ class Session:
     draft_dir: Path | None
 
     @classmethod
-    def open(cls, target=None, draft=None, dtype="float32", device="cpu", need_draft=False) -> "Session":
+    def open(cls, target=None, draft=None, dtype="float32", device="cpu", need_draft=False) -> Session:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise models.ModelError("--device cuda was asked for but no CUDA device is available")
         tdir = models.resolve_model_dir(target)
@@ -54,7 +54,7 @@ class Session:
         if cfg.stop == "decider":
             stop = self.decider_stop(decider, rule, threshold)
         else:
-            stop = make_stop_policy(cfg.stop, cfg.confidence_threshold)
+            stop = make_stop_policy(cfg.stop, cfg.confidence_threshold, cfg.confidence_rule)
         return build_engine(self.target, self.draft, cfg, sampling, stop)
 
     def decider_stop(self, decider=None, rule=None, threshold=None) -> DeciderStop:

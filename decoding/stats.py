@@ -24,6 +24,8 @@ class RunStats:
     wall_s: float = 0.0
     accepted_lengths: Counter = field(default_factory=Counter)
     drafted_depths: Counter = field(default_factory=Counter)
+    tree_sizes: Counter = field(default_factory=Counter)
+    """Nodes verified per round (dynamic trees vary their width as well as their depth)."""
 
     def add_round(self, tree, path, committed: int, draft_s: float, verify_s: float, book_s: float):
         self.rounds += 1
@@ -38,6 +40,7 @@ class RunStats:
         self.bookkeeping_s += book_s
         self.accepted_lengths[len(path)] += 1
         self.drafted_depths[tree.layout.max_depth] += 1
+        self.tree_sizes[tree.size] += 1
 
     @property
     def acceptance_rate(self) -> float:
@@ -47,6 +50,10 @@ class RunStats:
     def block_efficiency(self) -> float:
         """Mean tokens committed per target forward."""
         return self.new_tokens / self.target_calls if self.target_calls else 0.0
+
+    @property
+    def mean_tree_size(self) -> float:
+        return sum(k * v for k, v in self.tree_sizes.items()) / self.rounds if self.rounds else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -71,4 +78,5 @@ class RunStats:
             "bookkeeping_s": round(self.bookkeeping_s, 4),
             "accepted_lengths": dict(sorted(self.accepted_lengths.items())),
             "drafted_depths": dict(sorted(self.drafted_depths.items())),
+            "mean_tree_size": round(self.mean_tree_size, 3),
         }

@@ -2,8 +2,11 @@
 
 They read only draft-side information, so they change how much is drafted and never what
 is committed: every policy is lossless under a lossless acceptance rule.
-Interface (like transformers' CandidateGenerator): `should_stop(level)` during drafting and
-`update(drafted_depth, accepted_depth)` once the round is verified.
+Interface (like transformers' CandidateGenerator): `expand(level)` during drafting says which
+nodes of the level just drafted get children (none: drafting ends; the default asks
+`should_stop` and extends the whole level), and `update(drafted_depth, accepted_depth)` once
+the round is verified. A node's children are decided from information up to the node
+itself, and every drafted node is verified, so sampling stays exact.
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ class StopPolicy:
     def should_stop(self, level: DraftLevel) -> bool:
         return False
 
+    def expand(self, level: DraftLevel) -> list[bool]:
+        """Per node of `level`: draft its children next? (all False: stop drafting)."""
+        return [not self.should_stop(level)] * len(level.nodes)
+
     def update(self, drafted_depth: int, accepted_depth: int) -> None:
         pass
 
@@ -60,17 +67,34 @@ class DraftConfidence(StopPolicy):
     its token falls below a threshold (on a tree: below it on every branch of the level)."""
 
     threshold: float = 0.4
+    rule: str = "level"
+    """level: HF's rule (a level continues while some node has q >= threshold); tree: extend
+    each node while the draft probability of its whole path is >= threshold (a dynamic
+    tree from the draft's own confidence, as EAGLE-2 grows one)."""
     name = "confidence"
+
+    def __post_init__(self):
+        if self.rule not in CONFIDENCE_RULES:
+            raise ValueError(f"confidence rule must be one of {CONFIDENCE_RULES} (got {self.rule!r})")
 
     def should_stop(self, level: DraftLevel) -> bool:
         ok = level.q_token[torch.tensor(level.valid)]
         return ok.numel() == 0 or float(ok.max()) < self.threshold
 
+    def expand(self, level: DraftLevel) -> list[bool]:
+        if self.rule == "level":
+            return super().expand(level)
+        keep = level.path_logq.exp() >= self.threshold
+        return [bool(k) and v for k, v in zip(keep, level.valid)]
 
-def make_stop_policy(name: str, threshold: float | None = None) -> StopPolicy:
+
+CONFIDENCE_RULES = ("level", "tree")
+
+
+def make_stop_policy(name: str, threshold: float | None = None, rule: str = "level") -> StopPolicy:
     """Policies that need no checkpoint; `decider` is built by Session (it needs the models)."""
     if name == "fixed":
         return FixedDepth()
     if name == "confidence":
-        return DraftConfidence(0.4 if threshold is None else threshold)
+        return DraftConfidence(0.4 if threshold is None else threshold, rule)
     raise ValueError(f"unknown stop policy {name!r}; choose fixed, confidence or decider")

@@ -34,6 +34,8 @@ class StrategyConfig:
     """fixed | confidence | decider."""
     confidence_threshold: float = 0.4
     """Draft-probability threshold of the `confidence` stop policy."""
+    confidence_rule: str = "level"
+    """`confidence` only: level (HF's rule, whole levels) or tree (per-node path probability)."""
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -62,7 +64,7 @@ class StrategyConfig:
         n = {"ar": "ar", "sd": f"sd[g={self.gamma}]", "mcsd": f"mcsd[{self.k_config}]",
              "ti-mcsd": f"ti-mcsd[W={self.width},D={self.depth}]"}[self.strategy]
         if self.stop != "fixed" and self.strategy != "ar":
-            n += f"+{self.stop}"
+            n += f"+{self.stop}" + ("(tree)" if self.stop == "confidence" and self.confidence_rule == "tree" else "")
         if self.mode == "longest-branch":
             n += "+longest-branch(LOSSY)"
         return n
@@ -79,5 +81,5 @@ def build_engine(target, draft, cfg: StrategyConfig, sampling: SamplingConfig,
                             replacement=cfg.replacement, roots_from_target=lossy)
     if stop is None and cfg.stop == "decider":
         raise ValueError("--stop decider needs a decider checkpoint (see Session.engine)")
-    stop = stop or make_stop_policy(cfg.stop, cfg.confidence_threshold)
+    stop = stop or make_stop_policy(cfg.stop, cfg.confidence_threshold, cfg.confidence_rule)
     return SpeculativeEngine(target, proposer, sampling, stop, cfg.replacement, lossy, cfg.name)

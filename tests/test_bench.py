@@ -63,7 +63,7 @@ def test_report_files_goals_and_bound(quick):
     assert not list(out.glob(".*.tmp"))  # atomic writes leave no temp files
     assert res["oracle"]["status"] == "ok" and res["oracle"]["oracle_over_full_depth"] > 0
     goals = {(g["goal"], g["condition"]) for g in res["goals"]}
-    assert goals == {(k, c) for k in ("vs_ar", "dynamic_vs_mcsd", "vs_hf_assisted")
+    assert goals == {(k, c) for k in ("vs_ar", "dynamic_vs_mcsd", "vs_hf_assisted", "dynamic_vs_best_fixed")
                      for c in ("greedy/general", "greedy/code")}
     for g in res["goals"]:
         assert g["verdict"] == "PASS" or g["verdict"].startswith(("SHORT BY", "n/a"))

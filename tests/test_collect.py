@@ -12,7 +12,7 @@ from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine
 from training import collect as C
 from training.corpus import Prompt
-from training.replay import CostModel, Round, baseline_table, replay, rounds_of, fixed, oracle
+from training.replay import ReplaySet
 from training.traces import feature_matrix, load_traces
 
 
@@ -129,28 +129,14 @@ def test_wrong_schema_is_refused(tmp_path, session):
         load_traces(tmp_path)
 
 
-def test_replay_closed_form():
-    cost = CostModel(sizes=[1, 64], target_ms=[10.0, 10.0], draft_ms=[1.0, 1.0], overhead_ms=0.0)
-    # two rounds of a chain of depth 3: one accepts 3 tokens, one accepts none
-    rounds = [Round([1, 1, 1], 3, [np.array([0]), np.array([1]), np.array([2])]),
-              Round([1, 1, 1], 0, [np.array([3]), np.array([4]), np.array([5])])]
-    r3 = replay(rounds, fixed(3), cost)
-    assert r3["tokens_per_round"] == (4 + 1) / 2
-    assert r3["tokens_per_s"] == pytest.approx(1000 * 5 / (2 * (3 * 1 + 10)))
-    o = replay(rounds, oracle, cost)  # depth 3 then depth 1
-    assert o["tokens_per_s"] == pytest.approx(1000 * 5 / ((3 + 10) + (1 + 10)))
-    valid = np.ones(6, bool)
-    feats = np.zeros((6, 17), np.float32)
-    table = baseline_table(rounds, feats, valid, cost)
-    assert table["oracle"]["tokens_per_s"] >= max(table[f"fixed-{d}"]["tokens_per_s"] for d in (1, 2, 3))
-
-
-def test_rounds_of_groups_levels(tmp_path, session):
+def test_replay_set_groups_rounds(tmp_path, session):
     C.collect(cfg(tmp_path), session, PROMPTS[:2], progress=False)
     _, t = load_traces(tmp_path / "traces")
-    rounds = rounds_of(t)
-    depth = t.column("depth").to_numpy()
-    for r in rounds:
-        assert r.level_sizes == [3, 3, 3, 3]
-        for d, rows in enumerate(r.levels, 1):
-            assert (depth[rows] == d).all()
+    rs = ReplaySet(t)
+    assert len(rs) == len(set(zip(t.column("prompt_id").to_pylist(), t.column("round").to_pylist())))
+    # every round is a full 3-wide, 4-deep fork tree; parents sit one level up in the same round
+    assert np.bincount(rs.rid).tolist() == [12] * len(rs)
+    child = rs.parent_row >= 0
+    assert (rs.depth[rs.parent_row[child]] == rs.depth[child] - 1).all()
+    assert (rs.rid[rs.parent_row[child]] == rs.rid[child]).all()
+    assert (rs.round_accepted[rs.rid] == t.column("round_accepted").to_numpy()).all()

@@ -100,6 +100,23 @@ def test_wrong_schema_manifest_raises(tmp_path, teacher):
         load_corpus(tmp_path)
 
 
+def test_more_samples_grow_the_same_corpus(tmp_path, teacher):
+    from training.distill_data import is_val
+
+    build_corpus(make_cfg(tmp_path), teacher, PROMPTS, progress=False)
+    first = rows(tmp_path)
+    stats = build_corpus(make_cfg(tmp_path, samples=3), teacher, PROMPTS, progress=False)
+    assert stats["new_rows"] == 2 * len(PROMPTS)
+    grown = {r["prompt_id"]: r for r in rows(tmp_path)}
+    assert all(grown[r["prompt_id"]] == r for r in first)  # earlier rows untouched
+    for p in PROMPTS:
+        a, b = grown[f"{p.id}#1"], grown[f"{p.id}#2"]
+        assert a["prompt_ids"] == b["prompt_ids"] == grown[p.id]["prompt_ids"]
+        assert a["seed"] != b["seed"] != grown[p.id]["seed"]
+        assert is_val(a["prompt_id"], 30.0) == is_val(p.id, 30.0)  # a prompt never straddles splits
+    assert len({tuple(r["completion_ids"]) for r in grown.values()}) > len(PROMPTS)
+
+
 def test_changed_settings_refuse_to_mix(tmp_path, teacher):
     build_corpus(make_cfg(tmp_path, max_new_tokens=2), teacher, PROMPTS[:2], progress=False)
     with pytest.raises(ValueError, match="generation"):

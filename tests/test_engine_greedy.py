@@ -127,7 +127,7 @@ def random_decider(rule, threshold, seed=0, kind="logistic", hidden_size=0, cut=
     return DeciderStop(net, cfg)
 
 
-@pytest.mark.parametrize("rule,threshold", [("paper", 0.5), ("specdecpp", 0.5)])
+@pytest.mark.parametrize("rule,threshold", [("paper", 0.5), ("specdecpp", 0.5), ("tree", 0.3)])
 @pytest.mark.parametrize("kind", ["logistic", "hidden"])
 def test_decider_stop_is_lossless(pair, rule, threshold, kind):
     target, draft = pair
@@ -139,3 +139,39 @@ def test_decider_stop_is_lossless(pair, rule, threshold, kind):
         assert out == reference(target, prompt)
         depths.update(stats.drafted_depths)
     assert len(depths) >= 2  # the decider really varied the draft depth
+
+@pytest.mark.parametrize("stop", ["decider-tree", "confidence-tree"])
+def test_dynamic_tree_is_lossless_and_prunes(pair, stop):
+    """Per-node expansion: trees that are not whole levels of the k-config, same output."""
+    target, draft = pair
+    cfg = StrategyConfig(strategy="ti-mcsd", width=3, depth=6, stop="decider")
+    sizes = Counter()
+    for prompt in PROMPTS:
+        policy = (random_decider("tree", 0.3) if stop == "decider-tree"
+                  else DraftConfidence(0.002, rule="tree"))
+        out, stats = build_engine(target, draft, cfg, GREEDY, stop=policy).generate(prompt, N)
+        assert out == reference(target, prompt)
+        sizes.update(stats.tree_sizes)
+    assert any(s % 3 for s in sizes)  # some rounds extended only some branches
+    assert len(sizes) >= 2  # and the shape varied from round to round
+
+
+def test_dynamic_tree_layout_is_the_drafted_subtree(pair):
+    """Extend only the first branch: the verified tree is one chain plus the other roots."""
+    from decoding.proposers import TreeProposer
+    from decoding.stopping import StopPolicy
+    from decoding.tree import layout_from_k_config
+
+    class FirstBranch(StopPolicy):
+        def expand(self, level):
+            return [b == 0 and level.depth == 1 or level.depth > 1 for b in level.branch]
+
+    target, draft = pair
+    prop = TreeProposer(draft, layout_from_k_config((3, 1, 1)), GREEDY)
+    tree = prop.propose([1, 2, 3], FirstBranch(), None)
+    assert tree.layout.parents == (-1, -1, -1, 0, 3)
+    assert tree.size == len(tree.tokens) == 5 and [lv.depth for lv in tree.levels] == [1, 2, 3]
+    assert tree.layout.mask[4].tolist() == [True, False, False, True, True]
+    # the chain below branch 0 is what the draft alone would draft greedily from its root
+    full = TreeProposer(draft, layout_from_k_config((1, 1, 1)), GREEDY).propose([1, 2, 3], StopPolicy(), None)
+    assert [tree.tokens[i] for i in (0, 3, 4)] == full.tokens

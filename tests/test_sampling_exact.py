@@ -58,12 +58,13 @@ def chi2_pvalue(counts: Counter, exact: dict, n: int) -> float:
 
 
 def speculative_counts(engine, n):
-    counts, depths = Counter(), Counter()
+    counts, depths, sizes = Counter(), Counter(), Counter()
     for seed in range(n):
         out, stats = engine.generate(PROMPT, LENGTH, seed=seed)
         counts[tuple(out)] += 1
         depths.update(stats.drafted_depths)
-    return counts, depths
+        sizes.update(stats.tree_sizes)
+    return counts, depths, sizes
 
 
 T1 = SamplingConfig(temperature=1.0)
@@ -80,6 +81,10 @@ CASES = [
     ("mcsd-broken-residual", StrategyConfig(strategy="mcsd", k_config="2,2"), T1, True, False),
     ("ti-mcsd+decider-specdecpp", StrategyConfig(strategy="ti-mcsd", width=2, depth=2, stop="decider"),
      T1, False, True),
+    ("ti-mcsd+decider-tree", StrategyConfig(strategy="ti-mcsd", width=2, depth=3, stop="decider"),
+     T1, False, True),
+    ("mcsd+confidence-tree", StrategyConfig(strategy="mcsd", k_config="2,2,1", stop="confidence",
+                                            confidence_threshold=0.2, confidence_rule="tree"), T1, False, True),
 ]
 
 
@@ -88,12 +93,15 @@ def test_continuations_follow_target(models, monkeypatch, name, cfg, sampling, b
     target, draft = models
     if broken:  # the classic bug: resample from p instead of norm(max(0, p - q)) after a reject
         monkeypatch.setattr(acceptance, "residual", lambda p, q: p)
-    stop = random_decider("specdecpp", 0.5, cut=0.18) if cfg.stop == "decider" else None
+    rule = name.rsplit("-", 1)[-1] if cfg.stop == "decider" else None
+    stop = random_decider(rule, 0.5 if rule == "specdecpp" else 0.3, cut=0.18) if rule else None
     engine = build_engine(target, draft, cfg, sampling, stop=stop)
     exact = exact_distribution(target, sampling)
-    counts, depths = speculative_counts(engine, SAMPLES)
+    counts, depths, sizes = speculative_counts(engine, SAMPLES)
     if cfg.stop != "fixed":  # a stop policy that never (or always) stops would prove little
         assert depths[1] > 0.05 * sum(depths.values()) and depths[2] > 0.05 * sum(depths.values())
+    if name.endswith("tree"):  # ... and a dynamic tree that never prunes a branch as little
+        assert len(sizes) >= 3, sizes
     pvalue = chi2_pvalue(counts, exact, SAMPLES)
     tv = 0.5 * sum(abs(counts.get(s, 0) / SAMPLES - p) for s, p in exact.items())
     if lossless:

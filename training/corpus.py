@@ -35,6 +35,7 @@ from .cli import parse_config as parse_config_file
 SCHEMA_VERSION = 1
 CORPUS_KIND = "specstop-teacher-corpus"
 SAMPLER = "per-prompt-generator-v1"  # bump if the sampling procedure changes
+SAMPLE_SEP = "#"  # "<prompt id>#<k>": the k-th extra continuation of a prompt
 VOLATILE_CONFIG_KEYS = {"quantization_config", "transformers_version", "_model_name_or_path",
                         "dtype", "torch_dtype", "_name_or_path"}
 ARROW_SCHEMA = pa.schema([
@@ -66,6 +67,10 @@ class CorpusConfig:
     """Base seed; each prompt's generator is seeded from (seed, prompt id)."""
     max_prompts: int | None = None
     """Use only the first N prompts of the (concatenated) files; None = all."""
+    samples: int = 1
+    """Continuations per prompt. Sample 0 keeps the prompt id; sample k > 0 is stored as
+    "<id>#<k>" with its own seed, so raising this grows the SAME corpus (same identity) with
+    new text for prompts already done: the corpus keeps growing after the prompts run out."""
     max_minutes: float | None = None
     """Stop cleanly after the shard that crosses this wall-clock budget."""
     threads: int | None = None
@@ -151,6 +156,16 @@ def read_prompts(paths: list[str], max_prompts: int | None = None) -> list[Promp
     return out[:max_prompts] if max_prompts is not None else out
 
 
+def sampled(p: Prompt, k: int) -> Prompt:
+    """The k-th continuation's row identity (k = 0: the prompt itself)."""
+    return p if k == 0 else Prompt(f"{p.id}{SAMPLE_SEP}{k}", p.kind, p.split, p.text)
+
+
+def base_id(row_id: str) -> str:
+    """The prompt a corpus row continues (splits are decided per prompt, never per sample)."""
+    return row_id.split(SAMPLE_SEP, 1)[0]
+
+
 def prompt_seed(seed: int, prompt_id: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{prompt_id}".encode()).digest()[:8]) >> 1
 
@@ -215,7 +230,8 @@ def build_corpus(cfg: CorpusConfig, teacher: Teacher, prompts: list[Prompt],
     identity = {"target": teacher.info, "generation": generation}
     with shards.ShardWriter(cfg.out, CORPUS_KIND, SCHEMA_VERSION, identity) as writer:
         done = writer.done()
-        todo = [p for p in prompts if p.id not in done]
+        todo = [p for k in range(cfg.samples) for p in map(lambda p, k=k: sampled(p, k), prompts)
+                if p.id not in done]
         t0, new_rows, new_tokens, gen_time = time.time(), 0, 0, 0.0
         bar = tqdm(total=len(todo), unit="prompt", disable=not progress, dynamic_ncols=True,
                    mininterval=1 if sys.stderr.isatty() else 30)

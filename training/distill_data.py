@@ -17,6 +17,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from .corpus import base_id
 from .teacher_cache import TeacherRows, build_cache, cached_shards, load_cache
 
 
@@ -41,7 +42,8 @@ class RowDataset(Dataset):
 
 
 def is_val(prompt_id: str, percent: float) -> bool:
-    h = int.from_bytes(hashlib.sha256(prompt_id.encode()).digest()[:4], "big")
+    """Validation rows by a hash of the PROMPT (every sample of a prompt lands on one side)."""
+    h = int.from_bytes(hashlib.sha256(base_id(prompt_id).encode()).digest()[:4], "big")
     return (h % 10000) < percent * 100
 
 

@@ -33,7 +33,7 @@ from . import metrics as M
 from .datamodule import Split, TraceDataModule
 from .decider_module import DeciderModule
 from .registry import register
-from .replay import Q_TOKEN, CostModel, cost_dict
+from .replay import PATH_LOGQ, Q_TOKEN, CostModel, ReplaySet, cost_dict
 from .threshold import ReplayConfig, load_cost, policy_ms, select_and_report
 
 
@@ -107,7 +107,7 @@ def evaluate(net: DeciderNet, dm: TraceDataModule, rcfg: ReplayConfig, ecfg: Exp
     for s in ("val", "test"):
         for name, clf in baselines.items():
             scores[s][name] = M.predict(clf, sp[s].features)
-    classification, curves = {}, {}
+    classification, path_classification, curves = {}, {}, {}
     for s in ("val", "test"):
         keep = sp[s].valid & (sp[s].target >= 0)
         y = sp[s].target[keep]
@@ -115,6 +115,12 @@ def evaluate(net: DeciderNet, dm: TraceDataModule, rcfg: ReplayConfig, ecfg: Exp
         classification[s] = {n: M.classification(y, p[keep]) for n, p in named.items()}
         if s == "test":
             curves = {n: (y, p[keep]) for n, p in named.items()}
+        # what the specdecpp / tree rules threshold: P(the whole path down to a node is accepted)
+        rs, valid = ReplaySet(sp[s].table), sp[s].valid
+        acc = sp[s].table.column("accepted").to_numpy(zero_copy_only=False)[valid].astype(np.float64)
+        paths = {n: rs.path(p)[valid] for n, p in scores[s].items()}
+        paths["confidence_path_q"] = np.exp(sp[s].features[:, PATH_LOGQ].astype(np.float64))[valid]
+        path_classification[s] = {n: M.classification(acc, p) for n, p in paths.items()}
     vocab = int(dm.manifest.get("model_pair", {}).get("draft", {}).get("vocab_size") or 32000)
     levels = sp["val"].table.group_by(["prompt_id", "round", "depth"]).aggregate([("node", "count")])
     width = int(np.max(levels.column("node_count").to_numpy()))  # widest level = parents to score
@@ -122,7 +128,8 @@ def evaluate(net: DeciderNet, dm: TraceDataModule, rcfg: ReplayConfig, ecfg: Exp
     replay_scores = {s: (v if rcfg.baselines else {"decider": v["decider"]}) for s, v in scores.items()}
     rep = select_and_report(sp["val"], sp["test"], replay_scores["val"], replay_scores["test"],
                             cost, rcfg, dms)
-    return {"classification": classification, "replay": {**rep, "cost_model": cost_dict(cost)}}, curves
+    return {"classification": classification, "path_classification": path_classification,
+            "replay": {**rep, "cost_model": cost_dict(cost)}}, curves
 
 
 def _num(v, fmt: str = ".3f") -> str:
@@ -139,13 +146,23 @@ def summary_md(run_id: str, metrics: dict) -> str:
         (f"kind `{metrics['decider']['kind']}`, label `{metrics['decider']['label']}`, eval target "
          f"`{metrics['eval_target']}`; rule `{ch['rule']}` at threshold {_num(ch['threshold'])} "
          f"(chosen on val replay); test: {_num(ch['test_tokens_per_s'], '.1f')} tok/s, "
-         f"{_num(ch['test_speedup_vs_best_fixed'])}x best fixed ({rep['best_fixed']}), "
-         f"oracle share {_num(ch['test_oracle_share'])}"),
-        "## Classification (test prompts)",
+         f"{_num(ch['test_speedup_vs_best_fixed'])}x best fixed depth ({rep['best_fixed']}), "
+         f"{_num(ch.get('test_speedup_vs_best_fixed_shape'))}x best fixed shape "
+         f"({rep.get('best_fixed_shape', {}).get('shape')}), "
+         f"{_num(ch.get('test_speedup_vs_confidence_tree'))}x the draft-confidence tree; "
+         f"share of the node oracle's gain {_num(ch['test_oracle_share'])}, "
+         f"of the depth oracle's {_num(ch.get('test_oracle_depth_share'))}"),
+        "## Classification (test prompts): each node, will its token match the target's?",
         M.markdown_table(cls, ["roc_auc", "pr_auc", "brier", "ece", "n", "positive_rate"]),
+        ("## Path classification (test prompts): predicted probability that the whole path down "
+         "to a node is accepted (product of node scores; what the specdecpp and tree rules "
+         "threshold) against whether the round accepted that node"),
+        M.markdown_table(metrics.get("path_classification", {}).get("test", {}),
+                         ["roc_auc", "pr_auc", "brier", "ece", "n", "positive_rate"]),
         ("## Replay (test prompts; thresholds chosen on val; best fixed depth and "
          "confidence-test-tuned are hindsight choices on test)"),
-        M.markdown_table(rows, ["tokens_per_s", "tokens_per_round", "mean_depth", "threshold", "oracle_share"]),
+        M.markdown_table(rows, ["tokens_per_s", "tokens_per_round", "mean_depth", "mean_nodes", "threshold",
+                                "oracle_share"]),
     ]) + "\n"
 
 

@@ -1,10 +1,15 @@
 """Replay recorded traces under a cost model: what tokens/s would a stop policy have given?
 
-Each collected round drafted the full tree. Stopping after depth d keeps the BFS-prefix
-tree of depth d; acceptance decisions at depth <= d do not depend on deeper nodes (greedy,
-and sampling with the same uniforms), so that round would have committed
-min(accepted, d) + 1 tokens at cost draft(d) + verify(tree(d)) + overhead. Rounds are
-treated independently (as SpecDec++'s analysis does).
+Each collected round drafted the full tree. A stop policy keeps a sub-tree of it: every
+level-1 node (drawn together from the anchor) and, below, the children of the nodes it chose
+to extend. Greedy acceptance inside a kept sub-tree equals the full tree's accepted path cut
+at the first node that was not kept, so the round would have committed
+1 + (accepted nodes kept) tokens at cost
+    draft(pending) + sum over kept levels l < L of draft(kept nodes at l)   (one draft call per level)
+    + target(pending + kept nodes) + overhead + L * policy cost
+where L is the deepest kept level (the engine feeds the draft every node of a level, extended
+or not). Rounds are treated independently, as SpecDec++'s analysis does. A policy is a
+function ReplaySet -> kept mask over the trace rows; everything here is vectorised.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 from decoding.features import FEATURE_NAMES
 
 Q_TOKEN = FEATURE_NAMES.index("q_token")
+PATH_LOGQ = FEATURE_NAMES.index("path_logq")
 
 
 @dataclass
@@ -32,18 +38,18 @@ class CostModel:
     policy_ms: float = 0.0
     """Stop-policy cost per drafted level (decider inference)."""
 
-    def target(self, n: int) -> float:
-        return float(np.interp(n, self.sizes, self.target_ms))
+    def target(self, n):
+        return np.interp(n, self.sizes, self.target_ms)
 
-    def draft(self, n: int) -> float:
-        return float(np.interp(n, self.sizes, self.draft_ms))
+    def draft(self, n):
+        return np.interp(n, self.sizes, self.draft_ms)
 
     def round_ms(self, level_sizes: list[int], d: int, pending: int = 1) -> float:
         """Round that drafted levels 1..d: d draft calls (pending tokens, then levels 1..d-1)
         and one target call over pending + all drafted nodes."""
-        fed = [pending] + level_sizes[: d - 1]
-        return (sum(self.draft(n) for n in fed[:d]) + self.target(pending + sum(level_sizes[:d]))
-                + self.overhead_ms + d * self.policy_ms)
+        fed = [pending] + list(level_sizes[: d - 1])
+        return float(sum(self.draft(n) for n in fed[:d]) + self.target(pending + sum(level_sizes[:d]))
+                     + self.overhead_ms + d * self.policy_ms)
 
 
 @torch.inference_mode()
@@ -70,108 +76,157 @@ def calibrate(target, draft, context: int = 256, repeats: int = 5, sizes=None) -
     return cm
 
 
-@dataclass
-class Round:
-    level_sizes: list[int]
-    accepted: int
-    levels: list[np.ndarray]
-    """Row indices of each level's nodes into the trace table."""
+class ReplaySet:
+    """The rounds of a trace table as flat arrays: round id, depth, parent row, acceptance."""
+
+    def __init__(self, table):
+        col = lambda c: table.column(c).to_numpy(zero_copy_only=False)
+        pid, rnd, node, parent = col("prompt_id"), col("round"), col("node"), col("parent")
+        self.depth = col("depth").astype(np.int64)
+        self.accepted = col("accepted").astype(bool)
+        self.valid = col("valid").astype(bool)
+        key = np.char.add(pid.astype(str), np.char.add(":", rnd.astype(str)))
+        _, self.rid = np.unique(key, return_inverse=True)
+        self.rounds = int(self.rid.max()) + 1 if len(self.rid) else 0
+        self.max_depth = int(self.depth.max()) if len(self.depth) else 0
+        # parent row of every node (-1 for level 1): rows are unique per (round, node)
+        where = {(r, n): i for i, (r, n) in enumerate(zip(self.rid.tolist(), node.tolist()))}
+        self.parent_row = np.array([where[(r, p)] if p >= 0 else -1
+                                    for r, p in zip(self.rid.tolist(), parent.tolist())], dtype=np.int64)
+        self.round_depth = np.zeros(self.rounds, np.int64)
+        np.maximum.at(self.round_depth, self.rid, self.depth)
+        self.round_accepted = np.bincount(self.rid, weights=self.accepted, minlength=self.rounds)
+        self._levels = [np.flatnonzero(self.depth == d) for d in range(1, self.max_depth + 1)]
+        # which level-1 candidate each node descends from (0 = the draft's first choice)
+        self.chain = col("branch").astype(np.int64).copy()
+        for rows in self._levels[1:]:
+            self.chain[rows] = self.chain[self.parent_row[rows]]
+
+    def __len__(self) -> int:
+        return self.rounds
+
+    # --- building blocks of policies -------------------------------------------------------
+    def path(self, scores: np.ndarray) -> np.ndarray:
+        """Product of per-node scores from level 1 down to each node."""
+        out = np.asarray(scores, np.float64).copy()
+        for rows in self._levels[1:]:
+            out[rows] *= out[self.parent_row[rows]]
+        return out
+
+    def level_any(self, mask: np.ndarray) -> np.ndarray:
+        """[rounds, max_depth] bool: some row of that round and level satisfies `mask`."""
+        m = np.zeros((self.rounds, self.max_depth + 1), bool)
+        m[self.rid[mask], self.depth[mask]] = True
+        return m[:, 1:]
+
+    def keep_depth(self, stop_depth: np.ndarray) -> np.ndarray:
+        return self.depth <= np.maximum(1, stop_depth)[self.rid]
+
+    def first_stop(self, stop: np.ndarray) -> np.ndarray:
+        """Per round: the first depth whose `stop` [rounds, max_depth] is true, else the full depth."""
+        hit = stop & (np.arange(1, self.max_depth + 1)[None] <= self.round_depth[:, None])
+        return np.where(hit.any(1), hit.argmax(1) + 1, self.round_depth)
+
+    def keep_extended(self, extend: np.ndarray) -> np.ndarray:
+        """Level-1 nodes plus the children of extended nodes. `extend` must be monotone along
+        paths (a path-score threshold is), so checking the parent alone suffices."""
+        root = self.parent_row < 0
+        return root | (~root & extend[np.maximum(self.parent_row, 0)] & self.valid[np.maximum(self.parent_row, 0)])
+
+    # --- the replay itself ------------------------------------------------------------------
+    def run(self, kept: np.ndarray, cost: CostModel) -> dict:
+        n = np.zeros((self.rounds, self.max_depth + 1))
+        np.add.at(n, (self.rid[kept], self.depth[kept]), 1)
+        n = n[:, 1:]
+        levels = (n > 0).sum(1)
+        below_last = np.arange(1, self.max_depth + 1)[None] < levels[:, None]
+        draft = cost.draft(1) + (cost.draft(n) * below_last).sum(1)
+        ms = draft + cost.target(1 + n.sum(1)) + cost.overhead_ms + levels * cost.policy_ms
+        tokens = self.rounds + (self.accepted & kept).sum()
+        return {"tokens_per_s": float(1000 * tokens / ms.sum()), "tokens_per_round": float(tokens / self.rounds),
+                "mean_depth": float(levels.mean()), "mean_nodes": float(n.sum(1).mean())}
 
 
-def rounds_of(table) -> list[Round]:
-    cols = {c: table.column(c).to_numpy(zero_copy_only=False)
-            for c in ("prompt_id", "round", "depth", "round_accepted", "valid")}
-    key = np.char.add(cols["prompt_id"].astype(str), np.char.add(":", cols["round"].astype(str)))
-    order = np.lexsort((cols["depth"], key))
-    out, start = [], 0
-    k = key[order]
-    bounds = np.flatnonzero(k[1:] != k[:-1]) + 1
-    for group in np.split(order, bounds):
-        depths = cols["depth"][group]
-        levels = [group[depths == d] for d in range(1, depths.max() + 1)]
-        out.append(Round([len(x) for x in levels], int(cols["round_accepted"][group[0]]), levels))
-    return out
+def fixed(d: int, width: int | None = None):
+    """Fixed depth d; with `width`, only the first `width` level-1 candidates and their subtrees
+    (the same tree drafted narrower: e.g. width 1 of a fork tree is plain `sd`)."""
+    if width is None:
+        return lambda rs: rs.depth <= d
+    return lambda rs: (rs.depth <= d) & (rs.chain < width)
 
 
-def replay(rounds: list[Round], stop_depth, cost: CostModel) -> dict:
-    """stop_depth(round) -> depth at which the policy stops. Returns tokens/s and friends."""
-    tokens = ms = drafted = 0
-    for r in rounds:
-        d = max(1, min(stop_depth(r), len(r.level_sizes)))
-        tokens += min(r.accepted, d) + 1
-        ms += cost.round_ms(r.level_sizes, d)
-        drafted += d
-    return {"tokens_per_s": 1000 * tokens / ms, "tokens_per_round": tokens / len(rounds),
-            "mean_depth": drafted / len(rounds)}
+def oracle(rs: ReplaySet) -> np.ndarray:
+    """Perfect knowledge, whole levels: draft exactly the levels that will be accepted (>= 1)."""
+    return rs.keep_depth(rs.round_accepted.astype(np.int64))
 
 
-def fixed(d):
-    return lambda r: d
+def oracle_tree(rs: ReplaySet) -> np.ndarray:
+    """Perfect knowledge, node by node: extend exactly the nodes whose child will be accepted."""
+    has_acc_child = np.zeros(len(rs.depth), bool)
+    acc = rs.accepted & (rs.parent_row >= 0)
+    has_acc_child[rs.parent_row[acc]] = True
+    return rs.keep_extended(has_acc_child)
 
 
-def oracle(r: Round) -> int:
-    """Perfect knowledge: draft exactly the levels that will be accepted (at least one)."""
-    return r.accepted
-
-
-def first_stop(stop_at_level):
-    """Dynamic policy: the first depth whose level makes `stop_at_level(rows)` true."""
-    def depth(r: Round) -> int:
-        for d, rows in enumerate(r.levels, 1):
-            if stop_at_level(rows):
-                return d
-        return len(r.levels)
-    return depth
-
-
-def confidence_policy(features: np.ndarray, valid: np.ndarray, threshold: float):
+def confidence_policy(features: np.ndarray, threshold: float):
+    """HF assisted generation's rule: stop once no valid node of a level has q >= threshold."""
     q = features[:, Q_TOKEN]
-    return first_stop(lambda rows: not (valid[rows] & (q[rows] >= threshold)).any())
+    return lambda rs: rs.keep_depth(rs.first_stop(~rs.level_any(rs.valid & (q >= threshold))))
 
 
-def decider_policy(scores: np.ndarray, valid: np.ndarray, parents: np.ndarray, nodes: np.ndarray,
-                   threshold: float, rule: str):
-    """The two decider rules of decoding.decider.DeciderStop, on recorded scores."""
-    if rule == "paper":
-        return first_stop(lambda rows: not (valid[rows] & (scores[rows] > threshold)).any())
-
-    def depth(r: Round) -> int:
-        path: dict[int, float] = {}
-        for d, rows in enumerate(r.levels, 1):
-            best = 0.0
-            for i in rows:
-                v = path.get(int(parents[i]), 1.0) * float(scores[i])
-                path[int(nodes[i])] = v
-                if valid[i]:
-                    best = max(best, v)
-            if 1.0 - best > threshold:
-                return d
-        return len(r.levels)
-    return depth
+def confidence_tree_policy(features: np.ndarray, threshold: float):
+    """Draft-confidence dynamic tree (EAGLE-2-like): extend a node while its path q >= threshold."""
+    path_q = np.exp(features[:, PATH_LOGQ])
+    return lambda rs: rs.keep_extended(path_q >= threshold)
 
 
-def sweep(rounds, make_policy, cost: CostModel, grid) -> tuple[float, dict]:
+def decider_policy(scores: np.ndarray, threshold: float, rule: str):
+    """The three decider rules of decoding.decider.DeciderStop, on recorded scores."""
+    if rule == "paper":  # continue while some valid node scores above the threshold
+        return lambda rs: rs.keep_depth(rs.first_stop(~rs.level_any(rs.valid & (scores > threshold))))
+    path = lambda rs: rs.path(scores)
+    if rule == "specdecpp":  # stop when P(some drafted token on the best path is rejected) > threshold
+        return lambda rs: rs.keep_depth(rs.first_stop(~rs.level_any(rs.valid & (1.0 - path(rs) <= threshold))))
+    if rule == "tree":  # extend exactly the nodes whose predicted path acceptance >= threshold
+        return lambda rs: rs.keep_extended(path(rs) >= threshold)
+    raise ValueError(f"unknown decider rule {rule!r}")
+
+
+def replay(rs: ReplaySet, policy, cost: CostModel) -> dict:
+    return rs.run(policy(rs), cost)
+
+
+def sweep(rs: ReplaySet, make_policy, cost: CostModel, grid) -> tuple[float, dict]:
     """Best threshold of a policy family by replayed tokens/s."""
-    results = [(t, replay(rounds, make_policy(t), cost)) for t in grid]
+    results = [(t, replay(rs, make_policy(t), cost)) for t in grid]
     return max(results, key=lambda x: x[1]["tokens_per_s"])
 
 
-def baseline_table(rounds, features, valid, cost: CostModel) -> dict:
-    """Fixed depths, the confidence baseline (best threshold) and the oracle bound."""
-    max_d = max(len(r.level_sizes) for r in rounds)
-    out = {f"fixed-{d}": replay(rounds, fixed(d), cost) for d in range(1, max_d + 1)}
-    best_fixed = max((k for k in out), key=lambda k: out[k]["tokens_per_s"])
-    t, res = sweep(rounds, lambda t: confidence_policy(features, valid, t), cost, np.linspace(0.05, 0.95, 19))
-    out["confidence"] = {**res, "threshold": float(t)}
-    out["oracle"] = replay(rounds, oracle, cost)
+def baseline_table(rs: ReplaySet, features: np.ndarray, cost: CostModel, grid=None) -> dict:
+    """Fixed depths, both confidence baselines (best threshold in hindsight), both oracles and
+    the best fixed narrower shape of the same tree."""
+    grid = np.linspace(0.05, 0.95, 19) if grid is None else grid
+    out = {f"fixed-{d}": replay(rs, fixed(d), cost) for d in range(1, rs.max_depth + 1)}
+    best_fixed = max(out, key=lambda k: out[k]["tokens_per_s"])
+    for name, fam in (("confidence", confidence_policy), ("confidence-tree", confidence_tree_policy)):
+        t, res = sweep(rs, lambda t, fam=fam: fam(features, t), cost, grid)
+        out[name] = {**res, "threshold": float(t)}
+    out["oracle-depth"] = replay(rs, oracle, cost)
+    out["oracle"] = replay(rs, oracle_tree, cost)
     out["best_fixed"] = best_fixed
+    # the same tree drafted narrower: is any fixed shape better than the best fixed depth?
+    shapes = {f"fixed-w{w}-{d}": replay(rs, fixed(d, w), cost)
+              for w in range(1, int(rs.chain.max()) + 1) for d in range(1, rs.max_depth + 1)}
+    if shapes:
+        k = max(shapes, key=lambda k: shapes[k]["tokens_per_s"])
+        out["best_fixed_shape"] = {**shapes[k], "shape": k}
     return out
 
 
-def oracle_share(policy_tps: float, table: dict) -> float:
+def oracle_share(policy_tps: float, table: dict, oracle_key: str = "oracle") -> float:
     """Fraction of the oracle's gain over the best fixed depth that a policy captures."""
     base = table[table["best_fixed"]]["tokens_per_s"]
-    gain = table["oracle"]["tokens_per_s"] - base
+    gain = table[oracle_key]["tokens_per_s"] - base
     return (policy_tps - base) / gain if gain > 0 else float("nan")
 
 

@@ -17,13 +17,14 @@ from decoding.decider import RULES
 from .datamodule import Split
 from .replay import (
     CostModel,
+    ReplaySet,
     baseline_table,
     calibrate,
     confidence_policy,
+    confidence_tree_policy,
     decider_policy,
     oracle_share,
     replay,
-    rounds_of,
     sweep,
 )
 
@@ -45,7 +46,7 @@ class ReplayConfig:
     """Draft model dir for `measure` (None = the shipped default draft)."""
     dtype: str = "bfloat16"
     rule: str = "auto"
-    """auto: the rule (paper or specdecpp) with the best val tokens/s; or force one."""
+    """auto: the rule (paper, specdecpp or tree) with the best val tokens/s; or force one."""
     grid: list[float] = field(default_factory=_grid)
     """Thresholds tried for each rule."""
     decider_ms: float | None = None
@@ -55,7 +56,7 @@ class ReplayConfig:
 
     def __post_init__(self):
         if self.rule not in ("auto", *RULES):
-            raise ValueError(f"replay.rule must be auto, paper or specdecpp (got {self.rule!r})")
+            raise ValueError(f"replay.rule must be auto or one of {', '.join(RULES)} (got {self.rule!r})")
         if not self.grid or not all(0.0 <= t <= 1.0 for t in self.grid):
             raise ValueError("replay.grid must be a non-empty list of thresholds in [0, 1]")
 
@@ -113,24 +114,18 @@ def policy_ms(net, vocab: int, width: int, repeats: int = 50) -> float:
 
 
 class Replayer:
-    """Rounds and node arrays of one split, ready for any number of policies."""
+    """One split's rounds, ready for any number of policies."""
 
     def __init__(self, split: Split):
-        t = split.table
         self.split = split
-        self.rounds = rounds_of(t)
-        self.parents = t.column("parent").to_numpy()
-        self.nodes = t.column("node").to_numpy()
-
-    def policy(self, scores: np.ndarray, threshold: float, rule: str):
-        return decider_policy(scores, self.split.valid, self.parents, self.nodes, threshold, rule)
+        self.rs = ReplaySet(split.table)
 
     def best(self, scores: np.ndarray, rule: str, grid, cost: CostModel) -> dict:
-        t, res = sweep(self.rounds, lambda th: self.policy(scores, th, rule), cost, grid)
+        t, res = sweep(self.rs, lambda th: decider_policy(scores, th, rule), cost, grid)
         return {**res, "threshold": float(t), "rule": rule}
 
     def at(self, scores: np.ndarray, rule: str, threshold: float, cost: CostModel) -> dict:
-        res = replay(self.rounds, self.policy(scores, threshold, rule), cost)
+        res = replay(self.rs, decider_policy(scores, threshold, rule), cost)
         return {**res, "threshold": float(threshold), "rule": rule}
 
 
@@ -142,7 +137,7 @@ def select_and_report(val: Split, test: Split, val_scores: dict[str, np.ndarray]
     rv, rt = Replayer(val), Replayer(test)
     rules = RULES if cfg.rule == "auto" else (cfg.rule,)
     dcost = replace(cost, policy_ms=cost.policy_ms + decider_ms)  # deciders pay for inference
-    table = baseline_table(rt.rounds, test.features, test.valid, cost)
+    table = baseline_table(rt.rs, test.features, cost)
     chosen_val, policies = {}, {}
     for name, sv in val_scores.items():
         for rule in rules:
@@ -152,23 +147,30 @@ def select_and_report(val: Split, test: Split, val_scores: dict[str, np.ndarray]
             policies[f"{name}-{rule}"] = {**res, "oracle_share": oracle_share(res["tokens_per_s"], table)}
     best_key = max((k for k in chosen_val if k.startswith("decider-")),
                    key=lambda k: chosen_val[k]["tokens_per_s"])
-    # the confidence baseline gets the same treatment as deciders: threshold from val
-    ct, cv = sweep(rv.rounds, lambda t: confidence_policy(val.features, val.valid, t), cost, cfg.grid)
-    chosen_val["confidence"] = {**cv, "threshold": float(ct)}
-    conf = {**replay(rt.rounds, confidence_policy(test.features, test.valid, ct), cost), "threshold": float(ct)}
-    hindsight = table.pop("confidence")  # baseline_table tunes it on the test rounds themselves
+    # the confidence baselines get the same treatment as deciders: threshold from val
+    confidence = {}
+    for name, fam in (("confidence", confidence_policy), ("confidence-tree", confidence_tree_policy)):
+        ct, cv = sweep(rv.rs, lambda t, fam=fam: fam(val.features, t), cost, cfg.grid)
+        chosen_val[name] = {**cv, "threshold": float(ct)}
+        res = replay(rt.rs, fam(test.features, ct), cost)
+        hindsight = table.pop(name)  # baseline_table tunes it on the test rounds themselves
+        confidence[name] = {**res, "threshold": float(ct), "oracle_share": oracle_share(res["tokens_per_s"], table)}
+        confidence[f"{name}-test-tuned"] = {**hindsight,
+                                            "oracle_share": oracle_share(hindsight["tokens_per_s"], table)}
     base = table[table["best_fixed"]]["tokens_per_s"]
     return {
         "val": chosen_val,
-        "test": {**table,
-                 "confidence": {**conf, "oracle_share": oracle_share(conf["tokens_per_s"], table)},
-                 "confidence-test-tuned": {**hindsight,
-                                           "oracle_share": oracle_share(hindsight["tokens_per_s"], table)},
-                 **policies},
+        "test": {**table, **confidence, **policies},
         "chosen": {"rule": chosen_val[best_key]["rule"], "threshold": chosen_val[best_key]["threshold"],
                    "test_tokens_per_s": policies[best_key]["tokens_per_s"],
                    "test_speedup_vs_best_fixed": policies[best_key]["tokens_per_s"] / base,
-                   "test_oracle_share": policies[best_key]["oracle_share"]},
+                   "test_oracle_share": policies[best_key]["oracle_share"],
+                   "test_oracle_depth_share": oracle_share(policies[best_key]["tokens_per_s"], table,
+                                                           "oracle-depth"),
+                   "test_speedup_vs_best_fixed_shape": (policies[best_key]["tokens_per_s"]
+                                                        / table["best_fixed_shape"]["tokens_per_s"]),
+                   "test_speedup_vs_confidence_tree": (policies[best_key]["tokens_per_s"]
+                                                       / confidence["confidence-tree"]["tokens_per_s"])},
         "decider_ms_per_level": decider_ms,
-        "val_rounds": len(rv.rounds), "test_rounds": len(rt.rounds),
+        "val_rounds": len(rv.rs), "test_rounds": len(rt.rs),
     }

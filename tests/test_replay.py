@@ -1,0 +1,86 @@
+"""Trace replay on hand-drawn rounds: fixed shapes, oracles and the dynamic-tree rules."""
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from training.replay import (
+    CostModel,
+    ReplaySet,
+    baseline_table,
+    decider_policy,
+    fixed,
+    oracle,
+    oracle_tree,
+    replay,
+)
+
+# constant costs: a round is draft 1 ms per call + target 10 ms, whatever the sizes
+COST = CostModel(sizes=[1, 64], target_ms=[10.0, 10.0], draft_ms=[1.0, 1.0], overhead_ms=0.0)
+
+
+def table(rounds):
+    """rounds: list of (parents, accepted) per round; nodes in BFS order, -1 = level 1."""
+    cols = {k: [] for k in ("prompt_id", "round", "node", "parent", "depth", "branch", "accepted", "valid")}
+    for r, (parents, accepted) in enumerate(rounds):
+        depth, seen = [], {}
+        for i, p in enumerate(parents):
+            depth.append(1 if p < 0 else depth[p] + 1)
+            cols["branch"].append(seen.get(p, 0))
+            seen[p] = seen.get(p, 0) + 1
+        cols["prompt_id"] += ["p"] * len(parents)
+        cols["round"] += [r] * len(parents)
+        cols["node"] += list(range(len(parents)))
+        cols["parent"] += list(parents)
+        cols["depth"] += depth
+        cols["accepted"] += [i in accepted for i in range(len(parents))]
+        cols["valid"] += [True] * len(parents)
+    return pa.table(cols)
+
+
+# a fork tree: 2 chains of depth 3 (nodes 0,1 | 2,3 | 4,5; chain 0 = 0,2,4; chain 1 = 1,3,5)
+FORK = (-1, -1, 0, 1, 2, 3)
+
+
+def test_fixed_depth_and_oracles_closed_form():
+    rs = ReplaySet(table([(FORK, {0, 2, 4}), (FORK, set())]))
+    r3 = replay(rs, fixed(3), COST)  # both rounds draft 3 levels and verify 6 nodes
+    assert r3["tokens_per_round"] == (4 + 1) / 2
+    assert r3["tokens_per_s"] == pytest.approx(1000 * 5 / (2 * (3 + 10)))
+    assert replay(rs, fixed(3), COST)["mean_nodes"] == 6
+    o = replay(rs, oracle, COST)  # depth 3 then depth 1
+    assert o["tokens_per_s"] == pytest.approx(1000 * 5 / ((3 + 10) + (1 + 10)))
+    ot = replay(rs, oracle_tree, COST)  # keeps level 1 + the accepted chain: 4 nodes, then 2
+    assert ot["mean_nodes"] == (4 + 2) / 2 and ot["tokens_per_round"] == 2.5
+    narrow = replay(rs, fixed(2, width=1), COST)  # chain 0 only, 2 deep
+    assert narrow["mean_nodes"] == 2 and narrow["tokens_per_round"] == (3 + 1) / 2
+
+
+def test_tree_rule_extends_only_confident_paths():
+    rs = ReplaySet(table([(FORK, {1, 3})]))
+    # chain 1 scores 0.9 per node, chain 0 0.2: path products 0.9, 0.81, 0.73 vs 0.2, 0.04
+    scores = np.array([0.2, 0.9, 0.2, 0.9, 0.2, 0.9])
+    kept = decider_policy(scores, 0.5, "tree")(rs)
+    assert kept.tolist() == [True, True, False, True, False, True]
+    res = replay(rs, decider_policy(scores, 0.5, "tree"), COST)
+    assert res["tokens_per_round"] == 3 and res["mean_nodes"] == 4
+    # the same scores with the whole-level rules keep whole levels
+    assert replay(rs, decider_policy(scores, 0.5, "paper"), COST)["mean_nodes"] == 6
+    assert decider_policy(scores, 0.95, "specdecpp")(rs).sum() == 6  # 1 - 0.73 <= 0.95: never stops
+    assert decider_policy(scores, 0.05, "specdecpp")(rs).sum() == 2   # 1 - 0.9 > 0.05: stops at 1
+
+
+def test_baseline_table_bounds():
+    rng = np.random.default_rng(0)
+    rounds = []
+    for _ in range(40):
+        n = rng.integers(0, 4)  # accepted prefix of chain 0 or chain 1
+        chain = rng.integers(0, 2)
+        rounds.append((FORK, {chain + 2 * i for i in range(n)}))
+    rs = ReplaySet(table(rounds))
+    feats = np.zeros((len(rs.depth), 17), np.float32)
+    tab = baseline_table(rs, feats, COST)
+    best = max(tab[f"fixed-{d}"]["tokens_per_s"] for d in (1, 2, 3))
+    assert tab[tab["best_fixed"]]["tokens_per_s"] == best
+    assert tab["oracle"]["tokens_per_s"] >= tab["oracle-depth"]["tokens_per_s"] >= best
+    assert tab["best_fixed_shape"]["shape"].startswith("fixed-w1-")
