@@ -31,8 +31,15 @@ def node_features(level: DraftLevel) -> torch.Tensor:
         top = torch.nn.functional.pad(top, (0, TOP_K - top.shape[-1]))
     per_parent = torch.cat([entropy, top], dim=-1)[level.parent_of]
     q_tok = level.q_token.float()
-    # rank of the drawn token in its parent's distribution (0 = the draft's argmax)
-    rank = (q[level.parent_of] > q_tok[:, None]).sum(-1).float()
+    # rank of the drawn token in its parent's distribution (0 = the draft's argmax): every
+    # token above a top-10 token is itself in the top 10, so a full pass is needed only for
+    # tokens drawn from outside it (sampling); this runs once per drafted level
+    tops = top[level.parent_of]
+    rank = (tops > q_tok[:, None]).sum(-1).float()
+    far = q_tok < tops[:, -1]
+    if far.any():
+        rows = torch.tensor(level.parent_of)[far]
+        rank[far] = (q[rows] > q_tok[far, None]).sum(-1).float()
     k = len(level.nodes)
     per_node = torch.stack([
         q_tok,

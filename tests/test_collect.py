@@ -140,3 +140,24 @@ def test_replay_set_groups_rounds(tmp_path, session):
     assert (rs.depth[rs.parent_row[child]] == rs.depth[child] - 1).all()
     assert (rs.rid[rs.parent_row[child]] == rs.rid[child]).all()
     assert (rs.round_accepted[rs.rid] == t.column("round_accepted").to_numpy()).all()
+
+
+@pytest.mark.parametrize("vocab", [6, 300])
+def test_token_rank_matches_a_full_count(vocab):
+    """The top-10 shortcut for token_rank equals counting over the whole distribution,
+    for tokens inside and outside the top 10, with ties, and for vocabularies under 10."""
+    from decoding.features import FEATURE_NAMES
+    from decoding.stopping import DraftLevel
+
+    g = torch.Generator().manual_seed(vocab)
+    q = torch.softmax(3 * torch.randn(3, vocab, generator=g), -1)
+    q[1, :4] = q[1, 4]  # ties
+    q = q / q.sum(-1, keepdim=True)
+    parent_of = [0, 0, 1, 1, 2, 2]
+    toks = [int(q[0].argmax()), int(q[0].argmin()), 0, 4, int(q[2].argsort()[vocab // 2]), 5 % vocab]
+    level = DraftLevel(depth=1, nodes=list(range(6)), tokens=toks, valid=[True] * 6,
+                       q_token=q[parent_of, toks], parent_q=q, parent_of=parent_of,
+                       parent_nodes=[-1] * 6, branch=[0] * 6, path_logq=torch.zeros(6))
+    rank = node_features(level)[:, FEATURE_NAMES.index("token_rank")]
+    expect = [(q[p] > q[p, t]).sum().item() for p, t in zip(parent_of, toks)]
+    assert rank.tolist() == expect
