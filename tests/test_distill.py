@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -250,3 +251,24 @@ def test_ddp_two_processes_on_cpu(target_dir, corpus_dir, tmp_path):
     meta = json.loads((out / "specstop_draft.json").read_text())
     assert meta["data"]["train_completion_tokens"] > 0
     assert "val/agree" in meta["metrics"]["validation"]
+
+
+def test_max_rows_keeps_the_validation_set_and_counts_tokens(corpus_dir):
+    from training.distill_scaling import training_tokens
+
+    full, part = data_module(corpus_dir), data_module(corpus_dir, max_rows=10)
+    for dm in (full, part):
+        dm.setup("fit")
+    assert len(part.train_rows) == 10 < len(full.train_rows)
+    assert [r.completion for r in part.val_rows] == [r.completion for r in full.val_rows]
+    assert training_tokens(corpus_dir, 10, full.val_percent) == sum(len(r.completion) for r in part.train_rows)
+    assert training_tokens(corpus_dir, None, full.val_percent) == full.train_tokens()
+
+
+def test_scaling_trend_recovers_a_log_law():
+    from training.distill_scaling import fit_trend
+
+    pts = [{"tokens": t, "best_agree": 0.1 + 0.05 * math.log(t)} for t in (1e4, 1e5, 1e6)]
+    tr = fit_trend(pts, 0.6)
+    assert tr["b_per_ln_tokens"] == pytest.approx(0.05) and tr["a"] == pytest.approx(0.1)
+    assert tr["tokens_for_goal"] == pytest.approx(math.exp(10.0), rel=1e-6)

@@ -90,7 +90,9 @@ class CorpusDataModule(L.LightningDataModule):
             val_percent: share of corpus prompts held out for validation (by id hash).
             max_val_rows: cap on validation rows (validation runs often).
             max_prompt_tokens: prompt context kept before each completion.
-            max_rows: read at most N corpus rows in all (smoke tests).
+            max_rows: train on at most the first N training rows of the corpus (data-scaling
+                runs, smoke tests); validation rows are read regardless, so every run is
+                validated on the same rows.
             cache_max_tokens: padded tokens per teacher prefill batch when building the cache.
             refresh: at every epoch start, add corpus shards cached since (needs
                 trainer.reload_dataloaders_every_n_epochs: 1).
@@ -168,9 +170,13 @@ class CorpusDataModule(L.LightningDataModule):
         for s in shards:
             train: list[Row] = []
             for i in range(at, at + s["rows"]):
-                if self.max_rows is not None and self.n_seen >= self.max_rows:
-                    break
-                self.n_seen += 1
+                val = is_val(cols["prompt_id"][i], self.val_percent)
+                if not val:  # the budget counts training rows: validation stays the same set
+                    if self.max_rows is not None and self.n_seen >= self.max_rows:
+                        continue
+                    self.n_seen += 1
+                elif not (first and not hard and len(self.val_rows) < self.max_val_rows):
+                    continue
                 r = Row(cols["prompt_ids"][i], cols["completion_ids"][i], cols["kind"][i] == "code")
                 if teach is not None:
                     r.t_ids, r.t_logp = teach.row(i)
@@ -179,10 +185,7 @@ class CorpusDataModule(L.LightningDataModule):
                     r.t_ids = (tok + torch.arange(self.k, dtype=torch.int32)) % int(vocab)
                     r.t_logp = torch.full(r.t_ids.shape, float("-inf"), dtype=torch.float16)
                     r.t_logp[:, 0] = 0.0
-                if not is_val(cols["prompt_id"][i], self.val_percent):
-                    train.append(r)
-                elif first and not hard and len(self.val_rows) < self.max_val_rows:
-                    self.val_rows.append(r)
+                (self.val_rows if val else train).append(r)
             at += s["rows"]
             self.by_shard[s["file"]] = train
 
