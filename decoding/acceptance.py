@@ -12,7 +12,7 @@ its accepted length) and is only used by the mode that says so in its name.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -7,7 +7,7 @@ refused with a clear error rather than silently corrupting the cache.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

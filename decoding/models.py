@@ -228,7 +228,7 @@ PRUNED_HEAD_TYPE = "specstop_pruned_llama"
 MASKED_LOGIT = -1.0e4
 """Logit of tokens the pruned head cannot propose: finite (no NaN in p*log q), exp() == 0."""
 
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 
 class PrunedHeadLlamaConfig(LlamaConfig):

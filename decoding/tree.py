@@ -26,7 +26,7 @@ def parse_k_config(text: str | list[int] | tuple[int, ...]) -> tuple[int, ...]:
         try:
             ks = tuple(int(s) for s in parts)
         except ValueError:
-            raise ValueError(f"bad k-config {text!r}: expected comma-separated integers like 4,2,2,1")
+            raise ValueError(f"bad k-config {text!r}: expected comma-separated integers like 4,2,2,1") from None
     else:
         ks = tuple(int(k) for k in text)
     if not ks or any(k < 1 for k in ks):
@@ -138,7 +138,7 @@ class TreeLayout:
             node = self.parents[node]
         return path[::-1]
 
-    def sliced(self, depth: int) -> "TreeLayout":
+    def sliced(self, depth: int) -> TreeLayout:
         """The sub-tree of nodes with depth <= `depth` (a BFS prefix; cached)."""
         depth = max(0, min(depth, self.max_depth))
         if depth == self.max_depth:

@@ -24,7 +24,7 @@ def table(rounds):
     cols = {k: [] for k in ("prompt_id", "round", "node", "parent", "depth", "branch", "accepted", "valid")}
     for r, (parents, accepted) in enumerate(rounds):
         depth, seen = [], {}
-        for i, p in enumerate(parents):
+        for p in parents:
             depth.append(1 if p < 0 else depth[p] + 1)
             cols["branch"].append(seen.get(p, 0))
             seen[p] = seen.get(p, 0) + 1

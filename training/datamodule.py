@@ -167,7 +167,7 @@ class TraceDataModule(L.LightningDataModule):
         temp = float(manifest.get("collect", {}).get("temperature", 0.0) or 0.0)
         if self.label == "hard" and temp > 0:
             warnings.warn(f"data.label hard trains on greedy_match, but {self.traces} was sampled "
-                          f"(temperature {temp}): label soft matches the sampling acceptance rule")
+                          f"(temperature {temp}): label soft matches the sampling acceptance rule", stacklevel=2)
         name = self.eval_target_name
         if name == "auto":
             name = "greedy_match" if temp == 0 else "accepted"

@@ -39,6 +39,8 @@ def main() -> int:
     rows = []
     for label, extra in (("fixed depth", ["--stop", "fixed"]),
                          ("confidence", ["--stop", "confidence"]),
+                         ("confidence (tree)", ["--stop", "confidence", "--confidence-rule", "tree",
+                                                "--confidence-threshold", "0.15"]),
                          ("decider", ["--stop", "decider", "--decider", str(OUT / "deciders" / "demo")])):
         print(f"== generate ({label})", flush=True)
         import contextlib
@@ -54,11 +56,11 @@ def main() -> int:
         rows.append((label, res["stats"]))
         if label == "fixed depth":
             print(res["text"])
-    print("\n| stop policy | tok/s | block efficiency | acceptance | target calls | lossless |")
-    print("|---|---|---|---|---|---|")
+    print("\n| stop policy | tok/s | block efficiency | acceptance | mean tree size | target calls | lossless |")
+    print("|---|---|---|---|---|---|---|")
     for label, s in rows:
         print(f"| {label} | {s['tokens_per_s']} | {s['block_efficiency']} | {s['acceptance_rate']} | "
-              f"{s['target_calls']} | {s['lossless']} |")
+              f"{s['mean_tree_size']} | {s['target_calls']} | {s['lossless']} |")
     print(f"\ndecider report: {OUT / 'reports' / 'demo' / 'summary.md'}")
     return 0
 

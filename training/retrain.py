@@ -25,7 +25,6 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-import numpy as np
 
 from decoding.decider import DECIDERS_DIR, load_decider
 from decoding.models import ModelError, fingerprint

@@ -61,7 +61,7 @@ class ShardWriter:
         self.folder = Path(folder)
         self.kind, self.version, self.identity = kind, version, identity
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         self.folder.mkdir(parents=True, exist_ok=True)
         self._lock = open(self.folder / ".lock", "w")
         try:
