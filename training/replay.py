@@ -44,13 +44,6 @@ class CostModel:
     def draft(self, n):
         return np.interp(n, self.sizes, self.draft_ms)
 
-    def round_ms(self, level_sizes: list[int], d: int, pending: int = 1) -> float:
-        """Round that drafted levels 1..d: d draft calls (pending tokens, then levels 1..d-1)
-        and one target call over pending + all drafted nodes."""
-        fed = [pending] + list(level_sizes[: d - 1])
-        return float(sum(self.draft(n) for n in fed[:d]) + self.target(pending + sum(level_sizes[:d]))
-                     + self.overhead_ms + d * self.policy_ms)
-
 
 @torch.inference_mode()
 def calibrate(target, draft, context: int = 256, repeats: int = 5, sizes=None) -> CostModel:

@@ -117,7 +117,6 @@ class Replayer:
     """One split's rounds, ready for any number of policies."""
 
     def __init__(self, split: Split):
-        self.split = split
         self.rs = ReplaySet(split.table)
 
     def best(self, scores: np.ndarray, rule: str, grid, cost: CostModel) -> dict:
