@@ -147,3 +147,54 @@ def test_shipped_prompt_splits_are_disjoint():
     assert len(set(ids)) == len(ids) and len(set(texts)) == len(texts)
     assert len(splits["heldout_code"]) == 40 and 80 <= len(splits["heldout_general"]) <= 120
     assert len(splits["train"]) >= 3500
+
+
+@pytest.mark.parametrize("sampler", corpus.SAMPLERS)
+def test_row_sampler_draws_the_tempered_distribution(sampler):
+    """Both samplers are exact: chi-square of 4,000 draws per row against softmax(s / T)."""
+    from scipy.stats import chisquare
+
+    scores = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5],
+                           [0.0, 0.0, 3.0, -2.0, 1.0, float("-inf")]])
+    temp, n = 0.7, 4000
+    counts = torch.zeros_like(scores)
+    rs = corpus.RowSampler([11, 12], temp, sampler)
+    for _ in range(n):
+        counts += rs(None, scores.clone()) == 0  # one-hot rows: 0 marks the pick
+    probs = torch.softmax(scores / temp, -1)
+    for c, p in zip(counts, probs):
+        keep = p > 0
+        assert c[~keep].sum() == 0  # impossible tokens are never drawn
+        exp = p[keep].double() / p[keep].double().sum() * n
+        assert chisquare(c[keep].double().numpy(), exp.numpy()).pvalue > 1e-3
+    # the same seeds give the same draws, whatever else shares the batch
+    again = corpus.RowSampler([12], temp, sampler)
+    first = corpus.RowSampler([11, 12], temp, sampler)
+    assert torch.equal(first(None, scores.clone())[1], again(None, scores[1:].clone())[0])
+
+
+def test_on_policy_corpus_records_each_shards_writer(tmp_path, teacher):
+    """A draft writes (on-policy): the manifest keeps the target, is marked on-policy, and
+    every shard names its writer; a later, better draft keeps growing the same corpus."""
+    from dataclasses import replace
+
+    def writer(seed: int) -> Teacher:
+        torch.manual_seed(seed)
+        draft = LlamaForCausalLM(teacher.model.config).eval()
+        return replace(teacher, model=draft, info=teacher.info | {"writer": {"name": f"d{seed}"}})
+
+    cfg = make_cfg(tmp_path / "op", sampler=corpus.SAMPLERS[1])
+    build_corpus(cfg, writer(1), PROMPTS[:6], progress=False)
+    build_corpus(replace(cfg, samples=2), writer(2), PROMPTS[:6], progress=False)
+    m = json.loads((tmp_path / "op" / "manifest.json").read_text())
+    assert m["target"] == teacher.info and m["generation"]["on_policy"] is True
+    assert [s["writer"]["name"] for s in m["shards"]] == ["d1", "d1", "d2", "d2"]
+    assert len(rows(tmp_path / "op")) == 12
+    # target-written rows never join an on-policy corpus, nor the reverse
+    with pytest.raises(ValueError, match="generation"):
+        build_corpus(replace(cfg, samples=3), teacher, PROMPTS[:6], progress=False)
+    build_corpus(make_cfg(tmp_path / "t", sampler=corpus.SAMPLERS[1]), teacher, PROMPTS[:2],
+                 progress=False)
+    with pytest.raises(ValueError, match="generation"):
+        build_corpus(make_cfg(tmp_path / "t", sampler=corpus.SAMPLERS[1]), writer(1), PROMPTS,
+                     progress=False)

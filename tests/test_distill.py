@@ -272,3 +272,76 @@ def test_scaling_trend_recovers_a_log_law():
     tr = fit_trend(pts, 0.6)
     assert tr["b_per_ln_tokens"] == pytest.approx(0.05) and tr["a"] == pytest.approx(0.1)
     assert tr["tokens_for_goal"] == pytest.approx(math.exp(10.0), rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def on_policy_dir(target_dir, corpus_dir, tmp_path_factory) -> Path:
+    """An on-policy corpus for the tiny target: a random draft writes, the target scores."""
+    from dataclasses import replace
+
+    target = load_model(target_dir)
+    teacher = Teacher(target, lambda t: [1] + [3 + ord(c) % 60 for c in t], [EOS], PAD,
+                      {"name": "tiny", "vocab_size": V})
+    torch.manual_seed(3)
+    draft = LlamaForCausalLM(target.config).eval()
+    writer = replace(teacher, model=draft, info=teacher.info | {"writer": {"name": "rnd"}})
+    prompts = [Prompt(f"p{i}", "general", "train", "abcde"[i % 5] * (1 + i % 4)) for i in range(48)]
+    out = tmp_path_factory.mktemp("onpolicy")
+    build_corpus(CorpusConfig(out=str(out), dtype="float32", batch_size=8, shard_size=16,
+                              max_new_tokens=24, temperature=1.0, seed=7), writer, prompts,
+                 progress=False)
+    build_cache(out, corpus_dir / "cache", k=8, teacher=teacher, progress=False)
+    return out
+
+
+def test_extra_corpora_add_training_rows_only(corpus_dir, on_policy_dir, tmp_path):
+    from training.distill_data import is_val
+
+    base, both = data_module(corpus_dir), data_module(corpus_dir, extra_corpora=[str(on_policy_dir)])
+    for dm in (base, both):
+        dm.setup("fit")
+    extra = [r for r in both.train_rows if not r.target_written]
+    assert len(both.train_rows) == len(base.train_rows) + len(extra) and extra
+    assert [r.completion for r in both.val_rows] == [r.completion for r in base.val_rows]
+    # validation prompts' on-policy rows are neither trained nor validated on
+    from training.corpus import load_corpus
+
+    op = load_corpus(on_policy_dir).to_list()
+    assert len(extra) == sum(not is_val(r["prompt_id"], 20) for r in op) < len(op)
+    # the draft's own tokens do not vote for the output head, the target's top-1 there does
+    counts = both.token_counts()
+    assert sum(counts.values()) == (sum(base.token_counts().values())
+                                    + sum(len(r.completion) for r in extra))
+    # a corpus written for another target is refused
+    other = tmp_path / "other"
+    other.mkdir()
+    man = json.loads((on_policy_dir / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps(man | {"target": {"name": "x"}}))
+    with pytest.raises(ValueError, match="another target"):
+        data_module(corpus_dir, extra_corpora=[str(other)]).setup("fit")
+
+
+def test_grown_draft_starts_as_the_warm_start_and_reselects_its_head(target_dir, corpus_dir,
+                                                                     tmp_path):
+    module = DistillModule(draft=TINY_DRAFT, target=str(target_dir))
+    trainer(max_steps=2, num_sanity_val_steps=0).fit(module, datamodule=data_module(corpus_dir))
+    src = export_draft(module, tmp_path / "drafts" / "v1", {"kind": "test"}, "bfloat16")
+    old = load_model(src)
+    with torch.no_grad():  # a head that misses frequent ids, so re-picking must change it
+        old.set_head_ids(torch.arange(V - 48, V))
+    old.save_pretrained(src)
+    grown = DistillModule(draft=DraftConfig(init=str(src), grow_layers=2, reselect_head=True),
+                          target=str(target_dir))
+    assert grown.base().config.num_hidden_layers == 3 == len(grown.base().model.layers)
+    x = torch.randint(0, V, (2, 12))
+    grown.draft.eval()
+    with torch.no_grad():  # new layers are the identity: same function as the warm start
+        assert torch.allclose(grown.draft(input_ids=x).logits, old(input_ids=x).logits, atol=1e-5)
+    t = trainer(max_steps=3, num_sanity_val_steps=0)
+    t.fit(grown, datamodule=data_module(corpus_dir))
+    ids = grown.base().lm_head.ids
+    assert {1, EOS} <= set(ids.tolist()) and not torch.equal(ids, torch.arange(V - 48, V))
+    assert grown.base().model.layers[2].self_attn.o_proj.weight.abs().sum() > 0  # it trains
+    out = export_draft(grown, tmp_path / "drafts" / "v2", {"kind": "test"}, "bfloat16")
+    served = load_model(out)
+    assert served.config.num_hidden_layers == 3 and torch.equal(served.lm_head.ids, ids)

@@ -1,6 +1,14 @@
 """Teacher corpus for draft alignment: the target continues prompts; token ids go to parquet.
 
     python -m training.corpus --config configs/corpus.yaml [--max-prompts N] [--out DIR] ...
+    python -m training.corpus --config configs/corpus_onpolicy.yaml --writer DRAFT_DIR
+
+With `--writer DRAFT_DIR` the draft writes the continuations instead (on-policy data,
+DistillSpec): the target still scores every token later (training.teacher_cache, a prefill,
+~3-4x cheaper per token here than the target generating), so the draft learns the target's
+distribution on the text it will itself propose. Such a corpus is marked on-policy (it never
+mixes with target-written rows); each shard records the draft that wrote it, so the corpus
+can keep growing as better drafts take over (rounds of on-policy distillation).
 
 Layout of the corpus directory (small enough to commit: token ids only, zstd parquet):
     manifest.json        schema version, target fingerprint, generation settings, shard list
@@ -22,7 +30,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -34,7 +42,11 @@ from .cli import parse_config as parse_config_file
 
 SCHEMA_VERSION = 1
 CORPUS_KIND = "specstop-teacher-corpus"
-SAMPLER = "per-prompt-generator-v1"  # bump if the sampling procedure changes
+# How a row draws its token from its own generator (part of the corpus identity: a corpus is
+# resumed with the sampler it started with). v1: torch.multinomial; v2: inverse CDF, one
+# uniform per row and step (same distribution; multinomial costs ~1.5 ms per 49k-token row
+# on this CPU, which would dominate a draft writing at batch 64).
+SAMPLERS = ("per-prompt-generator-v1", "per-prompt-inverse-cdf-v2")
 SAMPLE_SEP = "#"  # "<prompt id>#<k>": the k-th extra continuation of a prompt
 VOLATILE_CONFIG_KEYS = {"quantization_config", "transformers_version", "_model_name_or_path",
                         "dtype", "torch_dtype", "_name_or_path"}
@@ -75,6 +87,12 @@ class CorpusConfig:
     """Stop cleanly after the shard that crosses this wall-clock budget."""
     threads: int | None = None
     """torch intra-op threads; None = torch's default."""
+    sampler: str = SAMPLERS[0]
+    """per-prompt-generator-v1 (multinomial) | per-prompt-inverse-cdf-v2 (same distribution,
+    cheaper: what a fast writer such as a draft needs). Fixed for the life of a corpus."""
+    writer: str | None = None
+    """None = the target writes; a draft directory = the draft writes (on-policy corpus). It
+    must share the target's tokenizer; the target scores its text in the teacher cache."""
 
 
 @dataclass
@@ -131,6 +149,18 @@ def load_teacher(cfg: CorpusConfig) -> Teacher:
     return Teacher(model, encode, eos, pad, info)
 
 
+def with_writer(teacher: Teacher, cfg: CorpusConfig) -> Teacher:
+    """The teacher with a draft generating in its place (cfg.writer), and the writer recorded."""
+    if cfg.writer is None:
+        return teacher
+    from decoding.models import check_pair, fingerprint, load_model, load_tokenizer
+
+    draft = load_model(cfg.writer, dtype=cfg.dtype)
+    check_pair(teacher.model, draft, load_tokenizer(cfg.target), load_tokenizer(cfg.writer))
+    info = teacher.info | {"writer": fingerprint(draft, Path(cfg.writer).name)}
+    return replace(teacher, model=draft, info=info)
+
+
 def read_prompts(paths: list[str], max_prompts: int | None = None) -> list[Prompt]:
     """All prompts of the files in order; bad input ends the run with one clear line."""
     out: list[Prompt] = []
@@ -176,15 +206,24 @@ class RowSampler(LogitsProcessor):
     It returns a one-hot score row, so generate(do_sample=False) commits exactly that sample.
     """
 
-    def __init__(self, seeds: list[int], temperature: float):
+    def __init__(self, seeds: list[int], temperature: float, sampler: str = SAMPLERS[0]):
+        if sampler not in SAMPLERS:
+            raise ValueError(f"unknown sampler {sampler!r}; choose from {', '.join(SAMPLERS)}")
         self.gens = [torch.Generator().manual_seed(s) for s in seeds]
-        self.temperature = temperature
+        self.temperature, self.inverse_cdf = temperature, sampler == SAMPLERS[1]
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.temperature <= 0:
             return scores
         probs = torch.softmax(scores.float() / self.temperature, dim=-1)
-        picks = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, self.gens)])
+        if self.inverse_cdf:
+            cdf = probs.double().cumsum(-1)
+            u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in self.gens])
+            picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+            picks = picks.clamp(max=probs.shape[1] - 1)
+        else:
+            picks = torch.cat([torch.multinomial(p, 1, generator=g)[0:1]
+                               for p, g in zip(probs, self.gens)])
         onehot = torch.full_like(scores, float("-inf"))
         return onehot.scatter_(1, picks[:, None], 0.0)
 
@@ -201,7 +240,7 @@ def generate_batch(teacher: Teacher, batch: list[list[int]], seeds: list[int],
         mask[i, width - len(row):] = 1
     out = teacher.model.generate(
         input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=cfg.max_new_tokens,
-        logits_processor=LogitsProcessorList([RowSampler(seeds, cfg.temperature)]),
+        logits_processor=LogitsProcessorList([RowSampler(seeds, cfg.temperature, cfg.sampler)]),
         eos_token_id=teacher.eos_token_ids, pad_token_id=teacher.pad_token_id)
     results = []
     for row in out[:, width:].tolist():
@@ -226,8 +265,14 @@ def build_corpus(cfg: CorpusConfig, teacher: Teacher, prompts: list[Prompt],
     from tqdm import tqdm
 
     generation = {"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
-                  "dtype": cfg.dtype, "seed": cfg.seed, "sampler": SAMPLER}
-    identity = {"target": teacher.info, "generation": generation}
+                  "dtype": cfg.dtype, "seed": cfg.seed, "sampler": cfg.sampler}
+    target = dict(teacher.info)
+    writer_info = target.pop("writer", None)  # the manifest's target is the one to align to
+    per_shard = {}
+    if writer_info is not None:
+        generation["on_policy"] = True
+        per_shard["writer"] = writer_info
+    identity = {"target": target, "generation": generation}
     with shards.ShardWriter(cfg.out, CORPUS_KIND, SCHEMA_VERSION, identity) as writer:
         done = writer.done()
         todo = [p for k in range(cfg.samples) for p in map(lambda p, k=k: sampled(p, k), prompts)
@@ -257,7 +302,7 @@ def build_corpus(cfg: CorpusConfig, teacher: Teacher, prompts: list[Prompt],
                 "completion_ids": [c for c, _ in results], "finished": [f for _, f in results],
             }, schema=ARROW_SCHEMA)
             writer.write(table, [p.id for p in chunk],
-                         completion_tokens=sum(len(c) for c, _ in results))
+                         completion_tokens=sum(len(c) for c, _ in results), **per_shard)
             new_rows += len(chunk)
         bar.close()
         total = sum(s["rows"] for s in writer.manifest["shards"])
@@ -290,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(cfg.threads)
     try:
         read_manifest(Path(cfg.out))  # fail on a bad corpus before loading the model
-        teacher = load_teacher(cfg)
+        teacher = with_writer(load_teacher(cfg), cfg)
         print(f"corpus: {len(prompts)} prompts -> {cfg.out} ({json.dumps(asdict(cfg))})",
               file=sys.stderr)
         stats = build_corpus(cfg, teacher, prompts)

@@ -110,16 +110,19 @@ def load_module(ckpt: str | os.PathLike) -> DistillModule:
 
 
 def build_metadata(module: DistillModule, ckpt: str, corpus: str | None, metrics: dict,
-                   train_tokens: int | None) -> dict:
+                   train_tokens: int | None, extra_corpora: list[str] = ()) -> dict:
     from decoding.models import output_token_ids
 
-    man = Path(corpus) / "manifest.json" if corpus else None
+    def manifest_sha(c: str | None) -> str | None:
+        man = Path(c) / "manifest.json" if c else None
+        return _sha256_file(man) if man and man.exists() else None
+
     head = output_token_ids(module.base())
     return {
         "kind": "specstop-draft", "schema_version": 1,
         "target": target_fingerprint(module.target_path),
-        "data": {"corpus": corpus, "corpus_manifest_sha256":
-                 _sha256_file(man) if man and man.exists() else None,
+        "data": {"corpus": corpus, "corpus_manifest_sha256": manifest_sha(corpus),
+                 "extra_corpora": {c: manifest_sha(c) for c in extra_corpora},
                  "train_completion_tokens": train_tokens},
         "training": {k: v for k, v in module.hp.items()} | {"checkpoint": str(ckpt)},
         "draft": {"params": sum(p.numel() for p in module.base().parameters()),
@@ -178,7 +181,8 @@ def fit(argv: list[str] | None = None) -> None:
         return
     best = cb.best_model_path or str(last)
     best_module = load_module(best)
-    meta = build_metadata(best_module, best, data.corpus, _ckpt_metrics(best), data.train_tokens())
+    meta = build_metadata(best_module, best, data.corpus, _ckpt_metrics(best), data.train_tokens(),
+                          data.extra_corpora)
     out = export_draft(best_module, Path(run.drafts) / run.name, meta, run.dtype)
     print(f"distill: exported {best} -> {out}", file=sys.stderr)
 

@@ -4,6 +4,8 @@ A batch holds right-padded sequences (prompt + completion) and, for every comple
 its flat position, the token itself, its kind (code/general) and -- with the cached teacher
 -- the target's top-k ids and log-probs there. Validation is a fixed slice of the corpus,
 chosen by a hash of the prompt id (stable as the corpus grows; never trained on).
+Extra corpora (e.g. on-policy rows written by a draft) add training rows only: validation
+stays the target-written text the draft will be judged on.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ class Row:
     code: bool
     t_ids: torch.Tensor | None = None
     t_logp: torch.Tensor | None = None
+    target_written: bool = True
+    """False for rows a draft wrote (on-policy): their tokens say nothing of the target's."""
 
 
 class RowDataset(Dataset):
@@ -79,7 +83,7 @@ class CorpusDataModule(L.LightningDataModule):
                  val_percent: float = 3.0, max_val_rows: int = 256,
                  max_prompt_tokens: int = 256, max_rows: int | None = None,
                  cache_max_tokens: int = 4096, refresh: bool = True, build_cache: bool = True,
-                 hard_labels_uncached: bool = False):
+                 hard_labels_uncached: bool = False, extra_corpora: list[str] | None = None):
         """Args:
             corpus: corpus directory (training.corpus).
             teacher_cache: root folder of cached teacher top-k (git-ignored).
@@ -100,6 +104,9 @@ class CorpusDataModule(L.LightningDataModule):
                 (false: use the shards cached so far, e.g. while a cache job runs beside).
             hard_labels_uncached: also train on shards not cached yet, with their sampled
                 token as a one-hot teacher (fkl = cross-entropy) until their cache appears.
+            extra_corpora: more corpus directories for the same target, trained on but never
+                validated on (rows of validation-hash prompts are skipped): e.g. on-policy
+                corpora written by a draft (training.corpus --writer).
         """
         super().__init__()
         if teacher not in ("cached", "online"):
@@ -109,8 +116,9 @@ class CorpusDataModule(L.LightningDataModule):
         self.max_prompt_tokens, self.max_rows = max_prompt_tokens, max_rows
         self.cache_max_tokens, self.refresh, self.build = cache_max_tokens, refresh, build_cache
         self.hard_labels_uncached = hard_labels_uncached
-        self.by_shard: dict[str, list[Row]] = {}  # train rows per corpus shard
-        self.soft: set[str] = set()  # shards loaded with teacher logits
+        self.extra_corpora = list(extra_corpora or [])
+        self.by_shard: dict[str, list[Row]] = {}  # train rows per "<corpus dir>/<shard file>"
+        self.soft: set[str] = set()  # shards (same keys) loaded with teacher logits
         self.n_seen = 0  # rows read so far (max_rows)
         self.pad_id = 0
         self.train_rows: list[Row] = []
@@ -119,7 +127,12 @@ class CorpusDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         # rank 0 only under ddp: fill the cache for corpus shards that arrived since last time
         if self.teacher == "cached" and self.build:
-            build_cache(self.corpus, self.cache_root, self.k, max_tokens=self.cache_max_tokens)
+            for corpus in self.corpora():
+                build_cache(corpus, self.cache_root, self.k, max_tokens=self.cache_max_tokens)
+
+    def corpora(self) -> list[str]:
+        """The validated corpus first, then the training-only extras."""
+        return [self.corpus, *self.extra_corpora]
 
     def setup(self, stage: str | None = None) -> None:
         if not self.train_rows:
@@ -131,41 +144,53 @@ class CorpusDataModule(L.LightningDataModule):
     def _refresh(self) -> None:
         """Load corpus shards not loaded yet (and upgrade hard-label shards now cached).
 
-        The validation rows are fixed at the first call, from shards with teacher logits (a
-        stable learning curve); later validation-hash rows are neither trained nor scored.
+        The validation rows are fixed at the first call, from shards with teacher logits of
+        the first corpus (a stable learning curve); later validation-hash rows are neither
+        trained nor scored.
         """
+        for n, corpus in enumerate(self.corpora()):
+            self._refresh_corpus(corpus, validate=n == 0)
+        self.train_rows = [r for rows in self.by_shard.values() for r in rows]
+
+    def _refresh_corpus(self, corpus: str, validate: bool) -> None:
         from .corpus import read_manifest
 
-        m = read_manifest(Path(self.corpus))
+        m = read_manifest(Path(corpus))
         if m is None:
-            raise ValueError(f"{self.corpus}: no manifest.json: not a corpus directory")
+            raise ValueError(f"{corpus}: no manifest.json: not a corpus directory")
+        if not validate and m["target"] != read_manifest(Path(self.corpus))["target"]:
+            raise ValueError(f"{corpus} was written for another target than {self.corpus}")
         listed = [s["file"] for s in m["shards"]]
         soft = listed
         if self.teacher == "cached":  # the corpus (and its cache) may be growing right now
-            soft = cached_shards(self.corpus, self.cache_root, self.k)
+            soft = cached_shards(corpus, self.cache_root, self.k)
         hard = [n for n in listed if n not in soft] if self.hard_labels_uncached else []
         if self.trainer is not None:  # under ddp every rank must train on the same rows
             soft, hard = self.trainer.strategy.broadcast((soft, hard), src=0)
-        new_soft = [n for n in soft if n not in self.soft]
-        new_hard = [n for n in hard if n not in self.by_shard]
-        first = not self.by_shard
+        key = lambda name: f"{corpus}/{name}"
+        new_soft = [n for n in soft if key(n) not in self.soft]
+        new_hard = [n for n in hard if key(n) not in self.by_shard]
+        first = validate and not any(k.startswith(f"{corpus}/") for k in self.by_shard)
+        vocab = m["target"].get("vocab_size")
         if new_soft:
             shards, teach = [s for s in m["shards"] if s["file"] in new_soft], None
             if self.teacher == "cached":
-                shards, teach = load_cache(self.corpus, self.cache_root, self.k, only=new_soft)
-            self._add(shards, teach, first, m["target"].get("vocab_size"))
-            self.soft.update(new_soft)
+                shards, teach = load_cache(corpus, self.cache_root, self.k, only=new_soft)
+            self._add(corpus, shards, teach, first, vocab)
+            self.soft.update(map(key, new_soft))
         if new_hard:
-            self._add([s for s in m["shards"] if s["file"] in new_hard], None, False,
-                      m["target"].get("vocab_size"), hard=True)
-        self.train_rows = [r for rows in self.by_shard.values() for r in rows]
+            self._add(corpus, [s for s in m["shards"] if s["file"] in new_hard], None, False,
+                      vocab, hard=True)
 
-    def _add(self, shards: list[dict], teach: TeacherRows | None, first: bool, vocab,
-             hard: bool = False) -> None:
+    def _add(self, corpus: str, shards: list[dict], teach: TeacherRows | None, first: bool,
+             vocab, hard: bool = False) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        cols = pa.concat_tables([pq.read_table(Path(self.corpus) / s["file"]) for s in shards])
+        from .corpus import read_manifest
+
+        cols = pa.concat_tables([pq.read_table(Path(corpus) / s["file"]) for s in shards])
+        on_policy = bool(read_manifest(Path(corpus))["generation"].get("on_policy"))
         cols, at = cols.to_pydict(), 0
         for s in shards:
             train: list[Row] = []
@@ -177,7 +202,8 @@ class CorpusDataModule(L.LightningDataModule):
                     self.n_seen += 1
                 elif not (first and not hard and len(self.val_rows) < self.max_val_rows):
                     continue
-                r = Row(cols["prompt_ids"][i], cols["completion_ids"][i], cols["kind"][i] == "code")
+                r = Row(cols["prompt_ids"][i], cols["completion_ids"][i], cols["kind"][i] == "code",
+                        target_written=not on_policy)
                 if teach is not None:
                     r.t_ids, r.t_logp = teach.row(i)
                 elif hard:  # one-hot teacher on the sampled token: fkl reduces to CE
@@ -187,7 +213,7 @@ class CorpusDataModule(L.LightningDataModule):
                     r.t_logp[:, 0] = 0.0
                 (self.val_rows if val else train).append(r)
             at += s["rows"]
-            self.by_shard[s["file"]] = train
+            self.by_shard[f"{corpus}/{s['file']}"] = train
 
     def train_tokens(self) -> int:
         return sum(len(r.completion) for r in self.train_rows)
@@ -196,7 +222,8 @@ class CorpusDataModule(L.LightningDataModule):
         """How often each id is the teacher's top-1 or the corpus token (train rows)."""
         c: Counter = Counter()
         for r in self.train_rows:
-            c.update(r.completion)
+            if r.target_written:
+                c.update(r.completion)
             if r.t_ids is not None:
                 c.update(r.t_ids[:, 0].tolist())
         return c

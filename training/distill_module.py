@@ -44,6 +44,13 @@ class DraftConfig:
     """LoRA rank."""
     lora_alpha: int = 32
     """LoRA scaling numerator."""
+    grow_layers: int = 0
+    """Fine-tuning an existing draft: append this many decoder layers that start as the
+    identity (zero output projections), so the warm start keeps its function and the new
+    depth adds capacity (depth is cheap at serving time; width is not)."""
+    reselect_head: bool = False
+    """Fine-tuning an existing pruned-head draft: re-pick its output ids from this run's data
+    (free with tied embeddings: the head is a row selection of the embedding)."""
 
 
 def svd_embedding(weight: torch.Tensor, width: int) -> torch.Tensor:
@@ -64,6 +71,24 @@ def select_head_ids(counts, vocab: int, size: int, always=()) -> torch.Tensor:
         score[tok] = float("inf")
     order = sorted(range(vocab), key=lambda i: (-score[i].item(), i))
     return torch.tensor(sorted(order[:size]))
+
+
+def grow_layers(model, n: int) -> None:
+    """Append n identity-initialised decoder layers to a Llama-style causal LM, in place."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    conf, layers = model.config, model.model.layers
+    ref = next(model.parameters())
+    for _ in range(n):
+        layer = LlamaDecoderLayer(conf, len(layers))
+        for mod in layer.modules():
+            if isinstance(mod, torch.nn.Linear):
+                torch.nn.init.normal_(mod.weight, std=conf.initializer_range)
+        with torch.no_grad():  # residual branches output 0: the layer is the identity
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        layers.append(layer.to(device=ref.device, dtype=ref.dtype))
+    conf.num_hidden_layers = len(layers)
 
 
 def new_draft(target_config, cfg: DraftConfig) -> PrunedHeadLlamaForCausalLM:
@@ -167,6 +192,8 @@ class DistillModule(L.LightningModule):
             tconf = AutoConfig.from_pretrained(resolve_model_dir(self.target_path))
             return new_draft(tconf, self.cfg).train()
         model = load_model(self.cfg.init, "float32").train()
+        if self.cfg.grow_layers:
+            grow_layers(model, self.cfg.grow_layers)
         if not self.cfg.lora:
             return model
         from peft import LoraConfig, get_peft_model
@@ -187,20 +214,27 @@ class DistillModule(L.LightningModule):
         return self._teacher[0]
 
     def setup(self, stage: str) -> None:
-        """Data-dependent init of a new draft: head ids by token frequency, SVD embedding."""
-        if self.initialised or self.cfg.init != "new":
+        """Data-dependent init: head ids by token frequency (a new draft, or reselect_head),
+        SVD embedding (a new draft)."""
+        new = self.cfg.init == "new"
+        if self.initialised or not (new or self.cfg.reselect_head):
             return
         dm = self.trainer.datamodule
         m, t = self.base(), self.teacher()
         eos = t.generation_config.eos_token_id
         always = {t.config.bos_token_id, *([eos] if isinstance(eos, int) else eos or [])} - {None}
-        if self.cfg.head_size:
-            ids = select_head_ids(dm.token_counts(), m.config.vocab_size, self.cfg.head_size, always)
-            m.set_head_ids(ids)
+        size = self.cfg.head_size if new else (len(m.lm_head.ids) if isinstance(
+            m.get_output_embeddings(), PrunedHead) else None)
+        if size:
             c = dm.token_counts()
+            ids = select_head_ids(c, m.config.vocab_size, size, always)
+            if not new:
+                kept = len(set(ids.tolist()) & set(m.lm_head.ids.tolist()))
+                print(f"distill: re-picked output head keeps {kept} of {size} ids")
+            m.set_head_ids(ids)
             cover = sum(c[i] for i in ids.tolist()) / max(1, sum(c.values()))
             print(f"distill: output head covers {cover:.4f} of corpus/teacher-top1 tokens")
-        if self.cfg.embed_init == "svd":
+        if new and self.cfg.embed_init == "svd":
             with torch.no_grad():
                 m.get_input_embeddings().weight.copy_(
                     svd_embedding(t.get_input_embeddings().weight, m.config.hidden_size))

@@ -5,9 +5,9 @@
 One bf16 teacher-forced prefill per corpus row (batched by length) gives the target's
 next-token distribution at every completion position; the top-k log-probs (+ an implicit
 "rest" bucket, 1 - sum of the top-k) are stored git-ignored as one safetensors file per
-corpus shard under `<root>/<target name>-<fingerprint>-k<k>/`. Corpus shards never change
-once listed, so the cache is incremental: a shard already cached is skipped as the corpus
-grows. Each file is written to a temp name and renamed (a crash leaves no half file).
+corpus shard under `<root>/<target name>-<fingerprint>-k<k>/<corpus dir>-<settings hash>/`.
+Corpus shards never change once listed, so the cache is incremental: a shard already cached
+is skipped as the corpus grows. Each file is written to a temp name and renamed (a crash leaves no half file).
 
 Row layout: position j of a row (0 <= j < len(completion)) is the distribution the target
 predicts for completion[j] after prompt + completion[:j].
@@ -48,11 +48,16 @@ class TeacherRows:
         return self.ids[a:b], self.logp[a:b]
 
 
-def cache_dir(root: str | os.PathLike, target_info: dict, k: int) -> Path:
-    """Per-(target, k) folder: a different target can never read another's logits."""
-    fp = hashlib.sha256(json.dumps(target_info, sort_keys=True).encode()).hexdigest()[:12]
-    name = str(target_info.get("name", "target")).replace("/", "_")
-    return Path(root) / f"{name}-{fp}-k{k}"
+def cache_dir(root: str | os.PathLike, corpus: str | os.PathLike, manifest: dict, k: int) -> Path:
+    """Per-(target, k, corpus) folder: a different target can never read another's logits,
+    and corpora beside each other (target-written, on-policy) never share shard files."""
+    def h(obj) -> str:
+        return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
+
+    target = manifest["target"]
+    name = str(target.get("name", "target")).replace("/", "_")
+    return (Path(root) / f"{name}-{h(target)}-k{k}"
+            / f"{Path(corpus).resolve().name}-{h(manifest.get('generation'))}")
 
 
 def _ids_hash(prompt_ids: list[str]) -> str:
@@ -142,7 +147,7 @@ def build_cache(corpus: str | os.PathLike, root: str | os.PathLike, k: int = 64,
     m = read_manifest(Path(corpus))
     if m is None:
         raise ValueError(f"{corpus}: no manifest.json: not a corpus directory")
-    out = cache_dir(root, m["target"], k)
+    out = cache_dir(root, corpus, m, k)
     todo = [s for s in m["shards"] if not (out / _file(s)).exists()]
     if not todo:
         return out
@@ -175,7 +180,7 @@ def cached_shards(corpus: str | os.PathLike, root: str | os.PathLike, k: int = 6
     from .corpus import read_manifest
 
     m = read_manifest(Path(corpus)) or {"shards": [], "target": {}}
-    folder = cache_dir(root, m["target"], k)
+    folder = cache_dir(root, corpus, m, k)
     return [s["file"] for s in m["shards"] if (folder / _file(s)).exists()]
 
 
@@ -191,7 +196,7 @@ def load_cache(corpus: str | os.PathLike, root: str | os.PathLike, k: int = 64,
     m = read_manifest(Path(corpus))
     if m is None:
         raise ValueError(f"{corpus}: no manifest.json: not a corpus directory")
-    folder = cache_dir(root, m["target"], k)
+    folder = cache_dir(root, corpus, m, k)
     shards, parts = [], []
     for s in m["shards"]:
         path = folder / _file(s)
