@@ -33,16 +33,25 @@ demo: venv
 bench: venv
 	$(BIN)/python -m decoding.bench --config configs/bench.yaml
 
-# Reproduce the shipped draft from scratch: finish/resume the committed corpus, cache the
-# target's top-64 log-probs (bf16 prefill), distil (time-boxed, see configs/distill_draft.yaml),
-# export checkpoints/drafts/smollm2-135m-draft/ and measure it into reports/draft/.
+# Reproduce the shipped draft: finish/resume the committed target corpus, cache the target's
+# top-64 log-probs (bf16 prefill), distil stage 1 (a new draft, smollm2-135m-draft-v1); the
+# committed on-policy corpus (written by v1, resumed if incomplete) is scored by the target;
+# stage 2 warm-starts from v1 on both corpora and exports checkpoints/drafts/smollm2-135m-draft/,
+# measured into reports/draft/. Each distil step is time-boxed (see its config).
 draft: venv
 	$(BIN)/python -m training.corpus --config configs/corpus.yaml
 	$(BIN)/python -m training.teacher_cache --corpus data/corpus
-	rm -rf runs/distill/smollm2-135m-draft
+	rm -rf runs/distill/smollm2-135m-draft-v1
 	$(BIN)/python -m training.distill --config configs/distill_draft.yaml
+	$(BIN)/python -m training.distill_eval --draft checkpoints/drafts/smollm2-135m-draft-v1 \
+		--out reports/draft/v1 --metrics-csv runs/distill/smollm2-135m-draft-v1/version_0/metrics.csv
+	$(BIN)/python -m training.corpus --config configs/corpus_onpolicy.yaml
+	$(BIN)/python -m training.teacher_cache --corpus data/corpus-onpolicy
+	rm -rf runs/distill/smollm2-135m-draft-v2
+	$(BIN)/python -m training.distill --config configs/distill_draft_v2.yaml
 	$(BIN)/python -m training.distill_eval --draft checkpoints/drafts/smollm2-135m-draft \
-		--metrics-csv runs/distill/smollm2-135m-draft/version_0/metrics.csv
+		--metrics-csv runs/distill/smollm2-135m-draft-v2/version_0/metrics.csv \
+		--prior-curve reports/draft/v1/eval.json
 
 lint: venv
 	$(BIN)/ruff check decoding training tests

@@ -143,7 +143,9 @@ def full_head_copy(draft):
     return full
 
 
-def learning_curve(csv: Path, png: Path) -> list[dict]:
+def learning_curve(csv: Path, png: Path, prior: list[dict] | None = None) -> list[dict]:
+    """Validation agreement vs training minutes from a run's metrics.csv; `prior` = an earlier
+    stage's points (a warm start's own curve), drawn first, this run's minutes after it."""
     import pandas as pd
 
     df = pd.read_csv(csv)
@@ -160,9 +162,14 @@ def learning_curve(csv: Path, png: Path) -> list[dict]:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    offset = max((q["train_minutes"] for q in prior or []), default=0.0)
+    if prior:
+        ax.plot([q["train_minutes"] for q in prior], [q["val/agree"] for q in prior], marker="o",
+                ms=2, c="grey", label="stage 1 (its own validation slice)")
+        ax.axvline(offset, c="grey", lw=1, ls=":")
     for c, lab in (("val/agree", "all"), ("val/agree_general", "general"), ("val/agree_code", "code")):
         if c in v:
-            ax.plot(v["train_minutes"], v[c], marker="o", ms=3, label=lab)
+            ax.plot(v["train_minutes"] + offset, v[c], marker="o", ms=3, label=lab)
     ax.set_xlabel("training wall-clock minutes (shared 2-core CPU)")
     ax.set_ylabel("top-1 agreement (validation slice of the corpus)")
     ax.axhline(0.6, ls="--", c="grey", lw=1, label="target 0.6")
@@ -219,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--metrics-csv", default=None, help="the run's metrics.csv (learning curve)")
+    p.add_argument("--prior-curve", default=None,
+                   help="eval.json of the warm start: its learning curve is drawn first")
     p.add_argument("--eval-cache", default=".cache/eval_corpus")
     a = p.parse_args(argv)
     if a.threads:
@@ -247,7 +256,10 @@ def main(argv: list[str] | None = None) -> None:
         res["cost"]["full_head"] = step_cost(target, full)
     print(f"cost: {json.dumps(res['cost'])}", file=sys.stderr, flush=True)
     if a.metrics_csv and Path(a.metrics_csv).is_file():
-        res["learning_curve"] = learning_curve(Path(a.metrics_csv), out / "learning_curve.png")
+        prior = None
+        if a.prior_curve:
+            prior = json.loads(Path(a.prior_curve).read_text()).get("learning_curve")
+        res["learning_curve"] = learning_curve(Path(a.metrics_csv), out / "learning_curve.png", prior)
     _write(out / "eval.json", json.dumps(res, indent=1) + "\n")
     _write(out / "eval.md", markdown(res))
     meta_path = draft_dir / "specstop_draft.json"
