@@ -345,3 +345,10 @@ def test_grown_draft_starts_as_the_warm_start_and_reselects_its_head(target_dir,
     out = export_draft(grown, tmp_path / "drafts" / "v2", {"kind": "test"}, "bfloat16")
     served = load_model(out)
     assert served.config.num_hidden_layers == 3 and torch.equal(served.lm_head.ids, ids)
+
+
+def test_draft_cost_refuses_a_missing_draft_with_one_line(tmp_path):
+    from training import draft_cost
+
+    with pytest.raises(SystemExit, match="error: model directory not found"):
+        draft_cost.main(["--draft", str(tmp_path / "nope")])

@@ -124,11 +124,17 @@ def build_metadata(module: DistillModule, ckpt: str, corpus: str | None, metrics
         "data": {"corpus": corpus, "corpus_manifest_sha256": manifest_sha(corpus),
                  "extra_corpora": {c: manifest_sha(c) for c in extra_corpora},
                  "train_completion_tokens": train_tokens},
-        "training": {k: v for k, v in module.hp.items()} | {"checkpoint": str(ckpt)},
+        "training": {k: v for k, v in module.hp.items()} | {"checkpoint": _relative(ckpt)},
         "draft": {"params": sum(p.numel() for p in module.base().parameters()),
                   "head_size": None if head is None else int(head.numel())},
         "metrics": {"validation": metrics},
     }
+
+
+def _relative(path) -> str:
+    """A path inside the working directory as a relative one (metadata travels with the repo)."""
+    p = Path(path).resolve()
+    return str(p.relative_to(Path.cwd())) if p.is_relative_to(Path.cwd()) else str(path)
 
 
 def _ckpt_metrics(ckpt: str) -> dict:

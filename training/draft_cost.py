@@ -1,0 +1,89 @@
+"""Step cost of drafts as a fraction of a target step, side by side, at several thread counts.
+
+    python -m training.draft_cost --draft checkpoints/drafts/A --draft checkpoints/drafts/B \
+        [--threads 1 2] [--out reports/draft/cost.json] [--speed-prompts 8]
+
+Every draft is timed against the target in the same process (training.distill_eval's
+step_cost: batch 1, one new token with a KV cache, target and draft interleaved, median of
+repeats), so drafts are compared under the same machine load. The ratio depends on the
+thread count: the target's matrix products use a second core, the draft's overhead-bound
+step barely does. With --speed-prompts N, the drafts also decode (sd gamma 4 and ar, greedy,
+64 new tokens) the first N held-out prompts of each kind, drafts alternating prompt by
+prompt, so what the cost buys back in block efficiency is measured under the same load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> None:
+    from decoding.models import ModelError, load_model, resolve_model_dir
+
+    from .distill_eval import _write, step_cost
+
+    p = argparse.ArgumentParser(prog="python -m training.draft_cost", description=__doc__.split("\n")[0])
+    p.add_argument("--draft", action="append", required=True, help="draft directory (repeatable)")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--speed-prompts", type=int, default=0, help="held-out prompts per kind to decode")
+    a = p.parse_args(argv)
+    try:
+        for d in a.draft:  # a bad path fails before the target is loaded
+            resolve_model_dir(d)
+        target = load_model(None, a.dtype)
+        drafts = {d: load_model(d, a.dtype) for d in a.draft}
+    except ModelError as e:
+        raise SystemExit(f"error: {e}") from None
+    rows = []
+    for n in a.threads:
+        torch.set_num_threads(n)
+        for name, draft in drafts.items():
+            c = step_cost(target, draft, repeats=a.repeats)
+            rows.append({"draft": name, "threads": n} | c)
+            print(f"threads {n}  {name}: draft {c['draft_step_ms']} ms / target "
+                  f"{c['target_step_ms']} ms = {c['cost_ratio']} {c['cost_ratio_min_max']}",
+                  file=sys.stderr, flush=True)
+    out = {"cost": rows}
+    if a.speed_prompts:
+        out["speed"] = speed(target, drafts, a.speed_prompts)
+    if a.out:
+        _write(Path(a.out), json.dumps(out, indent=1) + "\n")
+
+
+def speed(target, drafts: dict, n: int) -> dict:
+    """Per kind and draft: sd gamma 4 totals (and ar once), prompt by prompt, drafts interleaved."""
+    from .distill_eval import KINDS, engine_runs, eval_corpus
+
+    eos = target.generation_config.eos_token_id
+    res: dict = {}
+    for kind in KINDS:
+        rows = eval_corpus(kind, n, Path(".cache/eval_corpus"), "bfloat16")
+        tot: dict = {}
+        for r in rows:
+            for name, draft in drafts.items():
+                for strat, m in engine_runs(target, draft, [r], 64, eos).items():
+                    if strat == "mcsd[4,2,2,1]" or (strat == "ar" and name != next(iter(drafts))):
+                        continue
+                    key = "ar" if strat == "ar" else f"{strat} {name}"
+                    t = tot.setdefault(key, {"new_tokens": 0, "target_calls": 0, "wall_s": 0.0})
+                    for k in t:
+                        t[k] += m[k]
+        res[kind] = {k: t | {"tokens_per_s": round(t["new_tokens"] / t["wall_s"], 2),
+                             "block_efficiency": round(t["new_tokens"] / t["target_calls"], 3)}
+                     for k, t in tot.items()}
+        for k, t in res[kind].items():
+            print(f"{kind} {k}: {t['tokens_per_s']} tok/s, block efficiency {t['block_efficiency']}",
+                  file=sys.stderr, flush=True)
+    return res
+
+
+if __name__ == "__main__":
+    main()
