@@ -222,8 +222,7 @@ class RowSampler(LogitsProcessor):
             picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
             picks = picks.clamp(max=probs.shape[1] - 1)
         else:
-            picks = torch.cat([torch.multinomial(p, 1, generator=g)[0:1]
-                               for p, g in zip(probs, self.gens)])
+            picks = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, self.gens)])
         onehot = torch.full_like(scores, float("-inf"))
         return onehot.scatter_(1, picks[:, None], 0.0)
 

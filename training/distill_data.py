@@ -171,26 +171,23 @@ class CorpusDataModule(L.LightningDataModule):
         new_soft = [n for n in soft if key(n) not in self.soft]
         new_hard = [n for n in hard if key(n) not in self.by_shard]
         first = validate and not any(k.startswith(f"{corpus}/") for k in self.by_shard)
-        vocab = m["target"].get("vocab_size")
+        vocab, on_policy = m["target"].get("vocab_size"), bool(m["generation"].get("on_policy"))
         if new_soft:
             shards, teach = [s for s in m["shards"] if s["file"] in new_soft], None
             if self.teacher == "cached":
                 shards, teach = load_cache(corpus, self.cache_root, self.k, only=new_soft)
-            self._add(corpus, shards, teach, first, vocab)
+            self._add(corpus, shards, teach, first, vocab, on_policy)
             self.soft.update(map(key, new_soft))
         if new_hard:
             self._add(corpus, [s for s in m["shards"] if s["file"] in new_hard], None, False,
-                      vocab, hard=True)
+                      vocab, on_policy, hard=True)
 
     def _add(self, corpus: str, shards: list[dict], teach: TeacherRows | None, first: bool,
-             vocab, hard: bool = False) -> None:
+             vocab, on_policy: bool, hard: bool = False) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        from .corpus import read_manifest
-
         cols = pa.concat_tables([pq.read_table(Path(corpus) / s["file"]) for s in shards])
-        on_policy = bool(read_manifest(Path(corpus))["generation"].get("on_policy"))
         cols, at = cols.to_pydict(), 0
         for s in shards:
             train: list[Row] = []

@@ -223,8 +223,8 @@ class DistillModule(L.LightningModule):
         m, t = self.base(), self.teacher()
         eos = t.generation_config.eos_token_id
         always = {t.config.bos_token_id, *([eos] if isinstance(eos, int) else eos or [])} - {None}
-        size = self.cfg.head_size if new else (len(m.lm_head.ids) if isinstance(
-            m.get_output_embeddings(), PrunedHead) else None)
+        head = m.get_output_embeddings()
+        size = self.cfg.head_size if new else (len(head.ids) if isinstance(head, PrunedHead) else None)
         if size:
             c = dm.token_counts()
             ids = select_head_ids(c, m.config.vocab_size, size, always)

@@ -7,7 +7,8 @@ next-token distribution at every completion position; the top-k log-probs (+ an 
 "rest" bucket, 1 - sum of the top-k) are stored git-ignored as one safetensors file per
 corpus shard under `<root>/<target name>-<fingerprint>-k<k>/<corpus dir>-<settings hash>/`.
 Corpus shards never change once listed, so the cache is incremental: a shard already cached
-is skipped as the corpus grows. Each file is written to a temp name and renamed (a crash leaves no half file).
+is skipped as the corpus grows. Each file is written to a temp name and renamed (a crash
+leaves no half file).
 
 Row layout: position j of a row (0 <= j < len(completion)) is the distribution the target
 predicts for completion[j] after prompt + completion[:j].
