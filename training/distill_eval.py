@@ -77,13 +77,16 @@ def teacher_forced(target, draft, rows: list[dict]) -> dict:
             "expected_acceptance_summin": accept / n, "target_top1_in_draft_head": covered / n}
 
 
-def engine_runs(target, draft, rows: list[dict], max_new: int, eos) -> dict:
+def engine_runs(target, draft, rows: list[dict], max_new: int, eos,
+                strategies: tuple[str, ...] = ("ar", "sd", "mcsd")) -> dict:
+    """Greedy totals per strategy: ar, sd (gamma 4), mcsd (4,2,2,1)."""
     from decoding.sampling import SamplingConfig
     from decoding.strategies import StrategyConfig, build_engine
 
+    configs = {"ar": StrategyConfig("ar"), "sd": StrategyConfig("sd", gamma=4),
+               "mcsd": StrategyConfig("mcsd", k_config="4,2,2,1")}
     out = {}
-    for cfg in (StrategyConfig("ar"), StrategyConfig("sd", gamma=4),
-                StrategyConfig("mcsd", k_config="4,2,2,1")):
+    for cfg in (configs[s] for s in strategies):
         eng = build_engine(target, draft, cfg, SamplingConfig())
         tot = {"drafted": 0, "accepted": 0, "new_tokens": 0, "target_calls": 0, "wall_s": 0.0}
         for r in rows:

@@ -68,10 +68,9 @@ def speed(target, drafts: dict, n: int) -> dict:
         rows = eval_corpus(kind, n, Path(".cache/eval_corpus"), "bfloat16")
         tot: dict = {}
         for r in rows:
-            for name, draft in drafts.items():
-                for strat, m in engine_runs(target, draft, [r], 64, eos).items():
-                    if strat == "mcsd[4,2,2,1]" or (strat == "ar" and name != next(iter(drafts))):
-                        continue
+            for i, (name, draft) in enumerate(drafts.items()):
+                strategies = ("ar", "sd") if i == 0 else ("sd",)  # ar once per prompt
+                for strat, m in engine_runs(target, draft, [r], 64, eos, strategies).items():
                     key = "ar" if strat == "ar" else f"{strat} {name}"
                     t = tot.setdefault(key, {"new_tokens": 0, "target_calls": 0, "wall_s": 0.0})
                     for k in t:
