@@ -308,6 +308,11 @@ def test_extra_corpora_add_training_rows_only(corpus_dir, on_policy_dir, tmp_pat
 
     op = load_corpus(on_policy_dir).to_list()
     assert len(extra) == sum(not is_val(r["prompt_id"], 20) for r in op) < len(op)
+    # a recipe stage can keep to the shards its writers wrote (by the name each shard records)
+    for writers, n in ((["rnd"], len(extra)), (["another-draft"], 0)):
+        dm = data_module(corpus_dir, extra_corpora=[str(on_policy_dir)], extra_writers=writers)
+        dm.setup("fit")
+        assert sum(not r.target_written for r in dm.train_rows) == n
     # the draft's own tokens do not vote for the output head, the target's top-1 there does
     counts = both.token_counts()
     assert sum(counts.values()) == (sum(base.token_counts().values())
@@ -352,3 +357,23 @@ def test_draft_cost_refuses_a_missing_draft_with_one_line(tmp_path):
 
     with pytest.raises(SystemExit, match="error: model directory not found"):
         draft_cost.main(["--draft", str(tmp_path / "nope")])
+
+
+def test_learning_curves_chain_across_warm_started_stages(tmp_path):
+    from training.distill_eval import learning_curve
+
+    def csv(name: str, agree: list[float]) -> Path:
+        rows = ["step,train_minutes,val/agree"] + [f"{i},{i + 1.0},{a}" for i, a in enumerate(agree)]
+        (tmp_path / name).write_text("\n".join(rows) + "\n")
+        return tmp_path / name
+
+    one = learning_curve(csv("1.csv", [0.3, 0.4]), tmp_path / "1.png")
+    two = learning_curve(csv("2.csv", [0.45, 0.5]), tmp_path / "2.png", one)
+    three = learning_curve(csv("3.csv", [0.52]), tmp_path / "3.png", two)
+    assert [q["stage"] for q in three] == [1, 1, 2, 2, 3]
+    assert [q["total_minutes"] for q in three] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert [q["val/agree"] for q in three] == [0.3, 0.4, 0.45, 0.5, 0.52]
+    # a curve written before stages were recorded (no stage / total_minutes) is stage 1
+    legacy = [{k: v for k, v in q.items() if k not in ("stage", "total_minutes")} for q in one]
+    assert learning_curve(csv("2.csv", [0.45, 0.5]), tmp_path / "x.png", legacy) == two
+    assert (tmp_path / "3.png").stat().st_size > 0

@@ -83,7 +83,8 @@ class CorpusDataModule(L.LightningDataModule):
                  val_percent: float = 3.0, max_val_rows: int = 256,
                  max_prompt_tokens: int = 256, max_rows: int | None = None,
                  cache_max_tokens: int = 4096, refresh: bool = True, build_cache: bool = True,
-                 hard_labels_uncached: bool = False, extra_corpora: list[str] | None = None):
+                 hard_labels_uncached: bool = False, extra_corpora: list[str] | None = None,
+                 extra_writers: list[str] | None = None):
         """Args:
             corpus: corpus directory (training.corpus).
             teacher_cache: root folder of cached teacher top-k (git-ignored).
@@ -107,6 +108,9 @@ class CorpusDataModule(L.LightningDataModule):
             extra_corpora: more corpus directories for the same target, trained on but never
                 validated on (rows of validation-hash prompts are skipped): e.g. on-policy
                 corpora written by a draft (training.corpus --writer).
+            extra_writers: train only on the extra corpora's shards written by these drafts
+                (the writer name each shard records; null: every shard): a recipe stage
+                keeps its data while later drafts add to the same on-policy corpus.
         """
         super().__init__()
         if teacher not in ("cached", "online"):
@@ -117,6 +121,7 @@ class CorpusDataModule(L.LightningDataModule):
         self.cache_max_tokens, self.refresh, self.build = cache_max_tokens, refresh, build_cache
         self.hard_labels_uncached = hard_labels_uncached
         self.extra_corpora = list(extra_corpora or [])
+        self.extra_writers = None if extra_writers is None else set(extra_writers)
         self.by_shard: dict[str, list[Row]] = {}  # train rows per "<corpus dir>/<shard file>"
         self.soft: set[str] = set()  # shards (same keys) loaded with teacher logits
         self.n_seen = 0  # rows read so far (max_rows)
@@ -160,10 +165,10 @@ class CorpusDataModule(L.LightningDataModule):
             raise ValueError(f"{corpus}: no manifest.json: not a corpus directory")
         if not validate and m["target"] != read_manifest(Path(self.corpus))["target"]:
             raise ValueError(f"{corpus} was written for another target than {self.corpus}")
-        listed = [s["file"] for s in m["shards"]]
+        listed = [s["file"] for s in m["shards"] if validate or self._wanted(s)]
         soft = listed
         if self.teacher == "cached":  # the corpus (and its cache) may be growing right now
-            soft = cached_shards(corpus, self.cache_root, self.k)
+            soft = [n for n in cached_shards(corpus, self.cache_root, self.k) if n in listed]
         hard = [n for n in listed if n not in soft] if self.hard_labels_uncached else []
         if self.trainer is not None:  # under ddp every rank must train on the same rows
             soft, hard = self.trainer.strategy.broadcast((soft, hard), src=0)
@@ -181,6 +186,10 @@ class CorpusDataModule(L.LightningDataModule):
         if new_hard:
             self._add(corpus, [s for s in m["shards"] if s["file"] in new_hard], None, False,
                       vocab, on_policy, hard=True)
+
+    def _wanted(self, shard: dict) -> bool:
+        writer = (shard.get("writer") or {}).get("name")
+        return self.extra_writers is None or writer in self.extra_writers
 
     def _add(self, corpus: str, shards: list[dict], teach: TeacherRows | None, first: bool,
              vocab, on_policy: bool, hard: bool = False) -> None:

@@ -147,8 +147,9 @@ def full_head_copy(draft):
 
 
 def learning_curve(csv: Path, png: Path, prior: list[dict] | None = None) -> list[dict]:
-    """Validation agreement vs training minutes from a run's metrics.csv; `prior` = an earlier
-    stage's points (a warm start's own curve), drawn first, this run's minutes after it."""
+    """Validation agreement vs training minutes from a run's metrics.csv; `prior` = the earlier
+    stages' points (a warm start's curve, itself possibly chained), drawn first. Every point
+    keeps its stage and its minutes since the first stage began (total_minutes)."""
     import pandas as pd
 
     df = pd.read_csv(csv)
@@ -157,30 +158,36 @@ def learning_curve(csv: Path, png: Path, prior: list[dict] | None = None) -> lis
     v = df[df["val/agree"].notna()]
     cols = [c for c in ("step", "train_minutes", "val/agree", "val/agree_general",
                         "val/agree_code", "val/accept") if c in v]
+    prior = [q | {"stage": q.get("stage", 1), "total_minutes": q.get("total_minutes", q["train_minutes"])}
+             for q in prior or []]
+    offset = max((q["total_minutes"] for q in prior), default=0.0)
+    stage = max((q["stage"] for q in prior), default=0) + 1
     pts = [{k: (float(x) if k != "step" else int(x)) for k, x in row.items()}
            for row in v[cols].to_dict("records")]
+    pts = [q | {"stage": stage, "total_minutes": q["train_minutes"] + offset} for q in pts]
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    offset = max((q["train_minutes"] for q in prior or []), default=0.0)
-    if prior:
-        ax.plot([q["train_minutes"] for q in prior], [q["val/agree"] for q in prior], marker="o",
-                ms=2, c="grey", label="stage 1 (its own validation slice)")
-        ax.axvline(offset, c="grey", lw=1, ls=":")
+    for s in sorted({q["stage"] for q in prior}):
+        qs = [q for q in prior if q["stage"] == s]
+        ax.plot([q["total_minutes"] for q in qs], [q["val/agree"] for q in qs], marker="o", ms=2,
+                c=str(0.3 + 0.4 * s / stage), label=f"stage {s} (all)")
+        ax.axvline(qs[-1]["total_minutes"], c="grey", lw=1, ls=":")
+    x = [q["total_minutes"] for q in pts]
     for c, lab in (("val/agree", "all"), ("val/agree_general", "general"), ("val/agree_code", "code")):
         if c in v:
-            ax.plot(v["train_minutes"] + offset, v[c], marker="o", ms=3, label=lab)
-    ax.set_xlabel("training wall-clock minutes (shared 2-core CPU)")
+            ax.plot(x, [q[c] for q in pts], marker="o", ms=3, label=f"stage {stage} {lab}")
+    ax.set_xlabel("training wall-clock minutes, all stages (shared 2-core CPU)")
     ax.set_ylabel("top-1 agreement (validation slice of the corpus)")
     ax.axhline(0.6, ls="--", c="grey", lw=1, label="target 0.6")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
-    return pts
+    return prior + pts
 
 
 def _write(path: Path, text: str) -> None:
