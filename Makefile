@@ -33,11 +33,12 @@ demo: venv
 bench: venv
 	$(BIN)/python -m decoding.bench --config configs/bench.yaml
 
-# Reproduce the shipped draft: finish/resume the committed target corpus, cache the target's
-# top-64 log-probs (bf16 prefill), distil stage 1 (a new draft, smollm2-135m-draft-v1); the
-# committed on-policy corpus (written by v1, resumed if incomplete) is scored by the target;
-# stage 2 warm-starts from v1 on both corpora and exports checkpoints/drafts/smollm2-135m-draft/,
-# measured into reports/draft/. Each distil step is time-boxed (see its config).
+# Reproduce the shipped draft in three warm-started stages, each time-boxed (see its config):
+# finish/resume the committed target corpus and cache the target's top-64 log-probs (bf16
+# prefill); stage 1 distils a new draft (smollm2-135m-draft-v1); v1 writes the first half of
+# the committed on-policy corpus, the target scores it, stage 2 warm-starts from v1 (-v2);
+# v2 writes the second half, stage 3 warm-starts from v2 on everything and exports
+# checkpoints/drafts/smollm2-135m-draft/. Each stage is measured into reports/draft/[v1|v2].
 draft: venv
 	$(BIN)/python -m training.corpus --config configs/corpus.yaml
 	$(BIN)/python -m training.teacher_cache --corpus data/corpus
@@ -49,9 +50,17 @@ draft: venv
 	$(BIN)/python -m training.teacher_cache --corpus data/corpus-onpolicy
 	rm -rf runs/distill/smollm2-135m-draft-v2
 	$(BIN)/python -m training.distill --config configs/distill_draft_v2.yaml
-	$(BIN)/python -m training.distill_eval --draft checkpoints/drafts/smollm2-135m-draft \
-		--metrics-csv runs/distill/smollm2-135m-draft-v2/version_0/metrics.csv \
+	$(BIN)/python -m training.distill_eval --draft checkpoints/drafts/smollm2-135m-draft-v2 \
+		--out reports/draft/v2 --metrics-csv runs/distill/smollm2-135m-draft-v2/version_0/metrics.csv \
 		--prior-curve reports/draft/v1/eval.json
+	$(BIN)/python -m training.corpus --config configs/corpus_onpolicy.yaml --samples 4 \
+		--writer checkpoints/drafts/smollm2-135m-draft-v2
+	$(BIN)/python -m training.teacher_cache --corpus data/corpus-onpolicy
+	rm -rf runs/distill/smollm2-135m-draft-v3
+	$(BIN)/python -m training.distill --config configs/distill_draft_v3.yaml
+	$(BIN)/python -m training.distill_eval --draft checkpoints/drafts/smollm2-135m-draft \
+		--metrics-csv runs/distill/smollm2-135m-draft-v3/version_0/metrics.csv \
+		--prior-curve reports/draft/v2/eval.json
 
 lint: venv
 	$(BIN)/ruff check decoding training tests
