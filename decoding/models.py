@@ -282,14 +282,22 @@ class PrunedHeadLlamaForCausalLM(LlamaForCausalLM):
         self.lm_head = PrunedHead(config.vocab_size, config.hidden_size, k)
         self.post_init()
 
-    def set_head_ids(self, ids) -> None:
-        """Choose the kept token ids (length head_size, unique, each < vocab)."""
+    def set_head_ids(self, ids, resize: bool = False) -> None:
+        """Choose the kept token ids (unique, each < vocab; length head_size unless `resize`:
+        then the head takes len(ids) ids, a row selection of the tied embedding)."""
         ids = torch.as_tensor(ids, dtype=torch.long)
-        if ids.shape != self.lm_head.ids.shape or ids.unique().numel() != ids.numel():
+        if ids.ndim != 1 or ids.unique().numel() != ids.numel() or not ids.numel():
+            raise ModelError("head ids must be unique token ids")
+        if ids.shape != self.lm_head.ids.shape and not resize:
             raise ModelError(f"head ids must be {self.lm_head.ids.numel()} unique token ids")
         if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
             raise ModelError("head ids must lie in [0, vocab_size)")
-        self.lm_head.ids.copy_(ids.to(self.lm_head.ids.device))
+        if resize:
+            self.lm_head.ids = ids.to(self.lm_head.ids.device)  # a registered buffer: replaced
+            self.lm_head._cache = None
+            self.config.head_size = int(ids.numel())
+        else:
+            self.lm_head.ids.copy_(ids.to(self.lm_head.ids.device))
 
 
 AutoConfig.register(PRUNED_HEAD_TYPE, PrunedHeadLlamaConfig, exist_ok=True)

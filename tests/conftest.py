@@ -38,3 +38,27 @@ def noisy_copy(model, noise, seed=1):
 def pair():
     target = tiny_llama(0, scale=6)
     return target, noisy_copy(target, 0.03)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    """A tiny, sharp random Llama target saved as an HF directory with a tokenizer."""
+    from distill_fixtures import make_target
+
+    return make_target(tmp_path_factory.mktemp("target"))
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(target_dir, tmp_path_factory):
+    """A toy corpus written by the tiny target, with its teacher top-k cached."""
+    from distill_fixtures import make_corpus
+
+    return make_corpus(target_dir, tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def on_policy_dir(target_dir, corpus_dir, tmp_path_factory):
+    """An on-policy corpus for the tiny target: a random draft writes, the target scores."""
+    from distill_fixtures import make_on_policy_corpus
+
+    return make_on_policy_corpus(target_dir, corpus_dir, tmp_path_factory.mktemp("onpolicy"))

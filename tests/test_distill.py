@@ -12,7 +12,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM
 
 from decoding.models import (
     MASKED_LOGIT,
@@ -22,72 +22,19 @@ from decoding.models import (
     load_model,
     load_tokenizer,
 )
-from training.corpus import CorpusConfig, Prompt, Teacher, build_corpus
 from training.distill import export_draft
-from training.distill_data import CorpusDataModule
 from training.distill_module import DistillModule, DraftConfig, bucket_loss, select_head_ids
-from training.teacher_cache import build_cache, load_cache
+from training.teacher_cache import load_cache
 
-ROOT = Path(__file__).resolve().parent.parent
-V, EOS, PAD = 64, 2, 0
-TINY_DRAFT = DraftConfig(layers=1, hidden=32, heads=2, intermediate=64, head_size=48)
-
-
-def tiny_tokenizer(path: Path, shift: int = 0) -> None:
-    """A word-level tokenizer over V single-character tokens; `shift` permutes the ids."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    chars = [chr(ord("A") + i) for i in range(V - 3)]
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
-    vocab |= {c: 3 + (i + shift) % (V - 3) for i, c in enumerate(chars)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
-                                   eos_token="</s>")
-    fast.save_pretrained(path)
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory) -> Path:
-    """A tiny, sharp random Llama target saved as an HF directory with a tokenizer."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
-                      bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.model.norm.weight.mul_(3)  # sharp next-token distributions: a learnable target
-    out = tmp_path_factory.mktemp("target")
-    model.save_pretrained(out)
-    tiny_tokenizer(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def corpus_dir(target_dir, tmp_path_factory) -> Path:
-    """A toy corpus written by the tiny target, with its teacher top-k cached."""
-    model = load_model(target_dir)
-    teacher = Teacher(model, lambda t: [1] + [3 + ord(c) % 60 for c in t], [EOS], PAD,
-                      {"name": "tiny", "vocab_size": V})
-    prompts = [Prompt(f"p{i}", "code" if i % 3 else "general", "train", "abcde"[i % 5] * (1 + i % 4))
-               for i in range(48)]
-    out = tmp_path_factory.mktemp("corpus")
-    build_corpus(CorpusConfig(out=str(out), dtype="float32", batch_size=8, shard_size=16,
-                              max_new_tokens=24, temperature=1.0), teacher, prompts, progress=False)
-    build_cache(out, out / "cache", k=8, teacher=teacher, progress=False)
-    return out
-
-
-def data_module(corpus_dir, **kw) -> CorpusDataModule:
-    args = {"corpus": str(corpus_dir), "teacher_cache": str(corpus_dir / "cache"), "k": 8,
-            "batch_size": 8, "val_percent": 20, "max_val_rows": 16, "refresh": False}
-    return CorpusDataModule(**(args | kw))
-
-
-def trainer(**kw) -> L.Trainer:
-    args = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False,
-            "enable_progress_bar": False, "enable_model_summary": False}
-    return L.Trainer(**(args | kw))
+from distill_fixtures import (
+    EOS,
+    ROOT,
+    TINY_DRAFT,
+    V,
+    data_module,
+    tiny_tokenizer,
+    trainer,
+)
 
 
 def test_cache_rows_align_with_corpus(corpus_dir):
@@ -272,108 +219,3 @@ def test_scaling_trend_recovers_a_log_law():
     tr = fit_trend(pts, 0.6)
     assert tr["b_per_ln_tokens"] == pytest.approx(0.05) and tr["a"] == pytest.approx(0.1)
     assert tr["tokens_for_goal"] == pytest.approx(math.exp(10.0), rel=1e-6)
-
-
-@pytest.fixture(scope="module")
-def on_policy_dir(target_dir, corpus_dir, tmp_path_factory) -> Path:
-    """An on-policy corpus for the tiny target: a random draft writes, the target scores."""
-    from dataclasses import replace
-
-    target = load_model(target_dir)
-    teacher = Teacher(target, lambda t: [1] + [3 + ord(c) % 60 for c in t], [EOS], PAD,
-                      {"name": "tiny", "vocab_size": V})
-    torch.manual_seed(3)
-    draft = LlamaForCausalLM(target.config).eval()
-    writer = replace(teacher, model=draft, info=teacher.info | {"writer": {"name": "rnd"}})
-    prompts = [Prompt(f"p{i}", "general", "train", "abcde"[i % 5] * (1 + i % 4)) for i in range(48)]
-    out = tmp_path_factory.mktemp("onpolicy")
-    build_corpus(CorpusConfig(out=str(out), dtype="float32", batch_size=8, shard_size=16,
-                              max_new_tokens=24, temperature=1.0, seed=7), writer, prompts,
-                 progress=False)
-    build_cache(out, corpus_dir / "cache", k=8, teacher=teacher, progress=False)
-    return out
-
-
-def test_extra_corpora_add_training_rows_only(corpus_dir, on_policy_dir, tmp_path):
-    from training.distill_data import is_val
-
-    base, both = data_module(corpus_dir), data_module(corpus_dir, extra_corpora=[str(on_policy_dir)])
-    for dm in (base, both):
-        dm.setup("fit")
-    extra = [r for r in both.train_rows if not r.target_written]
-    assert len(both.train_rows) == len(base.train_rows) + len(extra) and extra
-    assert [r.completion for r in both.val_rows] == [r.completion for r in base.val_rows]
-    # validation prompts' on-policy rows are neither trained nor validated on
-    from training.corpus import load_corpus
-
-    op = load_corpus(on_policy_dir).to_list()
-    assert len(extra) == sum(not is_val(r["prompt_id"], 20) for r in op) < len(op)
-    # a recipe stage can keep to the shards its writers wrote (by the name each shard records)
-    for writers, n in ((["rnd"], len(extra)), (["another-draft"], 0)):
-        dm = data_module(corpus_dir, extra_corpora=[str(on_policy_dir)], extra_writers=writers)
-        dm.setup("fit")
-        assert sum(not r.target_written for r in dm.train_rows) == n
-    # the draft's own tokens do not vote for the output head, the target's top-1 there does
-    counts = both.token_counts()
-    assert sum(counts.values()) == (sum(base.token_counts().values())
-                                    + sum(len(r.completion) for r in extra))
-    # a corpus written for another target is refused
-    other = tmp_path / "other"
-    other.mkdir()
-    man = json.loads((on_policy_dir / "manifest.json").read_text())
-    (other / "manifest.json").write_text(json.dumps(man | {"target": {"name": "x"}}))
-    with pytest.raises(ValueError, match="another target"):
-        data_module(corpus_dir, extra_corpora=[str(other)]).setup("fit")
-
-
-def test_grown_draft_starts_as_the_warm_start_and_reselects_its_head(target_dir, corpus_dir,
-                                                                     tmp_path):
-    module = DistillModule(draft=TINY_DRAFT, target=str(target_dir))
-    trainer(max_steps=2, num_sanity_val_steps=0).fit(module, datamodule=data_module(corpus_dir))
-    src = export_draft(module, tmp_path / "drafts" / "v1", {"kind": "test"}, "bfloat16")
-    old = load_model(src)
-    with torch.no_grad():  # a head that misses frequent ids, so re-picking must change it
-        old.set_head_ids(torch.arange(V - 48, V))
-    old.save_pretrained(src)
-    grown = DistillModule(draft=DraftConfig(init=str(src), grow_layers=2, reselect_head=True),
-                          target=str(target_dir))
-    assert grown.base().config.num_hidden_layers == 3 == len(grown.base().model.layers)
-    x = torch.randint(0, V, (2, 12))
-    grown.draft.eval()
-    with torch.no_grad():  # new layers are the identity: same function as the warm start
-        assert torch.allclose(grown.draft(input_ids=x).logits, old(input_ids=x).logits, atol=1e-5)
-    t = trainer(max_steps=3, num_sanity_val_steps=0)
-    t.fit(grown, datamodule=data_module(corpus_dir))
-    ids = grown.base().lm_head.ids
-    assert {1, EOS} <= set(ids.tolist()) and not torch.equal(ids, torch.arange(V - 48, V))
-    assert grown.base().model.layers[2].self_attn.o_proj.weight.abs().sum() > 0  # it trains
-    out = export_draft(grown, tmp_path / "drafts" / "v2", {"kind": "test"}, "bfloat16")
-    served = load_model(out)
-    assert served.config.num_hidden_layers == 3 and torch.equal(served.lm_head.ids, ids)
-
-
-def test_draft_cost_refuses_a_missing_draft_with_one_line(tmp_path):
-    from training import draft_cost
-
-    with pytest.raises(SystemExit, match="error: model directory not found"):
-        draft_cost.main(["--draft", str(tmp_path / "nope")])
-
-
-def test_learning_curves_chain_across_warm_started_stages(tmp_path):
-    from training.distill_eval import learning_curve
-
-    def csv(name: str, agree: list[float]) -> Path:
-        rows = ["step,train_minutes,val/agree"] + [f"{i},{i + 1.0},{a}" for i, a in enumerate(agree)]
-        (tmp_path / name).write_text("\n".join(rows) + "\n")
-        return tmp_path / name
-
-    one = learning_curve(csv("1.csv", [0.3, 0.4]), tmp_path / "1.png")
-    two = learning_curve(csv("2.csv", [0.45, 0.5]), tmp_path / "2.png", one)
-    three = learning_curve(csv("3.csv", [0.52]), tmp_path / "3.png", two)
-    assert [q["stage"] for q in three] == [1, 1, 2, 2, 3]
-    assert [q["total_minutes"] for q in three] == [1.0, 2.0, 3.0, 4.0, 5.0]
-    assert [q["val/agree"] for q in three] == [0.3, 0.4, 0.45, 0.5, 0.52]
-    # a curve written before stages were recorded (no stage / total_minutes) is stage 1
-    legacy = [{k: v for k, v in q.items() if k not in ("stage", "total_minutes")} for q in one]
-    assert learning_curve(csv("2.csv", [0.45, 0.5]), tmp_path / "x.png", legacy) == two
-    assert (tmp_path / "3.png").stat().st_size > 0

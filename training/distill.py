@@ -68,19 +68,27 @@ def export_draft(module: DistillModule, out: Path, meta: dict, dtype: str = "bfl
     """Write the (merged) draft + tokenizer + metadata to `out` atomically."""
     from decoding.models import resolve_model_dir
 
+    model, adapter = module.draft, None
+    if module.cfg.lora:  # keep the (small) adapter, and serve a plain merged model
+        adapter = model
+    return write_draft(model, out, meta, resolve_model_dir(module.target_path), dtype, adapter)
+
+
+def write_draft(model, out: Path, meta: dict, tokenizer_dir: Path, dtype: str = "bfloat16",
+                adapter=None) -> Path:
+    """An HF draft directory (16-bit weights, the target's tokenizer files, our metadata),
+    written to a temp dir and swapped in: readers see the old draft or the new one."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
-        model = module.draft
-        if module.cfg.lora:  # keep the (small) adapter, and serve a plain merged model
-            model.save_pretrained(tmp / "adapter")
-            model = model.merge_and_unload()  # note: folds the adapter into module.draft
+        if adapter is not None:
+            adapter.save_pretrained(tmp / "adapter")
+            model = adapter.merge_and_unload()  # note: folds the adapter into the module's draft
         model = model.to({"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]).eval()
         model.save_pretrained(tmp, safe_serialization=True)
-        tdir = resolve_model_dir(module.target_path)
         for f in TOKENIZER_FILES:
-            if (tdir / f).exists():
-                shutil.copy2(tdir / f, tmp / f)
+            if (tokenizer_dir / f).exists():
+                shutil.copy2(tokenizer_dir / f, tmp / f)
         (tmp / METADATA).write_text(json.dumps(meta, indent=1) + "\n")
         os.chmod(tmp, 0o755)  # mkdtemp makes 0700 (and some writers 0600): a shareable artifact
         for f in tmp.rglob("*"):
