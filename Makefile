@@ -37,8 +37,9 @@ bench: venv
 # finish/resume the committed target corpus and cache the target's top-64 log-probs (bf16
 # prefill); stage 1 distils a new draft (smollm2-135m-draft-v1); v1 writes the first half of
 # the committed on-policy corpus, the target scores it, stage 2 warm-starts from v1 (-v2);
-# v2 writes the second half, stage 3 warm-starts from v2 on everything and exports
-# checkpoints/drafts/smollm2-135m-draft/. Each stage is measured into reports/draft/[v1|v2].
+# v2 writes the second half, stage 3 warm-starts from v2 on everything (-v3, not shipped);
+# its output layer cut to the 8192 most frequent ids is checkpoints/drafts/smollm2-135m-draft/.
+# Each stage is measured into reports/draft/[v1|v2].
 draft: venv
 	$(BIN)/python -m training.corpus --config configs/corpus.yaml
 	$(BIN)/python -m training.teacher_cache --corpus data/corpus
@@ -58,6 +59,8 @@ draft: venv
 	$(BIN)/python -m training.teacher_cache --corpus data/corpus-onpolicy
 	rm -rf runs/distill/smollm2-135m-draft-v3
 	$(BIN)/python -m training.distill --config configs/distill_draft_v3.yaml
+	$(BIN)/python -m training.shrink_head --draft checkpoints/drafts/smollm2-135m-draft-v3 \
+		--size 8192 --out checkpoints/drafts/smollm2-135m-draft
 	$(BIN)/python -m training.distill_eval --draft checkpoints/drafts/smollm2-135m-draft \
 		--metrics-csv runs/distill/smollm2-135m-draft-v3/version_0/metrics.csv \
 		--prior-curve reports/draft/v2/eval.json
