@@ -111,7 +111,8 @@ def test_shrunk_head_keeps_the_most_frequent_ids_and_their_logits(target_dir, co
 
     module = DistillModule(draft=TINY_DRAFT, target=str(target_dir))
     trainer(max_steps=1, num_sanity_val_steps=0).fit(module, datamodule=data_module(corpus_dir))
-    src = export_draft(module, tmp_path / "big", {"kind": "specstop-draft", "metrics": {}})
+    metrics = {"validation": {"val/agree": 0.5}, "heldout": {"top1": 0.4}}
+    src = export_draft(module, tmp_path / "big", {"kind": "specstop-draft", "metrics": metrics})
     big = load_model(src)
     before = big.lm_head.ids.tolist()
     out = tmp_path / "small"
@@ -131,6 +132,9 @@ def test_shrunk_head_keeps_the_most_frequent_ids_and_their_logits(target_dir, co
     assert (b[..., sorted(dropped)] == MASKED_LOGIT).all()
     meta = json.loads((out / "specstop_draft.json").read_text())
     assert meta["head_shrunk"]["to"] == 20 == meta["draft"]["head_size"]
+    # training's validation figures stay (labelled), held-out ones of the larger head go
+    assert meta["head_shrunk"]["validation_metrics_before_shrinking"] is True
+    assert meta["metrics"] == {"validation": {"val/agree": 0.5}}
     assert meta["head_shrunk"]["corpus_coverage_after"] <= meta["head_shrunk"]["corpus_coverage_before"]
     # refused with one line: not smaller, the source as output
     for args, msg in ((["--size", "48", "--out", str(tmp_path / "x")], "below the current head size"),

@@ -87,8 +87,11 @@ def main(argv: list[str] | None = None) -> None:
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     info |= {"source": a.draft, "ranked_by": {c: _sha256_file(Path(c) / "manifest.json")
                                               for c in a.corpus}}
-    # the metrics recorded in the source's metadata were measured with the larger head
-    info["metrics_measured_before_shrinking"] = "metrics" in meta
+    # training's validation figures were measured with the larger head: kept, and labelled;
+    # held-out ones are dropped (training.distill_eval measures the new draft again)
+    metrics = meta.setdefault("metrics", {})
+    info["validation_metrics_before_shrinking"] = "validation" in metrics
+    metrics.pop("heldout", None)
     meta["draft"] = meta.get("draft", {}) | {"head_size": info["to"]}
     meta["head_shrunk"] = info
     write_draft(model, Path(a.out), meta, src, a.dtype)
