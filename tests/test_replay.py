@@ -10,6 +10,7 @@ from training.replay import (
     baseline_table,
     decider_policy,
     fixed,
+    monotone,
     oracle,
     oracle_tree,
     replay,
@@ -84,3 +85,10 @@ def test_baseline_table_bounds():
     assert tab[tab["best_fixed"]]["tokens_per_s"] == best
     assert tab["oracle"]["tokens_per_s"] >= tab["oracle-depth"]["tokens_per_s"] >= best
     assert tab["best_fixed_shape"]["shape"].startswith("fixed-w1-")
+
+
+def test_measured_costs_are_made_monotone_in_the_tree_size():
+    # a noise burst inflated size 4 (161 ms, measured here); size 2 read below size 1
+    ms = [62.5, 48.3, 161.5, 69.0, 59.3, 77.7, 110.8]
+    assert monotone(ms) == [48.3, 48.3, 59.3, 59.3, 59.3, 77.7, 110.8]
+    assert monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]  # already monotone: unchanged

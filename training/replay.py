@@ -45,9 +45,21 @@ class CostModel:
         return np.interp(n, self.sizes, self.draft_ms)
 
 
+def monotone(ms: list[float]) -> list[float]:
+    """Non-decreasing in the number of tokens: a forward of more tokens never costs less, so a
+    smaller size's time is capped by every larger size's (a noise burst on a shared machine
+    inflates one size's median; a larger size's time is an upper bound for it)."""
+    out = list(ms)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return out
+
+
 @torch.inference_mode()
 def calibrate(target, draft, context: int = 256, repeats: int = 5, sizes=None) -> CostModel:
-    """Measure forward times on this machine for each tree size (median of `repeats`)."""
+    """Measure forward times on this machine for each tree size: sizes interleaved within
+    each repeat (a burst of load hits several sizes once, not one size every time), median
+    of `repeats`, then made monotone."""
     from decoding.cache import CachedModel
     from decoding.tree import layout_from_k_config
 
@@ -56,16 +68,16 @@ def calibrate(target, draft, context: int = 256, repeats: int = 5, sizes=None) -
     prompt = [(10 + i) % vocab for i in range(context)]
     for model, out in ((target, cm.target_ms), (draft, cm.draft_ms)):
         m = CachedModel(model)
-        for n in cm.sizes:
-            lay = layout_from_k_config([n])  # n siblings: the mask/positions path of a real tree
-            times = []
-            for _ in range(repeats + 1):
+        times: dict[int, list[float]] = {n: [] for n in cm.sizes}
+        for _ in range(repeats + 1):  # the first pass warms up and is dropped
+            for n in cm.sizes:
+                lay = layout_from_k_config([n])  # n siblings: the mask/positions of a real tree
                 m.reset()
                 m.feed(prompt[:-1], lay, [], 0, 0)
                 t = time.perf_counter()
                 m.feed(prompt, lay, [(1 + i) % vocab for i in range(n)], 0, n)
-                times.append(1000 * (time.perf_counter() - t))
-            out.append(float(np.median(times[1:])))
+                times[n].append(1000 * (time.perf_counter() - t))
+        out.extend(monotone([float(np.median(times[n][1:])) for n in cm.sizes]))
     return cm
 
 
