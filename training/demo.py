@@ -2,12 +2,15 @@
 
 collect decider traces on a few prompts -> fit a decider (Lightning, threshold by replay
 with a cost model measured here) -> generate with it, next to fixed depth. Everything the
-demo writes goes under runs/demo/ (the shipped decider and registry are left alone).
+demo writes goes under runs/demo/ (the shipped decider and registry are left alone); each
+run starts from an empty runs/demo/, so traces of an earlier pair (e.g. before a new default
+draft) are never mixed in.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -19,6 +22,9 @@ def main() -> int:
     from decoding import generate
     from training import collect, fit
 
+    if OUT.exists():
+        print(f"demo: clearing {OUT}/ (the demo's own output from an earlier run)", flush=True)
+        shutil.rmtree(OUT)
     steps = [
         ("collect", lambda: collect.main([
             "--config", "configs/collect.yaml", "--out", str(OUT / "traces"), "--max-prompts", "24",
