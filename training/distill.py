@@ -68,10 +68,8 @@ def export_draft(module: DistillModule, out: Path, meta: dict, dtype: str = "bfl
     """Write the (merged) draft + tokenizer + metadata to `out` atomically."""
     from decoding.models import resolve_model_dir
 
-    model, adapter = module.draft, None
-    if module.cfg.lora:  # keep the (small) adapter, and serve a plain merged model
-        adapter = model
-    return write_draft(model, out, meta, resolve_model_dir(module.target_path), dtype, adapter)
+    adapter = module.draft if module.cfg.lora else None  # kept, and merged for serving
+    return write_draft(module.draft, out, meta, resolve_model_dir(module.target_path), dtype, adapter)
 
 
 def write_draft(model, out: Path, meta: dict, tokenizer_dir: Path, dtype: str = "bfloat16",

@@ -62,14 +62,15 @@ def svd_embedding(weight: torch.Tensor, width: int) -> torch.Tensor:
     return w @ vecs[:, -width:].flip(-1)
 
 
-def select_head_ids(counts, vocab: int, size: int, always=()) -> torch.Tensor:
-    """The `size` most frequent ids (ties and unseen ids: lowest id first, i.e. BPE order)."""
+def select_head_ids(counts, vocab: int, size: int, always=(), among=None) -> torch.Tensor:
+    """The `size` most frequent ids of `among` (default: the whole vocabulary), `always` ones
+    first (ties and unseen ids: lowest id first, i.e. BPE order)."""
     score = torch.zeros(vocab, dtype=torch.float64)
     for tok, n in counts.items():
         score[tok] = n
     for tok in always:
         score[tok] = float("inf")
-    order = sorted(range(vocab), key=lambda i: (-score[i].item(), i))
+    order = sorted(range(vocab) if among is None else among, key=lambda i: (-score[i].item(), i))
     return torch.tensor(sorted(order[:size]))
 
 

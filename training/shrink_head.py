@@ -19,7 +19,6 @@ import json
 from collections import Counter
 from pathlib import Path
 
-import torch
 
 
 def corpus_counts(corpora: list[str]) -> Counter:
@@ -42,6 +41,8 @@ def shrink(model, size: int, counts: Counter) -> dict:
     """Keep `size` of the draft's head ids (most frequent first, BOS/EOS always); in place."""
     from decoding.models import ModelError, output_token_ids
 
+    from .distill_module import select_head_ids
+
     ids = output_token_ids(model)
     if ids is None:
         raise ModelError("the draft has a full output layer (no head_size): nothing to shrink")
@@ -51,9 +52,7 @@ def shrink(model, size: int, counts: Counter) -> dict:
     eos = conf.eos_token_id
     always = {conf.bos_token_id, *([eos] if isinstance(eos, int) else eos or [])} - {None}
     current = ids.tolist()
-    # most frequent first; ties (unseen ids) lowest id first, i.e. BPE merge order
-    order = sorted(current, key=lambda t: (t not in always, -counts.get(t, 0), t))
-    kept = torch.tensor(sorted(order[:size]))
+    kept = select_head_ids(counts, conf.vocab_size, size, always, among=current)
     total = sum(counts.values())
     before = sum(counts[t] for t in current) / max(1, total)
     model.set_head_ids(kept, resize=True)
