@@ -266,3 +266,11 @@ def test_shipped_configs_measure_enough_and_tune_the_baselines(name):
     assert {s.confidence_rule for s in conf if s.tuned} == {"level", "tree"}
     assert [s.confidence_threshold for s in conf if "HF default 0.4" in s.name] == [0.4]
     assert all(s.confidence_threshold == "tuned" or "HF default" in s.name for s in conf)
+
+
+def test_named_oracle_traces_that_cannot_be_replayed_are_an_error(tmp_path):
+    from decoding.bench_config import OracleConfig
+    from decoding.bench_oracle import oracle_bound
+
+    with pytest.raises(ValueError, match="oracle.traces"):
+        oracle_bound(OracleConfig(traces=str(tmp_path / "none")), None, None)
