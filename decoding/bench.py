@@ -100,7 +100,7 @@ def run_compare(cfg: BenchConfig, command: str) -> dict:
         torch.set_num_threads(cfg.threads)
     sets = {k: load_prompts(v, cfg.prompts_per_set) for k, v in cfg.prompt_sets.items()}
     sess = Session.open(cfg.target, cfg.draft, cfg.dtype, cfg.device, need_draft=_needs_draft(cfg.strategies))
-    depth = max((len(s.engine_config().k_levels) for s in cfg.strategies if not s.peer), default=0)
+    depth = max((len(s.shape_config().k_levels) for s in cfg.strategies if not s.peer), default=0)
     n_max = max(cfg.max_new_tokens, cfg.sweep.max_new_tokens if cfg.sweep.enabled else 0)
     ids = {k: [sess.encode(p["prompt"], chat=cfg.chat, max_new_tokens=n_max, tree_depth=depth) for p in v]
            for k, v in sets.items()}
@@ -114,8 +114,8 @@ def run_compare(cfg: BenchConfig, command: str) -> dict:
             runners = {s.name: make_runner(sess, s, sampling, cfg) for s in cfg.strategies}
             accs = measure(runners, prompts, cfg, cfg.max_new_tokens, cfg.repeats, cfg.device, cfg.seed,
                            cfg.warmup_tokens)
-            rows = [row_of(s, runners[s.name], accs.get(s.name), accs.get("ar"), sampling.greedy, prompts, loglik)
-                    for s in cfg.strategies]
+            rows = [row_of(s, runners[s.name], accs.get(s.name), accs.get("ar"), sampling.greedy, prompts, loglik,
+                           cfg.bootstrap_resamples, cfg.seed) for s in cfg.strategies]
             for r in rows:
                 _log(f"  {r['name']}: " + (f"{r['tokens_per_s']['median']:.1f} tok/s, "
                                            f"{r['speedup']['median']:.2f}x" if r["status"] == "ok" else r["status"]))
@@ -138,6 +138,8 @@ def run_compare(cfg: BenchConfig, command: str) -> dict:
                  "draft": str(sess.draft_dir) if sess.draft_dir else None, "dtype": cfg.dtype,
                  "device": cfg.device, "threads": torch.get_num_threads(), "prompts_per_set": cfg.prompts_per_set,
                  "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "decider": _decider_name(cfg),
+                 "ci": {"level": 0.95, "method": "percentile bootstrap over prompts, paired by repeat",
+                        "resamples": cfg.bootstrap_resamples, "seed": cfg.seed},
                  "versions": {"torch": torch.__version__, "python": platform.python_version(),
                               "transformers": __import__("transformers").__version__},
                  "config": as_dict(cfg)},

@@ -33,13 +33,15 @@ class StrategySpec:
     """lossless | longest-branch (the paper's LOSSY rule, ti-mcsd only)."""
     stop: str = "fixed"
     """fixed | confidence | decider."""
-    confidence_threshold: float = 0.4
+    confidence_threshold: float | str = 0.4
+    """A draft-probability threshold, or `tuned`: the one the decider's fit chose for this
+    confidence_rule on its validation replay (the same procedure as the decider's own)."""
     confidence_rule: str = "level"
     """level (HF's rule) | tree (extend nodes while their path's draft probability >= threshold)."""
     rule: str | None = None
     """Decider stop rule (paper | specdecpp | tree); null = the checkpoint's."""
     threshold: float | None = None
-    """Decider threshold; null = the one chosen at fit time."""
+    """Decider threshold; null = the one validated for `rule` at fit time."""
     prompt_lookup_num_tokens: int = 10
     """hf-prompt-lookup: n-gram continuation length (draft-free)."""
 
@@ -47,23 +49,42 @@ class StrategySpec:
     def peer(self) -> bool:
         return self.strategy in PEERS
 
-    def engine_config(self) -> StrategyConfig:
+    @property
+    def tuned(self) -> bool:
+        """A confidence row whose threshold comes from the decider checkpoint."""
+        return self.stop == "confidence" and self.confidence_threshold == "tuned"
+
+    def engine_config(self, tuned_threshold: float | None = None) -> StrategyConfig:
+        """tuned_threshold: the resolved threshold of a `tuned` row (required for one)."""
+        t = self.confidence_threshold
+        if self.tuned:
+            if tuned_threshold is None:
+                raise ValueError(f"strategy {self.name}: the tuned confidence threshold was not resolved")
+            t = tuned_threshold
         return StrategyConfig(strategy=self.strategy, gamma=self.gamma, k_config=self.k_config,
                               width=self.width, depth=self.depth, mode=self.mode, stop=self.stop,
-                              confidence_threshold=self.confidence_threshold,
-                              confidence_rule=self.confidence_rule)
+                              confidence_threshold=t, confidence_rule=self.confidence_rule)
+
+    def shape_config(self) -> StrategyConfig:
+        """The engine config for its tree shape (a tuned threshold does not change the shape)."""
+        return self.engine_config(0.0 if self.tuned else None)
 
     @property
     def tree_nodes(self) -> int | None:
         """Largest tree a round verifies (None for peers)."""
         if self.peer:
             return None
-        levels = self.engine_config().k_levels
+        levels = self.shape_config().k_levels
         return layout_from_k_config(levels).size if levels else 0
 
     def validate(self) -> None:
+        t = self.confidence_threshold
+        if not (t == "tuned" or (isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t <= 1)):
+            raise ValueError(f"strategy {self.name}: confidence_threshold must be in [0, 1] or 'tuned' (got {t!r})")
+        if t == "tuned" and self.stop != "confidence":
+            raise ValueError(f"strategy {self.name}: confidence_threshold 'tuned' belongs to stop: confidence")
         if not self.peer:
-            self.engine_config()  # raises ValueError on a bad strategy / mode / k-config
+            self.shape_config()  # raises ValueError on a bad strategy / mode / k-config
         if self.rule not in (None, *RULES):
             raise ValueError(f"strategy {self.name}: rule must be one of {', '.join(RULES)}")
         if self.confidence_rule not in CONFIDENCE_RULES:
@@ -126,17 +147,22 @@ class BenchConfig:
     """Prompt i is generated with seed + i (same for every strategy and repeat)."""
     prompt_sets: dict[str, str] = field(default_factory=lambda: {
         "general": "data/prompts/heldout_general.jsonl", "code": "data/prompts/heldout_code.jsonl"})
-    prompts_per_set: int = 3
+    prompts_per_set: int = 6
+    """The first N prompts of each set: the unit the speedup's confidence interval resamples."""
     chat: bool = True
     """Apply the tokenizer's chat template to each prompt."""
     max_new_tokens: int = 64
     repeats: int = 3
+    """Interleaved passes over all rows; the speedup is the median over them."""
+    bootstrap_resamples: int = 2000
+    """Resamples of the prompts for each speedup's 95% confidence interval (seeded by `seed`)."""
     warmup_tokens: int = 8
     temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7])
     top_p: float = 1.0
     stop_at_eos: bool = True
     decider: str | None = "latest"
-    """Decider checkpoint dir or 'latest'; null = skip the decider rows."""
+    """Decider checkpoint dir or 'latest': the decider rows' model and thresholds, and the
+    `tuned` confidence thresholds. null only without such rows (a config error otherwise)."""
     strategies: list[StrategySpec] = field(default_factory=list)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     oracle: OracleConfig = field(default_factory=OracleConfig)
@@ -145,7 +171,7 @@ class BenchConfig:
     """Output dir; {date} = today (YYYY-MM-DD)."""
 
     def validate(self) -> None:
-        for k in ("prompts_per_set", "max_new_tokens", "repeats"):
+        for k in ("prompts_per_set", "max_new_tokens", "repeats", "bootstrap_resamples"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1")
         if not self.strategies or self.strategies[0].strategy != "ar":
@@ -155,6 +181,10 @@ class BenchConfig:
             raise ValueError("strategy names must be unique")
         for s in self.strategies:
             s.validate()
+        needs = [s.name for s in self.strategies if s.stop == "decider" or s.tuned]
+        if needs and self.decider is None:
+            raise ValueError(f"decider is null but row(s) {', '.join(needs)} need a decider checkpoint "
+                             "(set decider: latest or a dir, or remove the rows)")
         if any(t < 0 for t in self.temperatures) or not self.temperatures:
             raise ValueError("temperatures must be a non-empty list of values >= 0")
         if self.sweep.enabled and self.sweep.prompt_set not in self.prompt_sets:
@@ -214,9 +244,15 @@ def default_strategies() -> list[StrategySpec]:
     return [S("ar"), S("hf-assisted", "hf-assisted"), S("hf-prompt-lookup", "hf-prompt-lookup"),
             S("sd", "sd", gamma=4), S("mcsd", "mcsd", k_config="4,2,2,1"),
             S("ti-mcsd", "ti-mcsd", width=4, depth=6),
-            S("ti-mcsd+confidence", "ti-mcsd", width=4, depth=8, stop="confidence"),
+            S("ti-mcsd+confidence (HF default 0.4)", "ti-mcsd", width=4, depth=8, stop="confidence",
+              confidence_threshold=0.4),
+            S("ti-mcsd+confidence (tuned)", "ti-mcsd", width=4, depth=8, stop="confidence",
+              confidence_threshold="tuned"),
             S("ti-mcsd+decider(paper)", "ti-mcsd", width=4, depth=8, stop="decider", rule="paper"),
             S("ti-mcsd+decider(specdecpp)", "ti-mcsd", width=4, depth=8, stop="decider", rule="specdecpp"),
+            S("ti-mcsd+confidence(tree, tuned)", "ti-mcsd", width=4, depth=8, stop="confidence",
+              confidence_rule="tree", confidence_threshold="tuned"),
+            S("ti-mcsd+decider(tree)", "ti-mcsd", width=4, depth=8, stop="decider", rule="tree"),
             S("ti-mcsd longest-branch (LOSSY)", "ti-mcsd", width=4, depth=6, mode="longest-branch")]
 
 

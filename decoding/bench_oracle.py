@@ -56,7 +56,9 @@ def _from_traces(cfg: OracleConfig, sess, decider) -> dict:
 
 def oracle_bound(cfg: OracleConfig, sess, decider) -> dict:
     """{"status", "label", "source", "collect", "replay_tokens_per_s", "oracle_over_full_depth",
-    "oracle_over_best_fixed", "deciders"}; status 'skipped: ...' when there is nothing to replay."""
+    "oracle_over_best_fixed", "deciders"}; status 'skipped: ...' when there is nothing to replay
+    (disabled, or the decider stores no replay); traces named in the config that cannot be
+    replayed are an error."""
     if not cfg.enabled:
         return {"status": "skipped: disabled in the config", "label": LABEL}
     try:
@@ -69,6 +71,8 @@ def oracle_bound(cfg: OracleConfig, sess, decider) -> dict:
     except ImportError as e:
         return {"status": f"skipped: the training stack is not importable ({e})", "label": LABEL}
     except (ValueError, OSError, KeyError, TypeError) as e:
+        if cfg.traces:  # asked for by name: a bound that cannot be computed fails the run
+            raise ValueError(f"oracle.traces {cfg.traces}: {str(e).splitlines()[0]}") from e
         return {"status": f"skipped: {str(e).splitlines()[0]}", "label": LABEL}
     tab = r["table"]
     fixed = {k: v["tokens_per_s"] for k, v in tab.items() if k.startswith("fixed-") and isinstance(v, dict)}

@@ -1,6 +1,7 @@
 """`--quick`: the whole comparison pipeline on tiny random models built here (CI smoke, seconds).
-The numbers mean nothing; the code paths (engine rows, an HF peer, skipped decider rows,
-quality columns, goals, plots) are the real ones."""
+The numbers mean nothing; the code paths (engine rows, an HF peer, decider rows with their
+per-rule thresholds, tuned confidence rows, quality columns, confidence intervals, goals,
+plots) are the real ones. The decider is an untrained random one with made-up thresholds."""
 
 from __future__ import annotations
 
@@ -48,9 +49,28 @@ def tiny_pair(root: Path) -> tuple[str, str]:
     return _save(root / "target", target), _save(root / "draft", draft)
 
 
+# Illustrative per-rule thresholds of the quick decider: distinct, so a test can tell which
+# one a row ran with (none of them was validated: the decider is random).
+QUICK_THRESHOLDS = {"paper": 0.5, "specdecpp": 0.6, "tree": 0.3}
+QUICK_CONFIDENCE = {"level": 0.3, "tree": 0.2}
+
+
+def tiny_decider(root: Path, target: str, draft: str) -> str:
+    """A random logistic decider for the tiny pair, with per-rule and confidence thresholds."""
+    from .decider import DeciderConfig, DeciderNet, save_decider
+    from .models import fingerprint, load_model
+
+    pair = {"target": fingerprint(load_model(target)), "draft": fingerprint(load_model(draft))}
+    cfg = DeciderConfig(kind="logistic", rule="tree", threshold=QUICK_THRESHOLDS["tree"], model_pair=pair,
+                        thresholds=dict(QUICK_THRESHOLDS), confidence_thresholds=dict(QUICK_CONFIDENCE))
+    torch.manual_seed(2)
+    return str(save_decider(root / "decider", DeciderNet(cfg), cfg, {}))
+
+
 def quick_config(root: Path, oracle_traces: str | None = None) -> BenchConfig:
     root.mkdir(parents=True, exist_ok=True)
     t, d = tiny_pair(root)
+    dec = tiny_decider(root, t, d)
     sets = {}
     for name, offset in (("general", 2), ("code", 20)):
         p = root / f"{name}.jsonl"
@@ -65,12 +85,17 @@ def quick_config(root: Path, oracle_traces: str | None = None) -> BenchConfig:
     return BenchConfig(
         target=t, draft=d, dtype="float32", threads=1, prompt_sets=sets, prompts_per_set=2,
         max_new_tokens=12, repeats=2, warmup_tokens=2, temperatures=[0.0, 0.7],
-        decider=str(root / "no-decider"),  # a decider for tiny models does not exist: a skipped row
+        decider=dec,
         strategies=[S("ar"), S("hf-assisted", "hf-assisted"), S("sd", "sd", gamma=3),
                     S("mcsd", "mcsd", k_config="3,2,1"),
                     S("ti-mcsd", "ti-mcsd", width=3, depth=4),
                     S("ti-mcsd+confidence", "ti-mcsd", width=3, depth=4, stop="confidence"),
+                    S("ti-mcsd+confidence(tuned)", "ti-mcsd", width=3, depth=4, stop="confidence",
+                      confidence_threshold="tuned"),
+                    S("ti-mcsd+confidence(tree, tuned)", "ti-mcsd", width=3, depth=4, stop="confidence",
+                      confidence_rule="tree", confidence_threshold="tuned"),
                     S("ti-mcsd+decider(paper)", "ti-mcsd", width=3, depth=4, stop="decider", rule="paper"),
+                    S("ti-mcsd+decider(tree)", "ti-mcsd", width=3, depth=4, stop="decider"),
                     S("ti-mcsd longest-branch (LOSSY)", "ti-mcsd", width=3, depth=4, mode="longest-branch")],
         sweep=SweepConfig(prompts=1, max_new_tokens=8, ti_mcsd=[[2, 3], [3, 4]], mcsd=["2,1", "3,2,1"]),
         oracle=OracleConfig(traces=oracle_traces, cost_model=str(cost)),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .bench_config import BenchConfig
 from .bench_oracle import LABEL, reference_row
+from .bench_stats import speedup_ci
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -59,17 +60,22 @@ def add_bound_rows(results: dict, cfg: BenchConfig) -> None:
                              "speedup": {"median": est / rows["ar"]["tokens_per_s"]["median"]}})
 
 
-def _paired(a: dict, b: dict) -> float:
-    """Median over repeats of a's tokens/s / b's (repeats are interleaved, so paired)."""
-    xs = sorted(x / y for x, y in zip(a["tokens_per_s"]["per_repeat"], b["tokens_per_s"]["per_repeat"]) if y)
-    n = len(xs)
-    return (xs[n // 2] + xs[(n - 1) // 2]) / 2 if n else float("nan")
+def _paired(a: dict, b: dict, resamples: int, seed: int) -> tuple[float, float, float]:
+    """(speedup, 95% CI low, high) of row a over row b: median over the interleaved repeats of
+    the ratio of tokens/s, bootstrap over prompts (decoding.bench_stats)."""
+    pa, pb = a["per_prompt"], b["per_prompt"]
+    return speedup_ci(pa["tokens"], pa["wall_s"], pb["tokens"], pb["wall_s"], resamples, seed=seed)
 
 
-def _verdict(value: float, goal: float) -> str:
+def _verdict(value: float, lo: float, goal: float) -> str:
+    """PASS only when the goal holds across the 95% interval, not just at the point estimate."""
     if not math.isfinite(value):
         return "n/a"
-    return "PASS" if value >= goal else f"SHORT BY {100 * (1 - value / goal):.0f}%"
+    if value < goal:
+        return f"SHORT BY {100 * (1 - value / goal):.0f}%"
+    if math.isfinite(lo) and lo >= goal:
+        return "PASS"
+    return f"NOT SHOWN (point estimate meets it; the 95% CI reaches down to {lo:.2f}x)"
 
 
 def compute_goals(results: dict, cfg: BenchConfig) -> list[dict]:
@@ -83,9 +89,9 @@ def compute_goals(results: dict, cfg: BenchConfig) -> list[dict]:
         rows = {r["name"]: r for r in ok_rows(cond)}
         ours = [r for r in ok_rows(cond, "engine") if r["lossless"] and r["strategy"] != "ar"]
 
-        def best(cands, over):
-            vals = [(_paired(r, over), r["name"]) for r in cands]
-            return max(vals) if vals else (float("nan"), None)
+        def best(cands, over):  # the candidate with the highest point estimate
+            vals = [(_paired(r, over, cfg.bootstrap_resamples, cfg.seed), r["name"]) for r in cands]
+            return max(vals, key=lambda v: v[0][0]) if vals else ((float("nan"),) * 3, None)
 
         checks = [("vs_ar", f">= {g.vs_ar}x over ar", g.vs_ar, "ar", ours),
                   ("dynamic_vs_mcsd", f">= {g.dynamic_vs_mcsd}x over fixed mcsd[{g.mcsd_reference}]",
@@ -105,13 +111,27 @@ def compute_goals(results: dict, cfg: BenchConfig) -> list[dict]:
             if not cands:
                 out.append({**item, "value": None, "best": None, "verdict": "n/a: no measured candidate row"})
                 continue
-            value, name = best(cands, rows[ref])
-            out.append({**item, "value": value, "best": name, "reference": ref, "verdict": _verdict(value, goal)})
+            (value, lo, hi), name = best(cands, rows[ref])
+            out.append({**item, "value": value, "ci95": [lo, hi], "best": name, "reference": ref,
+                        "verdict": _verdict(value, lo, goal)})
     return out
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def _f(x, fmt="{:.2f}", none="–"):
     return none if x is None or (isinstance(x, float) and not math.isfinite(x)) else fmt.format(x)
+
+
+def _speedup_cell(s: dict | None) -> str:
+    if not s:
+        return "–"
+    ci = s.get("ci95")
+    if ci and all(map(_finite, ci)):
+        return f"{s['median']:.2f}x [{ci[0]:.2f}, {ci[1]:.2f}]"
+    return f"{s['median']:.2f}x ({s['min']:.2f}..{s['max']:.2f})"
 
 
 def _table_row(r: dict) -> str:
@@ -126,7 +146,7 @@ def _table_row(r: dict) -> str:
     return "| " + " | ".join([
         r["name"], "yes" if r["lossless"] else "**NO (lossy)**",
         f"{t['median']:.1f} ({t['min']:.1f}..{t['max']:.1f})",
-        f"{s['median']:.2f}x ({s['min']:.2f}..{s['max']:.2f})" if s else "–",
+        _speedup_cell(s),
         _f(r.get("block_efficiency")), _f(r.get("acceptance_rate")),
         f"{eq['equal']}/{eq['n']}" if eq else "–", _f(ag and ag["prefix_fraction"]),
         _f(r.get("loglik_per_token"), "{:.3f}"), _f(r.get("peak_mem_mb"), "{:.0f}")]) + " |"
@@ -157,7 +177,9 @@ def markdown(results: dict) -> str:
          f"{m['threads']} thread(s), {m['prompts_per_set']} prompts per set, max {m['max_new_tokens']} new "
          f"tokens, {m['repeats']} repeats after a warm-up, wall {m['wall_s'] / 60:.1f} min. "
          "Speedup = median over repeats of tokens/s ÷ ar's in the same repeat (repeats interleave all "
-         "rows, so background load hits them alike); ranges are min..max over repeats."), ""]
+         "rows, so background load hits them alike); [brackets] = its 95% confidence interval, a "
+         f"percentile bootstrap over prompts ({(m.get('ci') or {}).get('resamples', '?')} resamples, "
+         "paired with ar's runs in the same repeats); tok/s ranges are min..max over repeats."), ""]
     head = ("| strategy | lossless | tok/s (min..max) | speedup vs ar | block eff. | acceptance | "
             "equal to ar | common prefix | LL/token | peak MB |")
     for cond in results["conditions"]:
@@ -170,10 +192,15 @@ def markdown(results: dict) -> str:
           "flip near-ties); common prefix = mean fraction of ar's output reproduced before the first "
           "difference; LL/token = mean target log-likelihood (T=1) of the generated tokens; peak MB = "
           "peak RSS (CUDA: allocated) above the pre-run baseline of the row's runs."), ""]
+    L += _setting_lines(results)
     L += _oracle_lines(results["oracle"])
-    L += ["## Goals (greedy, lossless, same dtype; computed from the rows above)", ""]
+    L += ["## Goals (greedy, lossless, same dtype; computed from the rows above)", "",
+          ("PASS only where the 95% CI of the speedup (bootstrap over prompts) clears the goal; the "
+           "candidate shown is the one with the highest point estimate (picked after the fact)."), ""]
     for g in results["goals"]:
-        v = "–" if g["value"] is None else f"{g['value']:.2f}x ({g['best']} vs {g['reference']})"
+        ci = g.get("ci95") or [None, None]
+        v = "–" if g["value"] is None else (f"{g['value']:.2f}x, 95% CI [{_f(ci[0])}, {_f(ci[1])}] "
+                                            f"({g['best']} vs {g['reference']})")
         L.append(f"- **{g['text']}** — {g['condition']}: {v} — **{g['verdict']}**")
     if not results["goals"]:
         L.append("No greedy condition was measured: the goals are read on greedy decoding.")
@@ -189,6 +216,20 @@ def markdown(results: dict) -> str:
     pngs = [f for f in m.get("files", []) if f.endswith(".png")]
     L += ["", "Plots: " + ", ".join(f"`{f}`" for f in pngs) + "."] if pngs else []
     return "\n".join(L) + "\n"
+
+
+def _setting_lines(results: dict) -> list[str]:
+    """The threshold each dynamic row really ran with, and where it came from."""
+    seen = {}
+    for cond in results["conditions"]:
+        for r in cond["rows"]:
+            if r.get("stop_setting"):
+                seen.setdefault(r["name"], r["stop_setting"])
+    if not seen:
+        return []
+    L = [f"Stop thresholds (decider {results['meta'].get('decider')}):", ""]
+    L += [f"- {n}: {v['rule']} rule at {v['threshold']:.3g} ({v['source']})" for n, v in seen.items()]
+    return L + [""]
 
 
 def _oracle_lines(b: dict) -> list[str]:
@@ -232,14 +273,15 @@ def plots(results: dict, out: Path) -> list[str]:
         for i, n in enumerate(names):
             if n in rows and rows[n].get("speedup"):
                 s = rows[n]["speedup"]
-                xs.append(i + (j - (len(conds) - 1) / 2) * w)
+                ci = [c if _finite(c) else s["median"] for c in s.get("ci95") or [None, None]]
+                xs.append(i + (j - (len(conds) - 1) / 2) * w)  # (the bound row has no interval)
                 ys.append(s["median"])
-                lo.append(s["median"] - s.get("min", s["median"]))
-                hi.append(s.get("max", s["median"]) - s["median"])
+                lo.append(s["median"] - ci[0])
+                hi.append(ci[1] - s["median"])
         ax.bar(xs, ys, w, yerr=[lo, hi], capsize=2, label=cond["name"])
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.set_xticks(range(len(names)), [n.replace(" ", "\n", 1) for n in names], rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("speedup vs ar (median, min..max)")
+    ax.set_ylabel("speedup vs ar (median; bars: 95% CI over prompts)", fontsize=9)
     ax.legend(fontsize=8)
     _save(fig, out / "speedup.png")
     plt.close(fig)

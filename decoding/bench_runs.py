@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .bench_config import BenchConfig, StrategySpec
+from .bench_stats import RESAMPLES, speedup_ci
 from .models import ModelError
 from .sampling import SamplingConfig
 
@@ -77,8 +78,10 @@ class RunOut:
 
 
 class EngineRunner:
-    def __init__(self, engine, eos):
+    def __init__(self, engine, eos, setting: dict | None = None):
         self.engine, self.eos = engine, eos
+        self.setting = setting
+        """The stop policy's resolved rule / threshold and where the threshold came from."""
 
     def run(self, ids, n, seed) -> RunOut:
         t = time.perf_counter()
@@ -135,20 +138,29 @@ class HFRunner:
         return RunOut(out, wall, {"new_tokens": len(out), "target_calls": calls[0]})
 
 
+def _setting(spec: StrategySpec, stop) -> dict | None:
+    """What the row's stop policy really ran with (read back from the built policy)."""
+    if spec.stop == "decider":
+        return {"rule": stop.cfg.rule, "threshold": stop.cfg.threshold,
+                "source": "config" if spec.threshold is not None else f"validated for the {stop.cfg.rule} rule"}
+    if spec.stop == "confidence":
+        return {"rule": stop.rule, "threshold": stop.threshold,
+                "source": "tuned on the decider's validation replay" if spec.tuned else "config"}
+    return None
+
+
 def make_runner(sess, spec: StrategySpec, sampling: SamplingConfig, cfg: BenchConfig):
-    """A runner, or a 'skipped: ...' string when the row cannot run (no decider, ...)."""
+    """A runner for the row; a row that cannot run (missing / corrupt decider, no validated
+    threshold for its rule, ...) is an error naming the row: never a quietly skipped row."""
     eos = sess.eos_token_id if cfg.stop_at_eos else None
-    if spec.peer:
-        return HFRunner(sess.target, sess.draft, spec, sampling, sess.eos_token_id, cfg.stop_at_eos)
-    if spec.stop == "decider" and cfg.decider is None:
-        return "skipped: no decider configured"
     try:
-        eng = sess.engine(spec.engine_config(), sampling, cfg.decider, spec.rule, spec.threshold)
+        if spec.peer:
+            return HFRunner(sess.target, sess.draft, spec, sampling, sess.eos_token_id, cfg.stop_at_eos)
+        tuned = sess.tuned_confidence_threshold(cfg.decider, spec.confidence_rule) if spec.tuned else None
+        eng = sess.engine(spec.engine_config(tuned), sampling, cfg.decider, spec.rule, spec.threshold)
     except (ValueError, OSError) as e:  # ModelError is a ValueError: missing / corrupt / other pair
-        if spec.stop != "decider":
-            raise
-        return f"skipped: no decider ({str(e).splitlines()[0]})"
-    return EngineRunner(eng, eos)
+        raise ValueError(f"strategy {spec.name}: {str(e).splitlines()[0]}") from e
+    return EngineRunner(eng, eos, _setting(spec, eng.stop))
 
 
 @dataclass
@@ -157,6 +169,10 @@ class Acc:
 
     tok_s: list[float] = field(default_factory=list)
     """Per repeat: new tokens over all prompts / wall time over all prompts."""
+    tokens: list[list[int]] = field(default_factory=list)
+    """[repeat][prompt] new tokens (the speedup's bootstrap resamples prompts)."""
+    wall: list[list[float]] = field(default_factory=list)
+    """[repeat][prompt] wall seconds."""
     outputs: list[list[int]] = field(default_factory=list)
     """Repeat 0's output per prompt (later repeats are identical: same seeds)."""
     stats: list[dict] = field(default_factory=list)
@@ -170,19 +186,22 @@ def measure(runners: dict, prompts: list[list[int]], cfg: BenchConfig, n: int, r
             device: str, seed: int, warmup: int) -> dict[str, Acc]:
     """Warm-up, then `repeats` passes; within a pass every runner does all prompts in turn, so
     drift in background load hits all rows alike and speedups are paired per repeat."""
-    live = {k: r for k, r in runners.items() if not isinstance(r, str)}
-    for r in live.values():
+    for r in runners.values():
         if warmup:
             r.run(prompts[0], warmup, seed)
-    accs = {k: Acc() for k in live}
+    accs = {k: Acc() for k in runners}
     for rep in range(repeats):
-        for name, r in live.items():
+        for name, r in runners.items():
             a, toks, wall = accs[name], 0, 0.0
+            a.tokens.append([])
+            a.wall.append([])
             with MemorySampler(device) as mem:
                 for i, ids in enumerate(prompts):
                     res = r.run(ids, n, seed + i)
                     toks += len(res.tokens)
                     wall += res.wall_s
+                    a.tokens[-1].append(len(res.tokens))
+                    a.wall[-1].append(res.wall_s)
                     a.time_split["wall_s"] += res.wall_s
                     for k in ("draft_s", "verify_s", "bookkeeping_s"):
                         a.time_split[k] += (res.stats or {}).get(k, 0.0)
@@ -236,17 +255,23 @@ def spread(xs: list[float]) -> dict:
 
 
 def row_of(spec: StrategySpec, runner, acc: Acc | None, ar: Acc | None, greedy: bool,
-           prompts, loglik: LogLik) -> dict:
+           prompts, loglik: LogLik, resamples: int = RESAMPLES, seed: int = 0) -> dict:
     """The results.json row of one strategy in one condition."""
     row = {"name": spec.name, "strategy": spec.strategy, "kind": "hf" if spec.peer else "engine",
            "lossless": spec.mode == "lossless", "dynamic": not spec.peer and spec.stop != "fixed",
-           "tree_nodes": spec.tree_nodes, "stop": None if spec.peer else spec.stop}
+           "tree_nodes": spec.tree_nodes, "stop": None if spec.peer else spec.stop,
+           "stop_setting": getattr(runner, "setting", None)}
     if acc is None:
         return {**row, "status": runner if isinstance(runner, str) else "skipped"}
     row["status"] = "ok"
     row["tokens_per_s"] = spread(acc.tok_s)
+    row["per_prompt"] = {"tokens": acc.tokens, "wall_s": acc.wall}
     paired = [a / b for a, b in zip(acc.tok_s, ar.tok_s) if b]
     row["speedup"] = spread(paired) if paired else None
+    if paired:  # 95% CI by a bootstrap over prompts, paired with ar's runs in the same repeats
+        _, lo, hi = speedup_ci(acc.tokens, acc.wall, ar.tokens, ar.wall, resamples, seed=seed)
+        med = row["speedup"]["median"]  # the same statistic, summed in another order: equal up to rounding
+        row["speedup"]["ci95"] = [min(lo, med), max(hi, med)]
     st = acc.stats
     new = sum(s.get("new_tokens", 0) for s in st)
     calls = sum(s.get("target_calls", 0) for s in st)

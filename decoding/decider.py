@@ -20,7 +20,7 @@ from torch import nn
 
 from . import features as F
 from .models import ModelError, fingerprint, same_model
-from .stopping import DraftLevel, StopPolicy
+from .stopping import CONFIDENCE_RULES, DraftLevel, StopPolicy
 
 KINDS = ("mlp11", "hidden", "logistic", "mlp")
 RULES = ("paper", "specdecpp", "tree")
@@ -46,12 +46,22 @@ class DeciderConfig:
     """{"target": fingerprint, "draft": fingerprint} the traces were recorded with."""
     cost_model: dict = field(default_factory=dict)
     label: str = "soft"
+    thresholds: dict[str, float] = field(default_factory=dict)
+    """Threshold chosen on the validation replay for EACH rule ({rule: threshold}); `threshold`
+    is the one of `rule`. Empty in checkpoints fitted before it was recorded."""
+    confidence_thresholds: dict[str, float] = field(default_factory=dict)
+    """The draft-confidence baseline's threshold per confidence rule ({"level"|"tree": t}),
+    tuned by the same validation replay, so baselines and decider are compared alike."""
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"unknown decider kind {self.kind!r}; choose from {', '.join(KINDS)}")
         if self.rule not in RULES:
             raise ValueError(f"unknown stop rule {self.rule!r}; choose from {', '.join(RULES)}")
+        for name, table, keys in (("thresholds", self.thresholds, RULES),
+                                  ("confidence_thresholds", self.confidence_thresholds, CONFIDENCE_RULES)):
+            if not isinstance(table, dict) or set(table) - set(keys):
+                raise ValueError(f"{name} must map {' | '.join(keys)} to a threshold (got {table!r})")
 
 
 class DeciderNet(nn.Module):

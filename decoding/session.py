@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from . import models
-from .decider import DeciderConfig, DeciderStop, load_decider
+from .decider import DeciderConfig, DeciderStop, load_decider, resolve_decider_dir
 from .sampling import SamplingConfig
 from .stopping import make_stop_policy
 from .strategies import StrategyConfig, build_engine
 
 # The draft shipped for the default target (see training.distill); used when --draft is absent.
 DEFAULT_DRAFT = Path(__file__).resolve().parent.parent / "checkpoints" / "drafts" / "smollm2-135m-draft"
+
+
+def rule_threshold(dcfg: DeciderConfig, rule: str, where: Path | str = "the decider") -> float:
+    """The threshold validated for `rule`: from `thresholds`; a checkpoint that predates it
+    knows only its own rule's `threshold`."""
+    if rule in dcfg.thresholds:
+        return float(dcfg.thresholds[rule])
+    if rule == dcfg.rule:
+        return float(dcfg.threshold)
+    raise models.ModelError(f"decider {where} has no validated threshold for the {rule} rule "
+                            f"(it has: {', '.join(sorted(dcfg.thresholds) or [dcfg.rule])}); "
+                            f"pass a threshold or refit it with python -m training.fit")
 
 
 @dataclass
@@ -58,13 +70,26 @@ class Session:
         return build_engine(self.target, self.draft, cfg, sampling, stop)
 
     def decider_stop(self, decider=None, rule=None, threshold=None) -> DeciderStop:
+        """rule: the checkpoint's by default; its threshold is the one validated for THAT rule
+        (a threshold chosen for one rule means nothing to another); `threshold` overrides it."""
         if self.draft is None:
             raise models.ModelError("--stop decider needs a draft model")
         net, dcfg = load_decider(decider or "latest", self.target, self.draft)
-        dcfg.rule = rule or dcfg.rule
-        dcfg.threshold = dcfg.threshold if threshold is None else threshold
-        DeciderConfig.__post_init__(dcfg)
-        return DeciderStop(net, dcfg)
+        rule = rule or dcfg.rule
+        if threshold is None:
+            threshold = rule_threshold(dcfg, rule, resolve_decider_dir(decider or "latest"))
+        return DeciderStop(net, replace(dcfg, rule=rule, threshold=threshold))
+
+    def tuned_confidence_threshold(self, decider, confidence_rule: str) -> float:
+        """The draft-confidence threshold the decider's fit tuned on its validation replay
+        (same traces, same cost model) for this pair; an error where it has none."""
+        _, dcfg = load_decider(decider or "latest", self.target, self.draft)
+        t = dcfg.confidence_thresholds.get(confidence_rule)
+        if t is None:
+            raise models.ModelError(
+                f"decider {resolve_decider_dir(decider or 'latest')} records no tuned confidence threshold "
+                f"for the {confidence_rule} rule (refit it with python -m training.fit, or set the threshold)")
+        return float(t)
 
     def encode(self, prompt: str, chat: bool = False, max_new_tokens: int = 0, tree_depth: int = 0) -> list[int]:
         if not prompt or not prompt.strip():

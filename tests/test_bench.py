@@ -2,6 +2,8 @@
 (the full benchmark is never run here)."""
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -39,8 +41,8 @@ def test_results_have_every_row_and_key(quick):
                     assert key in r, (r["name"], key)
                 t = r["tokens_per_s"]
                 assert t["min"] <= t["median"] <= t["max"] and len(t["per_repeat"]) == 2
-        # no decider exists for the tiny pair: the rows say so, they are never faked
-        assert rows["ti-mcsd+decider(paper)"]["status"].startswith("skipped: no decider")
+        # the quick decider (random, for the tiny pair) runs: rows are measured or the run fails
+        assert rows["ti-mcsd+decider(paper)"]["status"] == "ok"
         assert rows["ti-mcsd longest-branch (LOSSY)"]["lossless"] is False
         if cond["temperature"] == 0:
             for name in ("sd", "mcsd", "ti-mcsd", "ti-mcsd+confidence", "hf-assisted"):
@@ -66,7 +68,7 @@ def test_report_files_goals_and_bound(quick):
     assert goals == {(k, c) for k in ("vs_ar", "dynamic_vs_mcsd", "vs_hf_assisted", "dynamic_vs_best_fixed")
                      for c in ("greedy/general", "greedy/code")}
     for g in res["goals"]:
-        assert g["verdict"] == "PASS" or g["verdict"].startswith(("SHORT BY", "n/a"))
+        assert g["verdict"] == "PASS" or g["verdict"].startswith(("SHORT BY", "n/a", "NOT SHOWN"))
     md = (out / "results.md").read_text()
     assert "## Goals" in md and "BOUND (replay, not measured)" in md and "## Profile" in md
     assert res["sweep"]["points"] and all(p["tree_nodes"] > 0 for p in res["sweep"]["points"])
@@ -115,3 +117,160 @@ def test_oracle_bound_from_decider_metrics(tmp_path):
     assert b["oracle_over_full_depth"] == pytest.approx(51.0 / 34.0)
     assert b["deciders"]["decider-paper"]["oracle_share"] == 0.4
     assert oracle_bound(OracleConfig(), None, str(tmp_path / "none"))["status"].startswith("skipped")
+
+
+# --- thresholds: each row runs the setting its label claims ----------------------------------
+
+def test_rows_run_their_rules_validated_and_tuned_thresholds(quick):
+    """A decider row that names a rule runs at the threshold validated for THAT rule; `tuned`
+    confidence rows at the checkpoint's val-tuned ones; a hand-set row at its own value."""
+    _, res = quick
+    dec = json.loads((Path(res["meta"]["config"]["decider"]) / "config.json").read_text())
+    assert dec["rule"] == "tree" and dec["thresholds"]["paper"] != dec["threshold"]
+    want = {"ti-mcsd+decider(paper)": ("paper", dec["thresholds"]["paper"]),  # rule overridden
+            "ti-mcsd+decider(tree)": ("tree", dec["thresholds"]["tree"]),  # the checkpoint's own rule
+            "ti-mcsd+confidence(tuned)": ("level", dec["confidence_thresholds"]["level"]),
+            "ti-mcsd+confidence(tree, tuned)": ("tree", dec["confidence_thresholds"]["tree"]),
+            "ti-mcsd+confidence": ("level", 0.4)}
+    for cond in res["conditions"]:
+        rows = {r["name"]: r for r in cond["rows"]}
+        for name, (rule, t) in want.items():
+            st = rows[name]["stop_setting"]
+            assert (st["rule"], st["threshold"]) == (rule, t), (cond["name"], name)
+        assert rows["sd"]["stop_setting"] is None
+
+
+def test_speedup_has_bootstrap_ci_containing_the_estimate(quick):
+    out, res = quick
+    for cond in res["conditions"]:
+        for r in cond["rows"]:
+            if r["kind"] == "bound":
+                continue
+            s = r["speedup"]
+            lo, hi = s["ci95"]
+            assert lo <= s["median"] <= hi, (cond["name"], r["name"])
+            n_rep, n_prompts = res["meta"]["repeats"], cond["n_prompts"]
+            assert len(r["per_prompt"]["tokens"]) == n_rep and len(r["per_prompt"]["wall_s"][0]) == n_prompts
+            assert sum(r["per_prompt"]["tokens"][0]) == r["new_tokens"]
+        ar = next(r for r in cond["rows"] if r["name"] == "ar")
+        assert ar["speedup"]["ci95"] == [1.0, 1.0]  # ar against itself, resampled alike
+    for g in res["goals"]:
+        if g["value"] is not None:
+            assert g["ci95"][0] <= g["value"] <= g["ci95"][1]
+            assert g["verdict"] != "PASS" or g["ci95"][0] >= g["target"]
+    md = (out / "results.md").read_text()
+    assert "95% confidence interval" in md and "95% CI [" in md and "Stop thresholds" in md
+    assert res["meta"]["ci"]["resamples"] == 2000
+
+
+def test_ci_on_synthetic_numbers_with_known_answers():
+    from decoding.bench_stats import paired_speedup, speedup_ci
+
+    # identical prompts: every resample is the original sample, zero-width interval
+    tok, wall = [[10, 10, 10], [10, 10, 10]], [[1.0, 1.0, 1.0], [1.2, 1.2, 1.2]]
+    b_wall = [[2.0, 2.0, 2.0], [2.4, 2.4, 2.4]]
+    assert speedup_ci(tok, wall, tok, b_wall) == pytest.approx((2.0, 2.0, 2.0))
+    # paired by repeat: a load burst that slows both rows in one repeat changes nothing
+    slow = [[1.0, 0.5, 2.0], [3.0, 1.5, 6.0]]
+    assert speedup_ci([[10, 20, 5]] * 2, slow, [[10, 20, 5]] * 2, [[2 * x for x in r] for r in slow]) == \
+        pytest.approx((2.0, 2.0, 2.0))
+    # two prompts, a 2x faster on one and equal on the other: resamples {1,1} -> 2x, {2,2} -> 1x
+    # (each drawn with probability 1/4 > 2.5%), so the 95% interval is exactly [1, 2]
+    a = ([[10, 10]], [[0.5, 1.0]])
+    b = ([[10, 10]], [[1.0, 1.0]])
+    point, lo, hi = speedup_ci(*a, *b, resamples=2000, seed=3)
+    assert point == pytest.approx(20 / 1.5 / 10) and (lo, hi) == pytest.approx((1.0, 2.0))
+    assert speedup_ci(*a, *b, seed=3) == speedup_ci(*a, *b, seed=3)  # seeded
+    # the median over repeats of per-repeat ratios of summed tokens/s
+    assert paired_speedup([[4, 4], [4, 4], [4, 4]], [[1, 1], [1, 1], [1, 1]],
+                          [[4, 4], [4, 4], [4, 4]], [[2, 2], [1, 1], [4, 4]]) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="same repeats"):
+        speedup_ci([[1, 2]], [[1, 1]], [[1]], [[1]])
+
+
+def test_goal_passes_only_when_the_interval_clears_it():
+    from decoding.bench_report import _verdict
+
+    assert _verdict(2.2, 2.05, 2.0) == "PASS"
+    assert _verdict(2.2, 1.9, 2.0).startswith("NOT SHOWN")
+    assert _verdict(1.8, 1.5, 2.0) == "SHORT BY 10%"
+    assert _verdict(float("nan"), float("nan"), 2.0) == "n/a"
+
+
+# --- rows that cannot run fail the run -----------------------------------------------------
+
+def _strip(quick, tmp_path, key):
+    """A copy of the quick decider whose config.json lacks `key` (a checkpoint fitted before it)."""
+    _, res = quick
+    src = Path(res["meta"]["config"]["decider"])
+    dst = tmp_path / "old-decider"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    del cfg[key]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+@pytest.mark.parametrize("key,message", [
+    ("thresholds", r"ti-mcsd\+decider\(paper\): decider .* has no validated threshold for the paper rule"),
+    ("confidence_thresholds", r"ti-mcsd\+confidence\(tuned\): decider .* no tuned confidence threshold"),
+    (None, r"ti-mcsd\+confidence\(tuned\): not a decider checkpoint"),
+])
+def test_a_row_that_cannot_run_fails_the_run(quick, tmp_path, capsys, key, message):
+    dec = _strip(quick, tmp_path, key) if key else str(tmp_path / "missing")
+    out = tmp_path / "report"
+    assert main(["--quick", "--no-sweep", "--decider", dec, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("error: strategy ") and re.search(message, err[-1])
+    assert not out.exists()  # nothing half-written
+
+
+def test_old_checkpoint_keeps_its_own_rules_threshold():
+    from decoding.decider import DeciderConfig
+    from decoding.session import rule_threshold
+
+    old = DeciderConfig(rule="tree", threshold=0.175)
+    assert rule_threshold(old, "tree") == 0.175
+    with pytest.raises(ValueError, match="no validated threshold for the specdecpp rule"):
+        rule_threshold(old, "specdecpp")
+    new = DeciderConfig(rule="tree", threshold=0.175, thresholds={"specdecpp": 0.725, "tree": 0.175})
+    assert rule_threshold(new, "specdecpp") == 0.725
+    with pytest.raises(ValueError, match="thresholds must map"):
+        DeciderConfig(thresholds={"greedy": 0.5})
+
+
+@pytest.mark.parametrize("row", ["{name: d, strategy: ti-mcsd, stop: decider}",
+                                 "{name: d, strategy: ti-mcsd, stop: confidence, confidence_threshold: tuned}"])
+def test_decider_rows_without_a_decider_are_a_config_error(tmp_path, capsys, row):
+    p = tmp_path / "b.yaml"
+    p.write_text(f"decider: null\nstrategies:\n  - {{name: ar, strategy: ar}}\n  - {row}\n")
+    assert main(["--config", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: decider is null but row(s) d need a decider")
+
+
+def test_confidence_threshold_values_are_checked(tmp_path):
+    p = tmp_path / "b.yaml"
+    for bad, msg in (("tunned", "must be in"), ("1.5", "must be in"), ("tuned", "belongs to stop: confidence")):
+        p.write_text(f"strategies:\n  - {{name: ar, strategy: ar}}\n  - {{name: x, strategy: ti-mcsd, "
+                     f"confidence_threshold: {bad}}}\n")
+        with pytest.raises(ValueError, match=msg):
+            load_config(p)
+
+
+@pytest.mark.parametrize("name", ["bench.yaml", "bench_decider.yaml"])
+def test_shipped_configs_measure_enough_and_tune_the_baselines(name):
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / name)
+    assert cfg.prompts_per_set >= 6 and cfg.repeats >= 3 and cfg.bootstrap_resamples >= 1000
+    conf = [s for s in cfg.strategies if s.stop == "confidence"]
+    assert {s.confidence_rule for s in conf if s.tuned} == {"level", "tree"}
+    assert [s.confidence_threshold for s in conf if "HF default 0.4" in s.name] == [0.4]
+    assert all(s.confidence_threshold == "tuned" or "HF default" in s.name for s in conf)
+
+
+def test_named_oracle_traces_that_cannot_be_replayed_are_an_error(tmp_path):
+    from decoding.bench_config import OracleConfig
+    from decoding.bench_oracle import oracle_bound
+
+    with pytest.raises(ValueError, match="oracle.traces"):
+        oracle_bound(OracleConfig(traces=str(tmp_path / "none")), None, None)

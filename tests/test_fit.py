@@ -271,3 +271,20 @@ def test_ddp_two_processes_gives_equivalent_result(tmp_path, traces, fitted):
     reg = registry.read_registry(tmp_path / "deciders")
     assert [r["run_id"] for r in reg["runs"]] == ["ddp"] and reg["latest"] == "ddp"  # rank 0 only
     assert json.loads((tmp_path / "deciders" / "ddp" / "config.json").read_text())["model_pair"] == PAIR
+
+
+def test_checkpoint_records_every_rules_val_threshold(fitted):
+    """Each rule keeps ITS validated threshold (a row that overrides the rule must not run it at
+    another rule's), and the confidence baselines' val-tuned thresholds travel with it."""
+    from decoding.session import rule_threshold
+
+    _, run = fitted
+    val = json.loads((run / "metrics.json").read_text())["replay"]["val"]
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["thresholds"] == {r: val[f"decider-{r}"]["threshold"] for r in D.RULES}
+    assert cfg["thresholds"][cfg["rule"]] == cfg["threshold"]
+    assert cfg["confidence_thresholds"] == {"level": val["confidence"]["threshold"],
+                                            "tree": val["confidence-tree"]["threshold"]}
+    _, dcfg = D.load_decider(run)
+    for r in D.RULES:
+        assert rule_threshold(dcfg, r) == val[f"decider-{r}"]["threshold"]

@@ -182,7 +182,8 @@ def export(model: DeciderModule, dm: TraceDataModule, rcfg: ReplayConfig, ecfg: 
                          feature_schema=dm.manifest.get("feature_schema", FEATURE_SCHEMA_VERSION),
                          threshold=chosen["threshold"], rule=chosen["rule"],
                          model_pair=dm.manifest.get("model_pair", {}),
-                         cost_model=results["replay"]["cost_model"], label=dm.label)
+                         cost_model=results["replay"]["cost_model"], label=dm.label,
+                         thresholds=chosen["thresholds"], confidence_thresholds=chosen["confidence_thresholds"])
     sizes = {s: {"prompts": len(v.prompts), "rows": len(v.rows)} for s, v in dm.splits.items()}
     metrics = _clean({"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                       "decider": asdict(dcfg) | {"cost_model": None}, "eval_target": dm.eval_target,

@@ -161,6 +161,10 @@ def select_and_report(val: Split, test: Split, val_scores: dict[str, np.ndarray]
         "val": chosen_val,
         "test": {**table, **confidence, **policies},
         "chosen": {"rule": chosen_val[best_key]["rule"], "threshold": chosen_val[best_key]["threshold"],
+                   # every rule's and the confidence baselines' val choice travel with the checkpoint
+                   "thresholds": {r: chosen_val[f"decider-{r}"]["threshold"] for r in rules},
+                   "confidence_thresholds": {"level": chosen_val["confidence"]["threshold"],
+                                             "tree": chosen_val["confidence-tree"]["threshold"]},
                    "test_tokens_per_s": policies[best_key]["tokens_per_s"],
                    "test_speedup_vs_best_fixed": policies[best_key]["tokens_per_s"] / base,
                    "test_oracle_share": policies[best_key]["oracle_share"],
