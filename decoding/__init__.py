@@ -1,0 +1,12 @@
+"""specstop decoding. `Decoder` and `GenerationResult` (decoding.api) are imported on first
+use, so `import decoding` stays light (no torch / transformers until then)."""
+
+__all__ = ["Decoder", "GenerationResult"]
+
+
+def __getattr__(name):
+    if name in __all__:
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'decoding' has no attribute {name!r}")

@@ -3,7 +3,8 @@
     python -m decoding.generate --prompt "..." [--chat] [--strategy ar|sd|mcsd|ti-mcsd] ...
 
 Without --json the text streams to stdout and a stats line goes to stderr; with --json one
-object {"text", "token_ids", "stats"} is printed. Batch size is 1.
+object {"text", "token_ids", "stats"} is printed. Batch size is 1. A thin layer over the
+Python API (decoding.Decoder).
 """
 
 from __future__ import annotations
@@ -12,50 +13,65 @@ import argparse
 import json
 import sys
 
+from . import defaults as dflt
 from .decider import RULES
 from .models import ModelError
 from .sampling import SamplingConfig
-from .session import Session
 from .stopping import CONFIDENCE_RULES
-from .strategies import MODES, STRATEGIES, StrategyConfig
+from .strategies import MODES, STRATEGIES
+
+
+def defaults_help() -> str:
+    """Where the unset options come from (shown in --help)."""
+    try:
+        kind = dflt.device_kind("cpu")
+        d, other = dflt.defaults_for("cpu", True), dflt.defaults_for("cpu", False)
+    except ValueError as e:
+        return f"defaults: {e}"
+    return (f"Defaults of the options marked (*): the measured-best lossless configuration for the shipped pair,\n"
+            f"recorded per device kind in decoding/defaults.yaml (rewritten by\n"
+            f"python -m decoding.bench --write-defaults). On this machine's CPU ({kind}): {d.describe()}\n"
+            f"  from {d.source}\n"
+            f"Another target or draft (not measured): {other.describe()}.")
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m decoding.generate", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 epilog=defaults_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", required=True, help="prompt text")
     ap.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     ap.add_argument("--target", default=None, help="target HF model dir (default: embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--draft", default=None, help="draft HF model dir (default: the shipped draft, if any)")
     ap.add_argument("--strategy", choices=STRATEGIES, default=None,
-                    help="default: ti-mcsd when a draft is available, else ar")
-    ap.add_argument("--gamma", type=int, default=4, help="sd: chain length")
-    ap.add_argument("--k-config", default="4,2,2,1", help="mcsd: children per level, e.g. 4,2,2,1")
-    ap.add_argument("--width", type=int, default=4, help="ti-mcsd: branches W")
-    ap.add_argument("--depth", type=int, default=6, help="ti-mcsd: maximum depth D")
+                    help="(*) ar when no draft is available")
+    ap.add_argument("--gamma", type=int, default=None, help="sd: chain length (*)")
+    ap.add_argument("--k-config", default=None, help="mcsd: children per level, e.g. 4,2,2,1 (*)")
+    ap.add_argument("--width", type=int, default=None, help="ti-mcsd: branches W (*)")
+    ap.add_argument("--depth", type=int, default=None, help="ti-mcsd: maximum depth D (*)")
     ap.add_argument("--mode", choices=MODES, default="lossless",
                     help="ti-mcsd: lossless (default) or the paper's longest-branch rule, which is "
                          "LOSSY: its output differs from the target's")
     ap.add_argument("--replacement", action="store_true", help="draw sibling candidates with replacement")
-    ap.add_argument("--stop", choices=("fixed", "confidence", "decider"), default="fixed",
-                    help="stop policy that ends drafting each round")
-    ap.add_argument("--confidence-threshold", type=float, default=0.4)
-    ap.add_argument("--confidence-rule", choices=CONFIDENCE_RULES, default="level",
-                    help="level: HF's rule (stop once no node of a level has q >= threshold); tree: extend "
+    ap.add_argument("--stop", choices=("fixed", "confidence", "decider"), default=None,
+                    help="stop policy that ends drafting each round (*)")
+    ap.add_argument("--confidence-threshold", type=float, default=None, help="(*)")
+    ap.add_argument("--confidence-rule", choices=CONFIDENCE_RULES, default=None,
+                    help="(*) level: HF's rule (stop once no node of a level has q >= threshold); tree: extend "
                          "each node while its path's draft probability is >= threshold")
     ap.add_argument("--decider", default=None,
                     help="decider checkpoint dir, or 'latest' (the default) from checkpoints/deciders/registry.json")
     ap.add_argument("--decider-rule", choices=RULES, default=None,
                     help="paper: continue while any new node scores above the threshold; specdecpp: stop "
                          "once P(a drafted token is rejected) exceeds it; tree: extend each node whose "
-                         "predicted path acceptance is >= the threshold (default: the checkpoint's)")
+                         "predicted path acceptance is >= the threshold (default: the checkpoint's, or (*))")
     ap.add_argument("--decider-threshold", type=float, default=None,
                     help="override the threshold chosen at fit time by trace replay")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                    help="(*) bfloat16 only where the CPU has native bf16")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: torch's; on a busy machine fewer threads than "
@@ -71,33 +87,29 @@ def main(argv=None) -> int:
 
         torch.set_num_threads(args.threads)
     try:
-        # validate every option before the (slow) model load
-        cfg = StrategyConfig(strategy=args.strategy or "ti-mcsd", gamma=args.gamma,
-                             k_config=args.k_config, width=args.width, depth=args.depth,
-                             mode=args.mode, replacement=args.replacement, stop=args.stop,
-                             confidence_threshold=args.confidence_threshold,
-                             confidence_rule=args.confidence_rule)
-        sampling = SamplingConfig(args.temperature, args.top_p)
+        from .api import Decoder
+
+        SamplingConfig(args.temperature, args.top_p)  # validated before the (slow) model load
         if args.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be >= 1")
-        sess = Session.open(args.target, args.draft, args.dtype, args.device,
-                            need_draft=args.strategy not in (None, "ar"))
-        if args.strategy is None and sess.draft is None:
-            cfg.strategy = "ar"  # no draft shipped or given: plain decoding
-        engine = sess.engine(cfg, sampling, args.decider, args.decider_rule, args.decider_threshold)
-        ids = sess.encode(args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
-                          tree_depth=len(cfg.k_levels))
-        stream = None if args.json else sess.streamer(sys.stdout)
-        out, stats = engine.generate(ids, args.max_new_tokens, sess.eos_token_id, args.seed, stream)
+        dec = Decoder.load(args.target, args.draft, args.decider, dtype=args.dtype, device=args.device,
+                           strategy=args.strategy, decider_rule=args.decider_rule,
+                           decider_threshold=args.decider_threshold, gamma=args.gamma,
+                           k_config=args.k_config, width=args.width, depth=args.depth, mode=args.mode,
+                           replacement=args.replacement or None, stop=args.stop,
+                           confidence_threshold=args.confidence_threshold,
+                           confidence_rule=args.confidence_rule)
+        on_text = None if args.json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+        res = dec.generate(args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,
+                           chat=args.chat, on_text=on_text)
     except (ModelError, ValueError, FileNotFoundError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    text = sess.tokenizer.decode(out, skip_special_tokens=True)
     if args.json:
-        print(json.dumps({"text": text, "token_ids": out, "stats": stats.to_dict()}))
+        print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": res.stats}))
     else:
         print()
-        d = stats.to_dict()
+        d = res.stats
         print(f"[{d['strategy']}] {d['new_tokens']} tokens in {d['wall_s']:.2f}s = {d['tokens_per_s']} tok/s; "
               f"block efficiency {d['block_efficiency']}, acceptance {d['acceptance_rate']}, "
               f"target calls {d['target_calls']}, lossless={d['lossless']}", file=sys.stderr)

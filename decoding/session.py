@@ -100,13 +100,17 @@ class Session:
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         else:
             ids = self.tokenizer.encode(prompt)
+        self.check_length(ids, max_new_tokens, tree_depth)
+        return ids
+
+    def check_length(self, ids, max_new_tokens: int = 0, tree_depth: int = 0) -> None:
+        """Refuse a prompt whose generation cannot fit the target's context."""
         limit = getattr(self.target.config, "max_position_embeddings", None)
         need = len(ids) + max_new_tokens + tree_depth + 1
         if limit is not None and need > limit:
             raise ValueError(
                 f"prompt too long: {len(ids)} prompt tokens + {max_new_tokens} new tokens "
                 f"(+{tree_depth + 1} for the draft tree) exceed the model's context of {limit}")
-        return ids
 
     def streamer(self, out):
         """Callback that prints newly committed text (decodes the whole run so far, so

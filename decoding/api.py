@@ -1,0 +1,233 @@
+"""Python API: load a target/draft pair (+ decider) once, then generate or stream.
+
+    from decoding import Decoder
+
+    dec = Decoder.load()                      # shipped pair, measured-best defaults (defaults.yaml)
+    res = dec.generate("Write a haiku about rain.", chat=True, max_new_tokens=64)
+    print(res.text, res.stats["tokens_per_s"])
+    for piece in dec.stream("Tell me a story.", chat=True):
+        print(piece, end="", flush=True)
+
+`target` / `draft` are model directories or already-loaded Hugging Face causal LMs (then pass
+`tokenizer=`; they are used in the dtype and on the device they are in). Options left None come
+from `decoding/defaults.yaml` for the shipped pair on this device kind, else its `other-pairs`
+entry. Every bad input raises ValueError (models.ModelError for models) with one clear line.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from . import defaults as dflt
+from . import models
+from .sampling import SamplingConfig
+from .session import DEFAULT_DRAFT, Session
+from .strategies import StrategyConfig, build_engine
+
+_STRATEGY_KEYS = {f.name for f in fields(StrategyConfig)}
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    """Decoded new text (special tokens skipped)."""
+    token_ids: list[int]
+    """New token ids (the prompt excluded)."""
+    stats: dict
+    """RunStats.to_dict(): tokens/s, block efficiency, acceptance, time split, ..."""
+    prompt_ids: list[int]
+    """The prompt as the target saw it (chat template applied)."""
+
+
+def is_shipped_pair(target, draft) -> bool:
+    """The pair the defaults were measured on: the embedded target with the shipped draft."""
+    if target not in (None, models.DEFAULT_TARGET):
+        return False
+    return draft is None or (isinstance(draft, (str, Path)) and Path(draft).resolve() == DEFAULT_DRAFT.resolve())
+
+
+def _as_text(x) -> str:
+    return str(x) if isinstance(x, (str, Path)) else type(x).__name__
+
+
+class Decoder:
+    """A loaded pair with one strategy; `variant(...)` shares the models with other options."""
+
+    def __init__(self, session: Session, config: StrategyConfig, decider=None, decider_rule=None,
+                 decider_threshold=None, defaults: dflt.Defaults | None = None):
+        self.session = session
+        self.config = config
+        self.defaults = defaults
+        """The defaults entry the unset options came from."""
+        self._decider = (decider, decider_rule, decider_threshold)
+        self._stop = None
+        if config.strategy != "ar" and session.draft is None:
+            raise ValueError(f"strategy {config.strategy} needs a draft model")
+        if config.stop == "decider" and config.strategy != "ar":  # load and check it now, not mid-run
+            self._stop = session.decider_stop(decider, decider_rule, decider_threshold)
+        self._engines: dict[SamplingConfig, object] = {}
+
+    @classmethod
+    def load(cls, target=None, draft=None, decider=None, *, tokenizer=None, draft_tokenizer=None,
+             dtype: str | None = None, device: str = "cpu", strategy: str | None = None,
+             decider_rule: str | None = None, decider_threshold: float | None = None,
+             defaults_file=None, **options) -> Decoder:
+        """Load once. options: StrategyConfig fields (gamma, k_config, width, depth, mode,
+        replacement, stop, confidence_threshold, confidence_rule); unset ones come from the
+        defaults. decider: checkpoint dir or 'latest' (used when stop is 'decider')."""
+        bad = set(options) - _STRATEGY_KEYS
+        if bad:
+            raise TypeError(f"unknown option(s): {', '.join(sorted(bad))}")
+        d = dflt.defaults_for(device, is_shipped_pair(target, draft), defaults_file)
+        given_strategy = strategy
+        cfg = cls._config(d, strategy, options)  # validated before the (slow) model load
+        if isinstance(target, (str, Path)) or target is None:
+            sess = Session.open(target, draft, dtype or d.dtype, device,
+                                need_draft=given_strategy not in (None, "ar"))
+        else:
+            sess = _session_from_models(target, draft, tokenizer, draft_tokenizer)
+        if given_strategy is None and sess.draft is None:
+            cfg = replace(cfg, strategy="ar")  # no draft shipped or given: plain decoding
+        if d.decider_rule and decider_rule is None and cfg.stop == "decider":
+            decider_rule = d.decider_rule
+        return cls(sess, cfg, decider, decider_rule, decider_threshold, d)
+
+    @staticmethod
+    def _config(d: dflt.Defaults, strategy, options) -> StrategyConfig:
+        base = {k: getattr(d, k) for k in ("gamma", "k_config", "width", "depth", "stop",
+                                           "confidence_threshold", "confidence_rule")}
+        base.update({k: v for k, v in options.items() if v is not None})
+        return StrategyConfig(strategy=strategy or d.strategy, **base)
+
+    def variant(self, strategy: str | None = None, **options) -> Decoder:
+        """Another strategy / stop policy on the same loaded models (decider options included)."""
+        dec = {k: options.pop(k) for k in ("decider", "decider_rule", "decider_threshold") if k in options}
+        cfg = replace(self.config, **({"strategy": strategy} if strategy else {}),
+                      **{k: v for k, v in options.items() if v is not None})
+        old = dict(zip(("decider", "decider_rule", "decider_threshold"), self._decider))
+        return Decoder(self.session, cfg, **{**old, **dec}, defaults=self.defaults)
+
+    @property
+    def tokenizer(self):
+        return self.session.tokenizer
+
+    def engine(self, sampling: SamplingConfig):
+        """The engine for these sampling settings (built once; the decider is loaded once)."""
+        if sampling not in self._engines:
+            s = self.session
+            self._engines[sampling] = build_engine(s.target, s.draft, self.config, sampling, self._stop)
+        return self._engines[sampling]
+
+    def prompt_ids(self, prompt, chat: bool = False, max_new_tokens: int = 128) -> list[int]:
+        """Token ids of a text prompt (chat template optional) or a checked list of ids."""
+        depth = len(self.config.k_levels)
+        if isinstance(prompt, str):
+            return self.session.encode(prompt, chat=chat, max_new_tokens=max_new_tokens, tree_depth=depth)
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise ValueError("prompt must be a string or a sequence of token ids") from None
+        if not ids:
+            raise ValueError("empty prompt")
+        vocab = self.session.target.get_output_embeddings().weight.shape[0]
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        self.session.check_length(ids, max_new_tokens, depth)
+        return ids
+
+    def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0, chat: bool = False, on_text=None) -> GenerationResult:
+        """Generate up to max_new_tokens (stops at EOS). prompt: text or token ids. temperature
+        0 is greedy. on_text(piece) is called with newly committed text after each round."""
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be an integer >= 1")
+        sampling = SamplingConfig(temperature, top_p)
+        ids = self.prompt_ids(prompt, chat, max_new_tokens)
+        push = self.session.streamer(_Writer(on_text)) if on_text else None
+        out, stats = self.engine(sampling).generate(ids, max_new_tokens, self.session.eos_token_id, seed, push)
+        return GenerationResult(self.tokenizer.decode(out, skip_special_tokens=True), out,
+                                stats.to_dict(), ids)
+
+    def stream(self, prompt, **kwargs) -> Iterator[str]:
+        """Yield text pieces as rounds commit (same arguments as generate); the full result is
+        then in `self.last_result`. Validation errors are raised before the first piece."""
+        self.prompt_ids(prompt, kwargs.get("chat", False), kwargs.get("max_new_tokens", 128))
+        SamplingConfig(kwargs.get("temperature", 0.0), kwargs.get("top_p", 1.0))
+        return self._stream(prompt, kwargs)
+
+    def _stream(self, prompt, kwargs) -> Iterator[str]:
+        # generation runs in a worker thread so the engine loop stays the one loop; the
+        # consumer leaving early makes the next callback raise, which ends the worker
+        q: queue.Queue = queue.Queue()
+        stop = threading.Event()
+        done = object()
+
+        def on_text(piece):
+            if stop.is_set():
+                raise _Cancelled
+            if piece:
+                q.put(piece)
+
+        def work():
+            try:
+                q.put((done, self.generate(prompt, on_text=on_text, **kwargs)))
+            except _Cancelled:
+                q.put((done, None))
+            except BaseException as e:  # handed to the consumer
+                q.put((done, e))
+
+        self.last_result = None
+        t = threading.Thread(target=work, daemon=True)
+        t.start()
+        shown = 0
+        try:
+            while True:
+                item = q.get()
+                if isinstance(item, tuple) and item[0] is done:
+                    if isinstance(item[1], BaseException):
+                        raise item[1]
+                    self.last_result = item[1]
+                    break
+                shown += len(item)
+                yield item
+            if self.last_result is not None and len(self.last_result.text) > shown:
+                yield self.last_result.text[shown:]  # a trailing partial character
+        finally:
+            stop.set()
+            t.join()
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class _Writer:
+    """File-like adapter for Session.streamer."""
+
+    def __init__(self, fn):
+        self.write, self.flush = fn, lambda: None
+
+
+def _session_from_models(target, draft, tokenizer, draft_tokenizer) -> Session:
+    """A Session over already-loaded models; the pair is checked as Session.open checks it."""
+    for m, what in ((target, "target"), (draft, "draft")):
+        if m is not None and not hasattr(m, "get_output_embeddings"):
+            raise ValueError(f"{what} must be a model directory or a loaded Hugging Face causal LM "
+                             f"(got {_as_text(m)})")
+    if isinstance(draft, (str, Path)):
+        raise ValueError("pass target and draft the same way: both directories or both loaded models")
+    if tokenizer is None:
+        raise ValueError("a loaded target model needs tokenizer= (its tokenizer object or directory)")
+    if isinstance(tokenizer, (str, Path)):
+        tokenizer = models.load_tokenizer(tokenizer)
+    if isinstance(draft_tokenizer, (str, Path)):
+        draft_tokenizer = models.load_tokenizer(draft_tokenizer)
+    target.eval()
+    if draft is not None:
+        draft.eval()
+        models.check_pair(target, draft, tokenizer, draft_tokenizer or tokenizer)
+    return Session(target, draft, tokenizer, None, None)

@@ -1,0 +1,215 @@
+"""The default decoding configuration: the measured-best lossless one for the shipped pair.
+
+`decoding/defaults.yaml` holds one entry per device kind (`cpu`: no native bf16, `cpu-bf16`:
+AVX512-BF16 / AMX, `cuda`) plus `other-pairs` for any pair but the shipped one (the benchmark
+measured only the shipped pair, so another pair gets the plain historical default). Each entry
+names the report it came from. `python -m decoding.bench --write-defaults` rewrites this
+machine's entry from the run it just measured, through `pick_best` and `write_defaults`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+DEFAULTS_PATH = Path(__file__).with_name("defaults.yaml")
+KINDS = ("cpu", "cpu-bf16", "cuda")
+OTHER = "other-pairs"
+INFO_KEYS = ("source", "measured")
+"""Keys of an entry that document it and configure nothing."""
+
+HEADER = """\
+# Default decoding configuration of `python -m decoding.generate` and `decoding.Decoder`, per
+# device kind, for the shipped pair (SmolLM2-135M-Instruct + checkpoints/drafts/smollm2-135m-draft).
+# cpu: a CPU without native bf16 | cpu-bf16: AVX512-BF16 or AMX | cuda | other-pairs: any other
+# pair (not measured: the plain historical default). Rewritten by
+#   python -m decoding.bench --config configs/bench_decider.yaml --write-defaults
+# which keeps the fastest lossless greedy row of that run (decoding/defaults.py: pick_best).
+"""
+
+
+@dataclass
+class Defaults:
+    """One entry: the options a user does not set come from here."""
+
+    strategy: str = "ti-mcsd"
+    """ar | sd | mcsd | ti-mcsd."""
+    gamma: int = 4
+    """sd chain length."""
+    k_config: str = "4,2,2,1"
+    """mcsd children per level."""
+    width: int = 4
+    """ti-mcsd branches."""
+    depth: int = 6
+    """ti-mcsd maximum depth."""
+    stop: str = "fixed"
+    """fixed | confidence | decider."""
+    confidence_threshold: float = 0.4
+    confidence_rule: str = "level"
+    decider_rule: str | None = None
+    """Decider stop rule (None: the checkpoint's); its threshold is the one validated for it."""
+    dtype: str = "float32"
+    source: str = ""
+    """Which report (or reasoning) the entry comes from."""
+    measured: dict | None = None
+    """Speedup over ar per greedy condition of that report (information only)."""
+
+    def describe(self) -> str:
+        shape = {"ar": "", "sd": f" g{self.gamma}", "mcsd": f" [{self.k_config}]",
+                 "ti-mcsd": f" W{self.width} D{self.depth}"}.get(self.strategy, "")
+        stop = self.stop + (f"({self.decider_rule})" if self.stop == "decider" and self.decider_rule else "")
+        if self.stop == "confidence":
+            stop += f"({self.confidence_rule} >= {self.confidence_threshold:g})"
+        return f"{self.strategy}{shape}, stop {stop}, {self.dtype}"
+
+
+_FIELDS = {f.name for f in fields(Defaults)}
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """AVX512-BF16 or AMX-BF16 in the CPU flags (Linux). Without them bf16 matmuls are
+    emulated and slower than fp32, so fp32 is the fast path there."""
+    if cpuinfo is None:
+        return _cpuinfo_bf16()
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[-1].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+@lru_cache(maxsize=1)
+def _cpuinfo_bf16() -> bool:
+    try:
+        return cpu_has_native_bf16(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return False
+
+
+def device_kind(device: str = "cpu") -> str:
+    if str(device).startswith("cuda"):
+        return "cuda"
+    return "cpu-bf16" if cpu_has_native_bf16() else "cpu"
+
+
+def load_defaults(path: str | os.PathLike | None = None) -> dict[str, dict]:
+    """The raw entries, checked: unknown keys are an error naming the file."""
+    p = Path(path or DEFAULTS_PATH)
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"cannot read the defaults file {p}: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise ValueError(f"defaults file {p}: expected a mapping of device kind -> options")
+    for kind, entry in data.items():
+        bad = set(entry) - _FIELDS
+        if bad:
+            raise ValueError(f"defaults file {p}: entry {kind} has unknown keys {', '.join(sorted(bad))}")
+    return data
+
+
+def defaults_for(device: str = "cpu", shipped: bool = True, path=None) -> Defaults:
+    """The entry for this device kind (shipped pair) or `other-pairs`; built-in values when absent."""
+    data = load_defaults(path)
+    kind = device_kind(device) if shipped else OTHER
+    entry = data.get(kind)
+    if entry is None and kind == "cpu-bf16":
+        entry = data.get("cpu")
+    return Defaults(**(entry or {"source": "built-in (no entry in the defaults file)"}))
+
+
+def _spec_entry(spec: dict, row: dict) -> dict | None:
+    """The options that reproduce a bench row; None when they cannot be recovered."""
+    spec = {**asdict(Defaults()), "rule": None, **spec}  # older reports omit defaulted keys
+    e = {"strategy": spec["strategy"]}
+    e.update({"sd": {"gamma": spec["gamma"]}, "mcsd": {"k_config": spec["k_config"]},
+              "ti-mcsd": {"width": spec["width"], "depth": spec["depth"]}}.get(spec["strategy"], {}))
+    if spec["strategy"] == "ar":
+        return e
+    e["stop"] = spec["stop"]
+    setting = row.get("stop_setting") or {}
+    if spec["stop"] == "confidence":
+        t = setting.get("threshold", spec["confidence_threshold"])
+        if not isinstance(t, (int, float)):
+            return None  # a `tuned` row of a report that did not record the resolved threshold
+        e.update(confidence_threshold=float(t), confidence_rule=spec["confidence_rule"])
+    elif spec["stop"] == "decider":
+        e["decider_rule"] = setting.get("rule") or spec.get("rule")
+    return e
+
+
+def pick_best(results: dict, source: str | None = None) -> dict:
+    """The fastest lossless greedy row of a bench results.json, as a defaults entry.
+
+    A candidate is one of our engine's lossless rows that ran in every greedy condition and
+    beat ar in each: the lower end of its 95% CI above 1.0 where the report has CIs (else its
+    median), and, in float32, output equal to ar on every prompt (bf16 can flip near-ties, so
+    equality is not asked there). The fastest is the highest geometric mean of the median
+    speedups over the greedy conditions. With no candidate the default is plain `ar`.
+    """
+    meta = results.get("meta", {})
+    specs = {s["name"]: s for s in meta.get("config", {}).get("strategies", [])}
+    greedy = [c for c in results.get("conditions", []) if c.get("temperature") == 0]
+    if not greedy:
+        raise ValueError("the results have no greedy condition to pick defaults from")
+    best, best_score = None, 0.0
+    for name, spec in specs.items():
+        if spec["strategy"] in ("ar", "hf-assisted", "hf-prompt-lookup") or spec.get("mode", "lossless") != "lossless":
+            continue
+        rows = [next((r for r in c["rows"] if r["name"] == name), None) for c in greedy]
+        if any(not _beats_ar(r, meta.get("dtype")) for r in rows):
+            continue
+        score = math.exp(sum(math.log(r["speedup"]["median"]) for r in rows) / len(rows))
+        entry = _spec_entry(spec, rows[0])
+        if entry is not None and score > best_score:
+            entry["measured"] = {c["name"]: round(r["speedup"]["median"], 3) for c, r in zip(greedy, rows)}
+            best, best_score = entry, score
+    best = best or {"strategy": "ar"}
+    best["dtype"] = meta.get("dtype", "float32")
+    best["source"] = (f"{source or meta.get('command', 'a bench run')} ({meta.get('date', '?')}, "
+                      f"{meta.get('threads', '?')} threads): fastest lossless greedy row")
+    return best
+
+
+def _beats_ar(row: dict | None, dtype: str | None) -> bool:
+    if row is None or row.get("status") != "ok" or not row.get("lossless") or not row.get("speedup"):
+        return False
+    sp = row["speedup"]
+    if not (sp.get("ci95") or [sp["median"]])[0] > 1.0:
+        return False
+    eq = row.get("equal_to_ar")
+    return dtype != "float32" or eq is None or eq["equal"] == eq["n"]
+
+
+def render(data: dict[str, dict]) -> str:
+    parts = [HEADER]
+    for kind in (*KINDS, OTHER, *sorted(set(data) - {*KINDS, OTHER})):
+        if kind in data:
+            parts.append(f"\n# {kind}: {data[kind].get('source', '')}\n")
+            parts.append(yaml.safe_dump({kind: data[kind]}, sort_keys=False, width=1000))
+    return "".join(parts)
+
+
+def write_defaults(entry: dict, kind: str, path: str | os.PathLike | None = None) -> Path:
+    """Replace one kind's entry (the others are kept); atomic: temp file + rename."""
+    bad = set(entry) - _FIELDS
+    if bad:
+        raise ValueError(f"not default options: {', '.join(sorted(bad))}")
+    p = Path(path or DEFAULTS_PATH)
+    data = load_defaults(p) if p.exists() else {}
+    data[kind] = dict(entry)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(render(data))
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return p
