@@ -70,6 +70,8 @@ class Decoder:
         if config.stop == "decider" and config.strategy != "ar":  # load and check it now, not mid-run
             self._stop = session.decider_stop(decider, decider_rule, decider_threshold)
         self._engines: dict[SamplingConfig, object] = {}
+        self.last_result: GenerationResult | None = None
+        """The result of the last stream() that ran to the end."""
 
     @classmethod
     def load(cls, target=None, draft=None, decider=None, *, tokenizer=None, draft_tokenizer=None,
@@ -139,25 +141,28 @@ class Decoder:
         self.session.check_length(ids, max_new_tokens, depth)
         return ids
 
+    def _prepare(self, prompt, max_new_tokens, temperature, top_p, chat):
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens!r})")
+        return SamplingConfig(temperature, top_p), self.prompt_ids(prompt, chat, max_new_tokens)
+
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, chat: bool = False, on_text=None) -> GenerationResult:
         """Generate up to max_new_tokens (stops at EOS). prompt: text or token ids. temperature
         0 is greedy. on_text(piece) is called with newly committed text after each round."""
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be an integer >= 1")
-        sampling = SamplingConfig(temperature, top_p)
-        ids = self.prompt_ids(prompt, chat, max_new_tokens)
+        sampling, ids = self._prepare(prompt, max_new_tokens, temperature, top_p, chat)
         push = self.session.streamer(_Writer(on_text)) if on_text else None
         out, stats = self.engine(sampling).generate(ids, max_new_tokens, self.session.eos_token_id, seed, push)
         return GenerationResult(self.tokenizer.decode(out, skip_special_tokens=True), out,
                                 stats.to_dict(), ids)
 
-    def stream(self, prompt, **kwargs) -> Iterator[str]:
-        """Yield text pieces as rounds commit (same arguments as generate); the full result is
-        then in `self.last_result`. Validation errors are raised before the first piece."""
-        self.prompt_ids(prompt, kwargs.get("chat", False), kwargs.get("max_new_tokens", 128))
-        SamplingConfig(kwargs.get("temperature", 0.0), kwargs.get("top_p", 1.0))
-        return self._stream(prompt, kwargs)
+    def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+               seed: int = 0, chat: bool = False) -> Iterator[str]:
+        """Yield text pieces as rounds commit (arguments as generate); the full result is then
+        in `self.last_result`. Bad input raises here, before the first piece."""
+        self._prepare(prompt, max_new_tokens, temperature, top_p, chat)
+        return self._stream(prompt, dict(max_new_tokens=max_new_tokens, temperature=temperature,
+                                         top_p=top_p, seed=seed, chat=chat))
 
     def _stream(self, prompt, kwargs) -> Iterator[str]:
         # generation runs in a worker thread so the engine loop stays the one loop; the

@@ -180,7 +180,27 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=None, help="torch threads")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="engine suite: dtypes")
     ap.add_argument("--new-tokens", type=int, default=64, help="engine suite: new tokens")
+    ap.add_argument("--write-defaults", nargs="?", const="", default=None, metavar="PATH",
+                    help="record this run's fastest lossless greedy row as the default configuration "
+                         "of this device kind (decoding/defaults.yaml; the shipped pair only), or in PATH")
     return ap
+
+
+def _check_defaults_pair(cfg: BenchConfig, path: str) -> None:
+    from .api import is_shipped_pair
+
+    if not path and not is_shipped_pair(cfg.target, cfg.draft):
+        raise ValueError("--write-defaults: the defaults are for the shipped pair, and this run measures "
+                         "another one; give a PATH to record it elsewhere")
+
+
+def _write_defaults(results: dict, cfg: BenchConfig, out: Path, path: str) -> None:
+    from .defaults import device_kind, pick_best, write_defaults
+
+    _check_defaults_pair(cfg, path)
+    entry, kind = pick_best(results, source=str(out / "results.json")), device_kind(cfg.device)
+    written = write_defaults(entry, kind, path or None)
+    _log(f"defaults for {kind} in {written}: {entry['strategy']} ({entry['source']})")
 
 
 def _apply_overrides(cfg: BenchConfig, a) -> BenchConfig:
@@ -220,8 +240,8 @@ def main(argv=None) -> int:
     command = "python -m decoding.bench " + " ".join(argv)
     try:
         if a.suite == "engine":
-            if a.quick:
-                raise ValueError("--quick belongs to the compare suite")
+            if a.quick or a.write_defaults is not None:
+                raise ValueError("--quick and --write-defaults belong to the compare suite")
             return _engine_main(a)
         if a.quick:
             root = Path(tempfile.mkdtemp(prefix="specstop-bench-quick-"))
@@ -230,8 +250,12 @@ def main(argv=None) -> int:
         else:
             cfg = _apply_overrides(load_config(a.config), a)
             out = Path(a.out or cfg.out.format(date=time.strftime("%Y-%m-%d")))
+        if a.write_defaults is not None:
+            _check_defaults_pair(cfg, a.write_defaults)  # refused before the (long) run
         results = run_compare(cfg, command)
         md = write_report(results, out)
+        if a.write_defaults is not None:
+            _write_defaults(results, cfg, out, a.write_defaults)
     except (models.ModelError, ValueError, FileNotFoundError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2

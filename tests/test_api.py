@@ -1,0 +1,131 @@
+"""The Python API (decoding.Decoder) on tiny model directories and tiny loaded models."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+from test_cli import WORDS, save_tiny
+
+from conftest import noisy_copy, tiny_llama
+from decoding import Decoder, GenerationResult
+from decoding.models import ModelError, load_model, load_tokenizer
+from decoding.sampling import SamplingConfig
+from decoding.session import Session
+from decoding.strategies import StrategyConfig, build_engine
+
+PROMPT = "w1 w2 w3"
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    target = tiny_llama(0, vocab=len(WORDS), scale=6, max_pos=64)
+    t = save_tiny(root / "target", WORDS, target)
+    d = save_tiny(root / "draft", WORDS, noisy_copy(target, 0.03))
+    bad = save_tiny(root / "badtok", WORDS[:2] + WORDS[2:][::-1], noisy_copy(target, 0.03))
+    return t, d, bad
+
+
+@pytest.fixture(scope="module")
+def dec(dirs):
+    t, d, _ = dirs
+    return Decoder.load(t, d, strategy="ti-mcsd", width=2, depth=3)
+
+
+def engine_output(t, d, cfg, sampling, max_new, seed=0):
+    sess = Session.open(t, d)
+    ids = sess.encode(PROMPT)
+    return build_engine(sess.target, sess.draft, cfg, sampling).generate(ids, max_new, sess.eos_token_id, seed)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_generate_equals_the_engine(dirs, dec, temperature):
+    t, d, _ = dirs
+    res = dec.generate(PROMPT, max_new_tokens=20, temperature=temperature, seed=3)
+    out, stats = engine_output(t, d, StrategyConfig("ti-mcsd", width=2, depth=3), SamplingConfig(temperature),
+                               20, seed=3)
+    assert isinstance(res, GenerationResult)
+    assert res.token_ids == out and res.stats["strategy"] == stats.strategy == "ti-mcsd[W=2,D=3]"
+    assert res.text == dec.tokenizer.decode(out, skip_special_tokens=True)
+    assert res.prompt_ids == dec.tokenizer.encode(PROMPT)
+    assert dec.generate(res.prompt_ids, max_new_tokens=20, temperature=temperature, seed=3).token_ids == out
+    if temperature == 0:  # lossless: the same as plain decoding
+        assert dec.variant("ar").generate(PROMPT, max_new_tokens=20).token_ids == out
+
+
+def test_stream_pieces_concatenate_to_generate(dec):
+    res = dec.generate(PROMPT, max_new_tokens=24)
+    pieces = list(dec.stream(PROMPT, max_new_tokens=24))
+    assert len(pieces) > 1 and all(pieces)
+    assert "".join(pieces) == res.text and dec.last_result.token_ids == res.token_ids
+
+
+def test_stream_can_be_left_early_and_reused(dec):
+    it = dec.stream(PROMPT, max_new_tokens=24)
+    first = next(it)
+    it.close()  # the worker ends at its next round instead of running on
+    assert first and dec.last_result is None
+    assert dec.generate(PROMPT, max_new_tokens=24).text.startswith(first)
+
+
+def test_preloaded_models_are_accepted(dirs, dec):
+    t, d, _ = dirs
+    target, draft = load_model(t), load_model(d)
+    loaded = Decoder.load(target, draft, tokenizer=load_tokenizer(t), strategy="ti-mcsd", width=2, depth=3)
+    assert loaded.generate(PROMPT, max_new_tokens=20).token_ids == dec.generate(PROMPT, max_new_tokens=20).token_ids
+    assert loaded.session.target is target  # used as given, not copied or reloaded
+    alone = Decoder.load(target, tokenizer=t)  # no draft: plain decoding
+    assert alone.config.strategy == "ar" and alone.generate(PROMPT, max_new_tokens=5).stats["lossless"]
+
+
+def test_unset_options_come_from_the_defaults_file(dirs, tmp_path):
+    t, d, _ = dirs
+    f = tmp_path / "defaults.yaml"
+    f.write_text(yaml.safe_dump({"other-pairs": {"strategy": "sd", "gamma": 2, "dtype": "float32",
+                                                 "source": "test"}}))
+    dec = Decoder.load(t, d, defaults_file=f)
+    assert (dec.config.strategy, dec.config.gamma) == ("sd", 2) and dec.defaults.source == "test"
+    assert Decoder.load(t, d, defaults_file=f, strategy="mcsd", k_config="2,1").config.k_levels == (2, 1)
+    f.write_text("other-pairs: {width: 2, colour: red}\n")
+    with pytest.raises(ValueError, match="unknown keys colour"):
+        Decoder.load(t, d, defaults_file=f)
+
+
+@pytest.mark.parametrize("prompt,kw,message", [
+    ("", {}, "empty prompt"),
+    ("   ", {}, "empty prompt"),
+    ([], {}, "empty prompt"),
+    ([1, 2, 999], {}, "token ids must lie in"),
+    ("w1", {"max_new_tokens": 500}, "prompt too long"),
+    ("w1", {"max_new_tokens": 0}, "max_new_tokens"),
+    ("w1", {"temperature": -1.0}, "temperature"),
+    (3.5, {}, "string or a sequence of token ids"),
+])
+def test_bad_generate_input_is_one_clear_error(dec, prompt, kw, message):
+    for call in (dec.generate, dec.stream):
+        with pytest.raises(ValueError, match=message) as e:
+            call(prompt, **kw)
+        assert "\n" not in str(e.value)
+
+
+def test_bad_load_input_is_one_clear_error(dirs):
+    t, d, bad = dirs
+    with pytest.raises(ModelError, match="different token ids"):
+        Decoder.load(t, bad, strategy="sd")
+    with pytest.raises(ModelError, match="different token ids"):
+        Decoder.load(load_model(t), load_model(bad), tokenizer=t, draft_tokenizer=bad)
+    with pytest.raises(ValueError, match="needs tokenizer="):
+        Decoder.load(load_model(t))
+    with pytest.raises(ValueError, match="bad k-config"):
+        Decoder.load(t, d, strategy="mcsd", k_config="4,x")
+    with pytest.raises(TypeError, match="unknown option"):
+        Decoder.load(t, d, colour="red")
+    with pytest.raises(ModelError, match="model directory not found"):
+        Decoder.load("/no/such/dir")
+
+
+def test_importing_decoding_stays_light():
+    code = "import sys, decoding; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]

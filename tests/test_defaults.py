@@ -1,0 +1,118 @@
+"""decoding.defaults: the measured-best default configuration, how it is picked and rewritten."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from decoding import defaults as D
+from decoding.strategies import StrategyConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def spec(name, strategy="ti-mcsd", **kw):
+    return {"name": name, "strategy": strategy, "mode": "lossless", "stop": "fixed", **kw}
+
+
+def row(name, median, ci=None, lossless=True, equal=(3, 3), status="ok", setting=None):
+    sp = {"median": median, **({"ci95": ci} if ci else {})}
+    return {"name": name, "status": status, "lossless": lossless, "speedup": sp,
+            "equal_to_ar": {"equal": equal[0], "n": equal[1]}, "stop_setting": setting}
+
+
+def results(rows_by_cond, specs, dtype="float32"):
+    conds = [{"name": f"greedy/{i}", "temperature": 0.0, "rows": rows} for i, rows in enumerate(rows_by_cond)]
+    conds.append({"name": "T=0.7/0", "temperature": 0.7, "rows": [row("slow", 9.0)]})  # not greedy: ignored
+    return {"meta": {"dtype": dtype, "date": "2026-01-01", "threads": 2, "command": "bench",
+                     "config": {"strategies": [spec("ar", "ar"), *specs]}}, "conditions": conds}
+
+
+def test_pick_best_takes_the_fastest_lossless_row_that_beats_ar_everywhere():
+    specs = [spec("W2 D2", width=2, depth=2), spec("sd", "sd", gamma=3),
+             spec("lossy", mode="longest-branch"), spec("wide ci", width=8, depth=8),
+             spec("mismatch", "mcsd", k_config="2,1"), spec("peer", "hf-assisted"),
+             spec("conf", stop="confidence", confidence_threshold="tuned", confidence_rule="tree")]
+    conds = [[row("W2 D2", 1.5, [1.2, 1.8]), row("sd", 1.4, [1.1, 1.6]), row("lossy", 3.0, [2, 4], lossless=False),
+              row("wide ci", 2.5, [0.9, 3.0]), row("mismatch", 2.9, [2, 3], equal=(2, 3)), row("peer", 5.0, [4, 6]),
+              row("conf", 1.55, [1.3, 1.7], setting={"rule": "tree", "threshold": 0.2})],
+             [row("W2 D2", 1.5, [1.2, 1.8]), row("sd", 1.7, [1.5, 1.9]), row("lossy", 3.0, [2, 4], lossless=False),
+              row("wide ci", 2.5, [1.5, 3.0]), row("mismatch", 2.9, [2, 3]), row("peer", 5.0, [4, 6]),
+              row("conf", 1.45, [1.3, 1.6], setting={"rule": "tree", "threshold": 0.2})]]
+    best = D.pick_best(results(conds, specs), source="r.json")
+    # geometric means: W2 D2 1.5, sd 1.543, conf 1.498; wide ci / mismatch / lossy / peer excluded
+    assert {k: best[k] for k in ("strategy", "gamma", "stop", "dtype")} == \
+        {"strategy": "sd", "gamma": 3, "stop": "fixed", "dtype": "float32"}
+    assert best["measured"] == {"greedy/0": 1.4, "greedy/1": 1.7} and best["source"].startswith("r.json")
+    # bf16: near-tie flips are expected, so equality with ar is not asked
+    assert D.pick_best(results(conds, specs, dtype="bfloat16"))["strategy"] == "mcsd"
+    # the tuned confidence row reproduces with the threshold it ran with
+    only_conf = [[r for r in c if r["name"] == "conf"] for c in conds]
+    assert D.pick_best(results(only_conf, specs))["confidence_threshold"] == 0.2
+
+
+def test_pick_best_falls_back_to_ar_and_needs_a_greedy_condition():
+    slow = [[row("W2 D2", 0.9)], [row("W2 D2", 1.3)]]
+    assert D.pick_best(results(slow, [spec("W2 D2", width=2, depth=2)]))["strategy"] == "ar"
+    with pytest.raises(ValueError, match="no greedy condition"):
+        D.pick_best({"meta": {}, "conditions": []})
+
+
+def test_write_defaults_replaces_one_entry_atomically(tmp_path, monkeypatch):
+    f = tmp_path / "defaults.yaml"
+    D.write_defaults({"strategy": "sd", "gamma": 2, "source": "a"}, "cpu", f)
+    D.write_defaults({"strategy": "ar", "dtype": "bfloat16", "source": "b"}, "cuda", f)
+    data = D.load_defaults(f)
+    assert data["cpu"]["gamma"] == 2 and data["cuda"]["strategy"] == "ar"
+    assert "# cuda: b" in f.read_text()  # which report each entry came from
+
+    def crash(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(D.os, "replace", crash)
+    with pytest.raises(OSError):
+        D.write_defaults({"strategy": "mcsd"}, "cpu", f)
+    assert D.load_defaults(f) == data and list(tmp_path.iterdir()) == [f]  # old file, no temp left
+    with pytest.raises(ValueError, match="not default options: colour"):
+        D.write_defaults({"colour": "red"}, "cpu", f)
+
+
+def test_device_kind_follows_native_bf16():
+    assert D.cpu_has_native_bf16("flags\t: fpu avx2 avx512f avx512_bf16\n")
+    assert D.cpu_has_native_bf16("flags\t: fpu avx2 amx_bf16 amx_tile\n")
+    assert not D.cpu_has_native_bf16("flags\t: fpu sse avx avx2 fma\n")
+    assert D.device_kind("cuda:0") == "cuda" and D.device_kind("cpu") in ("cpu", "cpu-bf16")
+
+
+def test_committed_defaults_are_valid_and_reproduce_their_report():
+    data = D.load_defaults()
+    assert set(D.KINDS) | {D.OTHER} <= set(data)
+    assert data["cpu"]["dtype"] == "float32"  # no native bf16: emulated bf16 is the slow path
+    for kind, entry in data.items():
+        d = D.Defaults(**entry)
+        StrategyConfig(d.strategy, d.gamma, d.k_config, d.width, d.depth, stop=d.stop,
+                       confidence_threshold=d.confidence_threshold, confidence_rule=d.confidence_rule)
+        report = ROOT / d.source.split(" ")[0]
+        if d.source.startswith("reports/") and report.is_file():  # a measured entry
+            picked = D.pick_best(json.loads(report.read_text()))
+            assert {k: v for k, v in picked.items() if k != "source"} == \
+                {k: v for k, v in entry.items() if k != "source"}, kind
+
+
+def test_bench_write_defaults(tmp_path, capsys):
+    from decoding.bench import main
+
+    f = tmp_path / "defaults.yaml"
+    out = tmp_path / "report"
+    assert main(["--quick", "--no-sweep", "--temperatures", "0", "--repeats", "1", "--out", str(out),
+                 "--write-defaults", str(f)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    entry = D.load_defaults(f)[D.device_kind("cpu")]
+    assert entry == D.pick_best(res, source=str(out / "results.json"))
+    # the package's own file is only rewritten from the shipped pair (refused before the run)
+    capsys.readouterr()
+    assert main(["--quick", "--no-sweep", "--out", str(tmp_path / "r2"), "--write-defaults"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "shipped pair" in err and not (tmp_path / "r2").exists()
+    assert yaml.safe_load(D.DEFAULTS_PATH.read_text())  # untouched and readable
