@@ -91,6 +91,9 @@ class Decoder:
             sess = Session.open(target, draft, dtype or d.dtype, device,
                                 need_draft=given_strategy not in (None, "ar"))
         else:
+            if dtype is not None:
+                raise ValueError("dtype applies to models loaded from directories: convert loaded models "
+                                 "yourself (model.to(dtype))")
             sess = _session_from_models(target, draft, tokenizer, draft_tokenizer)
         if given_strategy is None and sess.draft is None:
             cfg = replace(cfg, strategy="ar")  # no draft shipped or given: plain decoding

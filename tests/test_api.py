@@ -117,6 +117,8 @@ def test_bad_load_input_is_one_clear_error(dirs):
         Decoder.load(load_model(t), load_model(bad), tokenizer=t, draft_tokenizer=bad)
     with pytest.raises(ValueError, match="needs tokenizer="):
         Decoder.load(load_model(t))
+    with pytest.raises(ValueError, match="dtype applies to models loaded from directories"):
+        Decoder.load(load_model(t), tokenizer=t, dtype="bfloat16")
     with pytest.raises(ValueError, match="bad k-config"):
         Decoder.load(t, d, strategy="mcsd", k_config="4,x")
     with pytest.raises(TypeError, match="unknown option"):
@@ -129,3 +131,15 @@ def test_importing_decoding_stays_light():
     code = "import sys, decoding; print('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+@pytest.mark.real
+def test_shipped_pair_uses_this_device_kinds_defaults():
+    from decoding.defaults import defaults_for
+
+    d = defaults_for("cpu", shipped=True)
+    dec = Decoder.load()
+    assert dec.defaults == d and dec.config.strategy == d.strategy and dec.config.stop == d.stop
+    assert str(dec.session.target.dtype) == f"torch.{d.dtype}"
+    res = dec.generate("Say hello.", chat=True, max_new_tokens=8)
+    assert res.token_ids and res.stats["lossless"]
