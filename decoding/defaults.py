@@ -149,8 +149,8 @@ def pick_best(results: dict, source: str | None = None) -> dict:
 
     A candidate is one of our engine's lossless rows that ran in every greedy condition and
     beat ar in each: the lower end of its 95% CI above 1.0 where the report has CIs (else its
-    median), and, in float32, output equal to ar on every prompt (bf16 can flip near-ties, so
-    equality is not asked there). The fastest is the highest geometric mean of the median
+    median), and no output that differs from ar other than by a near-tie flip (reports
+    without tie detection: equal to ar on every prompt in float32; bf16 is not asked). The fastest is the highest geometric mean of the median
     speedups over the greedy conditions. With no candidate the default is plain `ar`.
     """
     meta = results.get("meta", {})
@@ -184,6 +184,8 @@ def _beats_ar(row: dict | None, dtype: str | None) -> bool:
     if not (sp.get("ci95") or [sp["median"]])[0] > 1.0:
         return False
     eq = row.get("equal_to_ar")
+    if eq is not None and "mismatch" in eq:  # reports that tell near-tie flips from mismatches
+        return not eq["mismatch"]
     return dtype != "float32" or eq is None or eq["equal"] == eq["n"]
 
 

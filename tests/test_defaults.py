@@ -50,6 +50,11 @@ def test_pick_best_takes_the_fastest_lossless_row_that_beats_ar_everywhere():
     # the tuned confidence row reproduces with the threshold it ran with
     only_conf = [[r for r in c if r["name"] == "conf"] for c in conds]
     assert D.pick_best(results(only_conf, specs))["confidence_threshold"] == 0.2
+    # reports that tell near-tie flips from mismatches: a tie is fine in any dtype, a mismatch never
+    tie = [[dict(r, equal_to_ar={"equal": 2, "tie": 1, "mismatch": 0, "n": 3}) for r in c] for c in only_conf]
+    assert D.pick_best(results(tie, specs))["strategy"] == "ti-mcsd"
+    tie[1][0]["equal_to_ar"]["mismatch"] = 1
+    assert D.pick_best(results(tie, specs, dtype="bfloat16"))["strategy"] == "ar"
 
 
 def test_pick_best_falls_back_to_ar_and_needs_a_greedy_condition():
