@@ -37,3 +37,20 @@ def test_head_dtype_needs_a_final_norm_and_a_known_dtype():
         models.set_head_dtype(torch.nn.Linear(2, 2), "float32")
     with pytest.raises(models.ModelError, match="unknown dtype"):
         models.load_model("/nonexistent", "bfloat16", head_dtype="fp64")
+
+
+def test_ties_report_marks_mismatches_and_refuses_bad_input(capsys):
+    from decoding.bench_ties import main, markdown
+
+    k = {"equal": 1, "tie": 1, "mismatch": 1, "n": 3,
+         "differences": [{"prompt": 1, "kind": "tie", "position": 4, "gap": 0.0, "tolerance": 1.0},
+                         {"prompt": 2, "kind": "mismatch", "position": 0, "gap": 5.0, "tolerance": 1.0}]}
+    eq = {"equal": 3, "tie": 0, "mismatch": 0, "n": 3, "differences": []}
+    res = {"meta": {"date": "d", "prompts": "p", "n_prompts": 3, "new_tokens": 8, "threads": 1, "torch": "t",
+                    "draft": "x"},
+           "conditions": [{"head_dtype": "float32", "ar_tokens_per_s": 10.0, "ar_vs_fp32_ar": eq,
+                           "rows": [{"name": "sd", "tokens_per_s": 20.0, "speedup": 2.0, "vs_ar": k}]}]}
+    md = markdown(res, "cmd")
+    assert "| float32 | sd | 20.0 | 2.00x | 1/1/1 of 3 **MISMATCH** (gap/tolerance: 0/1, 5/1) |" in md
+    assert main(["-n", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error:")
