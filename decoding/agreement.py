@@ -17,7 +17,9 @@ final norm and output layer are computed in bf16 from a hidden state that itself
 bf16 rounding of every layer, so the two computations' logits routinely differ by a few ulps.
 8 ulps is about 3% of the logit's magnitude (bf16 keeps 8 significant bits): far below the
 gaps a wrong verification produces (a rejected draft token is typically several logits
-below the top), so real mismatches are not excused.
+below the top), so real mismatches are not excused. Measured (reports/ties: SmolLM2 bf16 on
+8 held-out prompts): every flip had a gap of at most 1.3 ulps, so 8 leaves room for CPUs whose
+kernels round differently.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ indication on a shared CPU, not a benchmark.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -59,7 +60,7 @@ def measure(prompt_file: str, n_prompts: int, new_tokens: int) -> dict:
         if head == "float32":
             models.set_head_dtype(sess.target, "float32")
         prompts = [sess.encode(t["prompt"], chat=True) for t in texts]
-        draft = str(sess.draft_dir)
+        draft = os.path.relpath(sess.draft_dir) if sess.draft_dir else None  # no absolute paths in reports
         refs, ar_tok_s = _run(build_engine(sess.target, None, StrategyConfig(strategy="ar"), greedy),
                               prompts, new_tokens, bar)
         if head == "float32 model":  # the reference for "does bf16 ar reproduce fp32 ar"
