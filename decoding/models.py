@@ -8,7 +8,9 @@ runs load in a fraction of a second.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -110,19 +112,51 @@ def resolve_model_dir(path: str | os.PathLike | None) -> Path:
 
 
 def load_model(path, dtype: str = "float32", device: str = "cpu"):
-    """Load a causal LM from a local directory, in eval mode, with sdpa attention."""
+    """Load a causal LM from a local directory, in eval mode, with sdpa attention.
+
+    A specstop draft (head_ids in specstop_draft.json) gets its reduced output layer here.
+    Any file that cannot be read (missing, truncated, wrong shapes) is one ModelError line.
+    """
     from transformers import AutoModelForCausalLM
+
+    from .draft_format import OldDraftFormat, head_ids_of, refuse_old_format
 
     if dtype not in DTYPES:
         raise ModelError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     p = resolve_model_dir(path)
+    kw = {"dtype": DTYPES[dtype], "attn_implementation": "sdpa", "output_loading_info": True}
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            p, dtype=DTYPES[dtype], attn_implementation="sdpa"
-        )
-    except (OSError, ValueError, KeyError) as e:
-        raise ModelError(f"cannot load model from {p}: {str(e).splitlines()[0]}") from e
+        refuse_old_format(p)
+        ids = head_ids_of(p)
+        if ids is None:
+            model, info = AutoModelForCausalLM.from_pretrained(p, **kw)
+        else:
+            conf = PrunedHeadLlamaConfig(head_size=len(ids), **LlamaConfig.from_pretrained(p).to_dict())
+            model, info = PrunedHeadLlamaForCausalLM.from_pretrained(p, config=conf, **kw)
+            model.set_head_ids(ids)
+        _check_loaded(info, p)
+    except OldDraftFormat as e:
+        raise ModelError(str(e)) from None
+    except ModelError:
+        raise
+    except Exception as e:  # safetensors/torch/transformers raise many types for a bad file
+        raise ModelError(f"cannot load model from {p}: {type(e).__name__}: "
+                         f"{(str(e).strip().splitlines() or [''])[0]}") from e
     return model.to(device).eval()
+
+
+def _check_loaded(info: dict, p: Path) -> None:
+    """transformers only warns when a checkpoint lacks tensors or has the wrong shapes (and
+    initialises them at random): for inference that is a broken checkpoint, refused."""
+    missing = sorted(info.get("missing_keys") or ())
+    mismatched = [k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys") or ()]
+    errors = list(info.get("error_msgs") or ())
+    if missing or mismatched or errors:
+        what = (f"{len(mismatched)} tensor(s) of the wrong shape, e.g. {mismatched[0]}" if mismatched
+                else f"{len(missing)} tensor(s) missing, e.g. {missing[0]}" if missing
+                else str(errors[0]).splitlines()[0])
+        raise ModelError(f"cannot load model from {p}: model.safetensors does not match "
+                         f"config.json ({what})")
 
 
 def load_tokenizer(path):
@@ -189,32 +223,80 @@ def small_draft_config(target_config, layers: int = 2, hidden: int = 256, heads:
     )
 
 
-_VOLATILE_CONFIG_KEYS = {"quantization_config", "transformers_version", "_model_name_or_path",
-                         "dtype", "torch_dtype", "_name_or_path", "architectures"}
+FINGERPRINT_VERSION = 2
+"""2: weight-defining config fields + a sample of every weight tensor (1: whole config dict)."""
+_WEIGHT_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                       "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+                       "rms_norm_eps", "layer_norm_eps", "tie_word_embeddings", "attention_bias",
+                       "mlp_bias", "sliding_window", "partial_rotary_factor")
+_SAMPLE = 1024
+"""Elements hashed per weight tensor (evenly spaced, rounded to bf16)."""
+
+
+def _rope(config) -> dict:
+    """Rope settings in one shape whether a transformers version keeps `rope_theta` at the top
+    level (+ `rope_scaling`) or in `rope_parameters`."""
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if "type" in rope:
+        rope["rope_type"] = rope.pop("type")
+    if getattr(config, "rope_theta", None) is not None:
+        rope.setdefault("rope_theta", config.rope_theta)
+    rope.setdefault("rope_type", "default")
+    return {k: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+            for k, v in rope.items()}
+
+
+def weight_config(model) -> dict:
+    """The config fields that define a model's weights and what they compute; loader
+    bookkeeping and keys a newer transformers adds do not change it."""
+    c = model.config
+    arch = "llama" if c.model_type == PRUNED_HEAD_TYPE else c.model_type
+    out = {"architecture": arch, "rope": _rope(c)}
+    out |= {k: getattr(c, k) for k in _WEIGHT_CONFIG_KEYS if getattr(c, k, None) is not None}
+    ids = output_token_ids(model)  # a pruned draft proposes only these: part of its identity
+    out["head_ids_sha256"] = (None if ids is None else
+                              hashlib.sha256(ids.cpu().to(torch.int64).numpy().tobytes()).hexdigest())
+    return out
+
+
+@torch.no_grad()
+def weights_sample_sha256(model) -> str:
+    """Hash of every weight tensor's name, shape and an evenly spaced sample of its values
+    rounded to bf16 (so fp32 and bf16 loads of one checkpoint agree)."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters(), key=lambda t: t[0]):
+        flat = p.detach().reshape(-1)
+        n, k = flat.numel(), min(_SAMPLE, flat.numel())
+        idx = torch.arange(k, device=flat.device, dtype=torch.int64) * (n - 1) // max(k - 1, 1)
+        vals = flat[idx].to(torch.bfloat16).float().cpu().numpy()
+        h.update(f"{name}:{tuple(p.shape)}:".encode())
+        h.update(vals.tobytes())
+    return h.hexdigest()
 
 
 def fingerprint(model, name: str | None = None) -> dict:
-    """Identity of a model's weights, the same whatever dtype it was loaded in.
-
-    Config without loader bookkeeping + a hash of the first 512 embedding rows rounded to
-    bf16. Deciders and corpora record it; a checkpoint for another model pair is refused.
-    """
-    import hashlib
-    import json
-
-    conf = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    emb = model.get_input_embeddings().weight[:512].detach().to(torch.bfloat16).float().cpu()
+    """Identity of a model's weights: the same whatever dtype it was loaded in and whatever
+    transformers version wrote its config. Deciders and corpora record it; a checkpoint for
+    another model pair is refused."""
+    conf = json.dumps(weight_config(model), sort_keys=True, default=str)
     return {
         "name": name or Path(str(getattr(model.config, "_name_or_path", "") or "model")).name,
-        "config_sha256": hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode()).hexdigest(),
-        "embed_sha256": hashlib.sha256(emb.numpy().tobytes()).hexdigest(),
+        "fingerprint_version": FINGERPRINT_VERSION,
+        "config_sha256": hashlib.sha256(conf.encode()).hexdigest(),
+        "weights_sha256": weights_sample_sha256(model),
         "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
     }
 
 
 def same_model(a: dict, b: dict) -> bool:
-    keys = ("config_sha256", "embed_sha256", "vocab_size")
+    keys = ("fingerprint_version", "config_sha256", "weights_sha256", "vocab_size")
     return all(a.get(k) == b.get(k) for k in keys)
+
+
+def stale_fingerprint(fp: dict) -> bool:
+    """A fingerprint recorded by an older scheme: compare after `python -m
+    training.migrate_fingerprints`, never across schemes."""
+    return fp.get("fingerprint_version") != FINGERPRINT_VERSION
 
 
 # --- A draft whose output layer scores only the target's frequent tokens -------------------
@@ -222,13 +304,13 @@ def same_model(a: dict, b: dict) -> bool:
 # pair: ~half its step). A head over the K most frequent tokens, scattered back into a
 # full-width logits row, keeps the engine and check_pair unchanged: tokens outside the head
 # get a very low logit (q = 0 after softmax), so they are never proposed, and verification
-# stays exactly lossless. Registered with the Auto classes on import, so load_model() and
-# `--draft DIR` read such a directory like any other (no trust_remote_code).
+# stays exactly lossless. Stored as a stock LlamaForCausalLM + the kept ids in
+# specstop_draft.json (decoding/draft_format.py); load_model() puts this head back.
 PRUNED_HEAD_TYPE = "specstop_pruned_llama"
 MASKED_LOGIT = -1.0e4
 """Logit of tokens the pruned head cannot propose: finite (no NaN in p*log q), exp() == 0."""
 
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 
 class PrunedHeadLlamaConfig(LlamaConfig):
@@ -275,6 +357,7 @@ class PrunedHeadLlamaForCausalLM(LlamaForCausalLM):
     """A Llama draft with a PrunedHead; head_size None (or = vocab) is a plain full head."""
 
     config_class = PrunedHeadLlamaConfig
+    _keys_to_ignore_on_load_missing = [r"lm_head\.ids"]  # stored in specstop_draft.json
 
     def __init__(self, config):
         super().__init__(config)
@@ -300,8 +383,6 @@ class PrunedHeadLlamaForCausalLM(LlamaForCausalLM):
             self.lm_head.ids.copy_(ids.to(self.lm_head.ids.device))
 
 
-AutoConfig.register(PRUNED_HEAD_TYPE, PrunedHeadLlamaConfig, exist_ok=True)
-AutoModelForCausalLM.register(PrunedHeadLlamaConfig, PrunedHeadLlamaForCausalLM, exist_ok=True)
 
 
 def output_token_ids(model) -> torch.Tensor | None:
