@@ -105,6 +105,15 @@ def save_draft_weights(model, out: Path) -> list[int] | None:
     return None if full else ids
 
 
+def write_head_ids(out: Path, ids: list[int] | None) -> None:
+    """Record the kept ids in `out`/specstop_draft.json (other metadata kept; atomic)."""
+    meta = {k: v for k, v in read_meta(out).items() if k != "head_ids"}
+    meta |= {"schema_version": DRAFT_SCHEMA} | ({"head_ids": ids} if ids is not None else {})
+    tmp = Path(out) / f".{DRAFT_META}.tmp-{os.getpid()}"
+    tmp.write_text(dumps_meta(meta))
+    os.replace(tmp, Path(out) / DRAFT_META)
+
+
 def exchange_dirs(new: Path, out: Path) -> None:
     """Put directory `new` at `out`; the previous `out` (if any) is removed. On Linux the
     swap is one atomic renameat2(RENAME_EXCHANGE): readers see the old or the new tree."""

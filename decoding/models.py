@@ -124,7 +124,12 @@ def load_model(path, dtype: str = "float32", device: str = "cpu"):
     if dtype not in DTYPES:
         raise ModelError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     p = resolve_model_dir(path)
-    kw = {"dtype": DTYPES[dtype], "attn_implementation": "sdpa", "output_loading_info": True}
+    # mismatched shapes come back in the loading info (refused below, in one line) instead of
+    # transformers' multi-line report and exception
+    kw = {"dtype": DTYPES[dtype], "attn_implementation": "sdpa", "output_loading_info": True,
+          "ignore_mismatched_sizes": True}
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
         refuse_old_format(p)
         ids = head_ids_of(p)
@@ -142,6 +147,8 @@ def load_model(path, dtype: str = "float32", device: str = "cpu"):
     except Exception as e:  # safetensors/torch/transformers raise many types for a bad file
         raise ModelError(f"cannot load model from {p}: {type(e).__name__}: "
                          f"{(str(e).strip().splitlines() or [''])[0]}") from e
+    finally:
+        hf_logging.set_verbosity(level)
     return model.to(device).eval()
 
 
@@ -364,6 +371,14 @@ class PrunedHeadLlamaForCausalLM(LlamaForCausalLM):
         k = config.head_size or config.vocab_size
         self.lm_head = PrunedHead(config.vocab_size, config.hidden_size, k)
         self.post_init()
+
+    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+        """Always the standard format: stock Llama files + the kept ids in specstop_draft.json
+        (transformers' own writer would store the custom config that stock loaders refuse)."""
+        from .draft_format import save_draft_weights, write_head_ids
+
+        out = Path(save_directory)
+        write_head_ids(out, save_draft_weights(self, out))
 
     def set_head_ids(self, ids, resize: bool = False) -> None:
         """Choose the kept token ids (unique, each < vocab; length head_size unless `resize`:
