@@ -8,7 +8,8 @@ Training is LightningCLI (any `--trainer.*`, `--model.*`, `--data.*` override wo
 run's last.ckpt when one exists, stops at trainer.max_time, and exports the best checkpoint
 (highest validation top-1 agreement) to `checkpoints/drafts/<name>/`: config.json,
 model.safetensors (16-bit, a stock LlamaForCausalLM), the target's tokenizer files and
-specstop_draft.json (kept head ids, target fingerprint, data, losses, metrics). The directory is written to a temp dir and renamed.
+specstop_draft.json (kept head ids, target fingerprint, data, losses, metrics). The directory
+is written to a temp dir and renamed.
 """
 
 from __future__ import annotations
