@@ -17,9 +17,11 @@ import torch
 FINGERPRINT_VERSION = 2
 """2: weight-defining config fields + a sample of every weight tensor (1: whole config dict)."""
 _WEIGHT_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                       "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
-                       "rms_norm_eps", "layer_norm_eps", "tie_word_embeddings", "attention_bias",
-                       "mlp_bias", "sliding_window", "partial_rotary_factor")
+                       "num_attention_heads", "num_key_value_heads", "hidden_act", "rms_norm_eps",
+                       "layer_norm_eps", "tie_word_embeddings")
+_NEUTRAL = {"attention_bias": False, "mlp_bias": False, "partial_rotary_factor": 1.0,
+            "sliding_window": None}
+"""Keys a transformers version may lack or add with this default: hashed only when they differ."""
 _SAMPLE = 1024
 """Elements hashed per weight tensor (evenly spaced, rounded to bf16)."""
 
@@ -46,6 +48,9 @@ def weight_config(model) -> dict:
     arch = "llama" if c.model_type == PRUNED_HEAD_TYPE else c.model_type
     out = {"architecture": arch, "rope": _rope(c)}
     out |= {k: getattr(c, k) for k in _WEIGHT_CONFIG_KEYS if getattr(c, k, None) is not None}
+    out |= {k: getattr(c, k) for k, v in _NEUTRAL.items() if getattr(c, k, v) != v}
+    # head_dim: an explicit key in newer configs, derived in older ones
+    out["head_dim"] = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     ids = output_token_ids(model)  # a pruned draft proposes only these: part of its identity
     out["head_ids_sha256"] = (None if ids is None else
                               hashlib.sha256(ids.cpu().to(torch.int64).numpy().tobytes()).hexdigest())

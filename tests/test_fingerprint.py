@@ -28,6 +28,12 @@ def test_unrelated_config_keys_and_dtype_keep_the_fingerprint():
     m.config.transformers_version = "99.0"
     m.config.use_cache = not m.config.use_cache
     assert same_model(fingerprint(m), fp)
+    # an older transformers: head_dim derived, no mlp_bias, rope_theta at the top level
+    m.config.head_dim = None
+    del m.config.mlp_bias
+    rope = m.config.rope_parameters
+    m.config.rope_parameters, m.config.rope_theta = None, rope["rope_theta"]
+    assert same_model(fingerprint(m), fp)
     assert same_model(fingerprint(copy.deepcopy(m).to(torch.bfloat16)), fp)
 
 
