@@ -115,10 +115,11 @@ def run_compare(cfg: BenchConfig, command: str) -> dict:
             accs = measure(runners, prompts, cfg, cfg.max_new_tokens, cfg.repeats, cfg.device, cfg.seed,
                            cfg.warmup_tokens)
             rows = [row_of(s, runners[s.name], accs.get(s.name), accs.get("ar"), sampling.greedy, prompts, loglik,
-                           cfg.bootstrap_resamples, cfg.seed) for s in cfg.strategies]
+                           cfg.bootstrap_resamples, cfg.seed, cfg.dtype) for s in cfg.strategies]
             for r in rows:
                 _log(f"  {r['name']}: " + (f"{r['tokens_per_s']['median']:.1f} tok/s, "
-                                           f"{r['speedup']['median']:.2f}x" if r["status"] == "ok" else r["status"]))
+                                           f"{r['speedup']['median']:.2f}x" if r["status"] == "ok" else r["status"])
+                     + (" MISMATCH vs ar" if (r.get("equal_to_ar") or {}).get("mismatch") else ""))
             conditions.append({"name": name, "temperature": temp, "prompt_set": set_name,
                                "prompt_ids": [p["id"] for p in sets[set_name]], "n_prompts": len(prompts),
                                "rows": rows})

@@ -8,6 +8,7 @@ import math
 import os
 from pathlib import Path
 
+from .agreement import TIE_ULPS
 from .bench_config import BenchConfig
 from .bench_oracle import LABEL, reference_row
 from .bench_stats import speedup_ci
@@ -134,6 +135,25 @@ def _speedup_cell(s: dict | None) -> str:
     return f"{s['median']:.2f}x ({s['min']:.2f}..{s['max']:.2f})"
 
 
+def _lossless_cell(r: dict) -> str:
+    """What was checked: greedy rows against ar; sampled rows rest on the exact-sampling test."""
+    eq = r.get("equal_to_ar")
+    if eq and eq.get("mismatch"):
+        return "**MISMATCH**" if r.get("configured_lossless", True) else "**NO (lossy)**"
+    if not r["lossless"]:
+        return "**NO (lossy)**"
+    return "yes" if eq else "by the exact-sampling test"
+
+
+def _equal_cell(eq: dict | None) -> str:
+    if not eq:
+        return "–"
+    if "tie" not in eq:  # results written before ties were told apart
+        return f"{eq['equal']}/{eq['n']}"
+    cell = f"{eq['equal']}/{eq['tie']}/{eq['mismatch']} of {eq['n']}"
+    return cell + " **MISMATCH**" if eq["mismatch"] else cell
+
+
 def _table_row(r: dict) -> str:
     if r["status"] != "ok":
         return f"| {r['name']} | {'yes' if r.get('lossless') else 'NO'} | {r['status']} |" + " |" * 7
@@ -144,11 +164,11 @@ def _table_row(r: dict) -> str:
     eq = r.get("equal_to_ar")
     ag = r.get("agreement")
     return "| " + " | ".join([
-        r["name"], "yes" if r["lossless"] else "**NO (lossy)**",
+        r["name"], _lossless_cell(r),
         f"{t['median']:.1f} ({t['min']:.1f}..{t['max']:.1f})",
         _speedup_cell(s),
         _f(r.get("block_efficiency")), _f(r.get("acceptance_rate")),
-        f"{eq['equal']}/{eq['n']}" if eq else "–", _f(ag and ag["prefix_fraction"]),
+        _equal_cell(eq), _f(ag and ag["prefix_fraction"]),
         _f(r.get("loglik_per_token"), "{:.3f}"), _f(r.get("peak_mem_mb"), "{:.0f}")]) + " |"
 
 
@@ -181,15 +201,18 @@ def markdown(results: dict) -> str:
          f"percentile bootstrap over prompts ({(m.get('ci') or {}).get('resamples', '?')} resamples, "
          "paired with ar's runs in the same repeats); tok/s ranges are min..max over repeats."), ""]
     head = ("| strategy | lossless | tok/s (min..max) | speedup vs ar | block eff. | acceptance | "
-            "equal to ar | common prefix | LL/token | peak MB |")
+            "equal / tie / mismatch vs ar | common prefix | LL/token | peak MB |")
     for cond in results["conditions"]:
         L += [f"## {cond['name']} (T={cond['temperature']:g}, {cond['n_prompts']} prompts)", "", head,
               "|" + "---|" * 10]
         L += [_table_row(r) for r in cond["rows"]]
         L.append("")
     L += [("Block eff. = tokens committed per target forward; acceptance = accepted / drafted tokens; "
-          "equal to ar = greedy outputs identical to ar's in this dtype (bf16 batched verification can "
-          "flip near-ties); common prefix = mean fraction of ar's output reproduced before the first "
+          "equal / tie / mismatch vs ar = greedy outputs per prompt identical to ar's in this dtype / "
+          f"first differing where the target's fp32 logits of the two tokens are within {TIE_ULPS} ulps of the "
+          "dtype at the top logit (a near-tie that bf16 rounding in a batched verification flips) / "
+          "differing for any other reason (MISMATCH: the row is reported as not lossless); sampled "
+          "conditions are lossless by the exact-sampling test, not by comparison; common prefix = mean fraction of ar's output reproduced before the first "
           "difference; LL/token = mean target log-likelihood (T=1) of the generated tokens; peak MB = "
           "peak RSS (CUDA: allocated) above the pre-run baseline of the row's runs."), ""]
     L += _setting_lines(results)

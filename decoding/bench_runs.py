@@ -9,10 +9,11 @@ import statistics
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .agreement import check_greedy, count_kinds
 from .bench_config import BenchConfig, StrategySpec
 from .bench_stats import RESAMPLES, speedup_ci
 from .models import ModelError
@@ -255,10 +256,12 @@ def spread(xs: list[float]) -> dict:
 
 
 def row_of(spec: StrategySpec, runner, acc: Acc | None, ar: Acc | None, greedy: bool,
-           prompts, loglik: LogLik, resamples: int = RESAMPLES, seed: int = 0) -> dict:
-    """The results.json row of one strategy in one condition."""
+           prompts, loglik: LogLik, resamples: int = RESAMPLES, seed: int = 0, dtype: str = "float32") -> dict:
+    """The results.json row of one strategy in one condition. `lossless` is measured where it
+    can be: greedy rows are compared with ar prompt by prompt (decoding.agreement), and a row
+    with a mismatch is not lossless whatever its configuration says."""
     row = {"name": spec.name, "strategy": spec.strategy, "kind": "hf" if spec.peer else "engine",
-           "lossless": spec.mode == "lossless", "dynamic": not spec.peer and spec.stop != "fixed",
+           "lossless": spec.mode == "lossless", "configured_lossless": spec.mode == "lossless", "dynamic": not spec.peer and spec.stop != "fixed",
            "tree_nodes": spec.tree_nodes, "stop": None if spec.peer else spec.stop,
            "stop_setting": getattr(runner, "setting", None)}
     if acc is None:
@@ -293,12 +296,19 @@ def row_of(spec: StrategySpec, runner, acc: Acc | None, ar: Acc | None, greedy: 
                    profile={**parts, "other": max(0.0, 1 - sum(parts.values())),
                             "ms_per_round": 1000 * wall / (rounds * len(acc.tok_s)) if rounds else None})
     if greedy and ar is not None:
-        eq = sum(o == r for o, r in zip(acc.outputs, ar.outputs))
-        row["equal_to_ar"] = {"equal": eq, "n": len(ar.outputs)}
+        checks = [check_greedy(loglik.target, p, r, o, dtype) for p, r, o in zip(prompts, ar.outputs, acc.outputs)]
+        kinds = count_kinds(checks)
+        eq = kinds["equal"]
+        row["equal_to_ar"] = {**kinds, "n": len(ar.outputs),
+                              "differences": [{"prompt": i, **asdict(c)} for i, c in enumerate(checks)
+                                              if c.kind != "equal"]}
+        row["lossless"] = row["lossless"] and not kinds["mismatch"]
+        row["lossless_evidence"] = "greedy vs ar (equal / tie / mismatch)"
         row["agreement"] = {"exact_match": eq / len(ar.outputs),
                             "prefix_fraction": statistics.mean(
                                 prefix_fraction(o, r) for o, r in zip(acc.outputs, ar.outputs))}
     else:
         row["equal_to_ar"] = row["agreement"] = None
+        row["lossless_evidence"] = "the exact-sampling test" if row["lossless"] else None
     row["loglik_per_token"] = loglik.mean(prompts, acc.outputs)
     return row

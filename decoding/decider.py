@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from . import features as F
-from .models import ModelError, fingerprint, same_model
+from .models import ModelError, fingerprint, same_model, stale_fingerprint
 from .stopping import CONFIDENCE_RULES, DraftLevel, StopPolicy
 
 KINDS = ("mlp11", "hidden", "logistic", "mlp")
@@ -187,6 +187,9 @@ def load_decider(path, target=None, draft=None) -> tuple[DeciderNet, DeciderConf
                          f"schema {F.FEATURE_SCHEMA_VERSION}: retrain it (python -m training.fit)")
     for role, model in (("target", target), ("draft", draft)):
         want = cfg.model_pair.get(role)
+        if model is not None and want is not None and stale_fingerprint(want):
+            raise ModelError(f"decider {d} records an older model fingerprint: update it with "
+                             f"`python -m training.migrate_fingerprints {d}` (see --help)")
         if model is not None and want is not None and not same_model(want, fingerprint(model)):
             raise ModelError(f"decider {d} was trained for another {role} model "
                              f"({want.get('name')}): collect traces and fit one for this pair")

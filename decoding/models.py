@@ -8,6 +8,7 @@ runs load in a fraction of a second.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import shutil
@@ -109,20 +110,96 @@ def resolve_model_dir(path: str | os.PathLike | None) -> Path:
     return p
 
 
-def load_model(path, dtype: str = "float32", device: str = "cpu"):
-    """Load a causal LM from a local directory, in eval mode, with sdpa attention."""
+def load_model(path, dtype: str = "float32", device: str = "cpu", head_dtype: str | None = None):
+    """Load a causal LM from a local directory, in eval mode, with sdpa attention.
+
+    A specstop draft (head_ids in specstop_draft.json) gets its reduced output layer here.
+    Any file that cannot be read (missing, truncated, wrong shapes) is one ModelError line.
+    `head_dtype` (e.g. float32 for a bf16 target): see `set_head_dtype`.
+    """
     from transformers import AutoModelForCausalLM
 
-    if dtype not in DTYPES:
-        raise ModelError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    from .draft_format import OldDraftFormat, head_ids_of, refuse_old_format
+
+    if dtype not in DTYPES or (head_dtype is not None and head_dtype not in DTYPES):
+        raise ModelError(f"unknown dtype {dtype!r}/{head_dtype!r}; choose from {', '.join(DTYPES)}")
     p = resolve_model_dir(path)
+    # mismatched shapes come back in the loading info (refused below, in one line) instead of
+    # transformers' multi-line report and exception
+    kw = {"dtype": DTYPES[dtype], "attn_implementation": "sdpa", "output_loading_info": True,
+          "ignore_mismatched_sizes": True}
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            p, dtype=DTYPES[dtype], attn_implementation="sdpa"
-        )
-    except (OSError, ValueError, KeyError) as e:
-        raise ModelError(f"cannot load model from {p}: {str(e).splitlines()[0]}") from e
-    return model.to(device).eval()
+        refuse_old_format(p)
+        ids = head_ids_of(p)
+        if ids is None:
+            model, info = AutoModelForCausalLM.from_pretrained(p, **kw)
+        else:
+            conf = PrunedHeadLlamaConfig(head_size=len(ids), **LlamaConfig.from_pretrained(p).to_dict())
+            model, info = PrunedHeadLlamaForCausalLM.from_pretrained(p, config=conf, **kw)
+            model.set_head_ids(ids)
+        _check_loaded(info, p)
+    except OldDraftFormat as e:
+        raise ModelError(str(e)) from None
+    except ModelError:
+        raise
+    except Exception as e:  # safetensors/torch/transformers raise many types for a bad file
+        raise ModelError(f"cannot load model from {p}: {type(e).__name__}: "
+                         f"{(str(e).strip().splitlines() or [''])[0]}") from e
+    finally:
+        hf_logging.set_verbosity(level)
+    model = model.to(device).eval()
+    return set_head_dtype(model, head_dtype) if head_dtype and head_dtype != dtype else model
+
+
+class _UpcastNorm(torch.nn.Module):
+    """The final norm computed in the head's dtype from an unrounded input (HF's RMSNorm
+    rounds its output back to the input's dtype)."""
+
+    def __init__(self, norm: torch.nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.norm, self.dtype = copy.deepcopy(norm).to(dtype), dtype
+
+    def forward(self, x):
+        return self.norm(x.to(self.dtype))
+
+
+def set_head_dtype(model, dtype: str):
+    """Compute the final norm and the output layer in `dtype` (e.g. float32 for a bf16
+    target): bf16-rounded logits make exact ties between the best tokens common, and those
+    flip between a batched verification and a one-token step. The head gets its own copy of
+    the (possibly tied) weight: for SmolLM2-135M, +113 MB in fp32."""
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    if norm is None:
+        raise ModelError(f"head_dtype needs a decoder with a final norm at model.norm ({type(model).__name__})")
+    dt = DTYPES[dtype]
+    # the pair's fingerprint names the checkpoint, not this runtime re-cast (an untied copy)
+    model._loaded_weights_sha256 = weights_sample_sha256(model)
+    head = model.get_output_embeddings()
+    new = torch.nn.Linear(head.in_features, head.out_features, bias=head.bias is not None,
+                          device=head.weight.device, dtype=dt)
+    with torch.no_grad():
+        new.weight.copy_(head.weight)
+        if head.bias is not None:
+            new.bias.copy_(head.bias)
+    model.model.norm = _UpcastNorm(norm, dt)
+    model.set_output_embeddings(new.requires_grad_(False))
+    return model
+
+
+def _check_loaded(info: dict, p: Path) -> None:
+    """transformers only warns when a checkpoint lacks tensors or has the wrong shapes (and
+    initialises them at random): for inference that is a broken checkpoint, refused."""
+    missing = sorted(info.get("missing_keys") or ())
+    mismatched = [k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys") or ()]
+    errors = list(info.get("error_msgs") or ())
+    if missing or mismatched or errors:
+        what = (f"{len(mismatched)} tensor(s) of the wrong shape, e.g. {mismatched[0]}" if mismatched
+                else f"{len(missing)} tensor(s) missing, e.g. {missing[0]}" if missing
+                else str(errors[0]).splitlines()[0])
+        raise ModelError(f"cannot load model from {p}: model.safetensors does not match "
+                         f"config.json ({what})")
 
 
 def load_tokenizer(path):
@@ -189,32 +266,13 @@ def small_draft_config(target_config, layers: int = 2, hidden: int = 256, heads:
     )
 
 
-_VOLATILE_CONFIG_KEYS = {"quantization_config", "transformers_version", "_model_name_or_path",
-                         "dtype", "torch_dtype", "_name_or_path", "architectures"}
-
-
-def fingerprint(model, name: str | None = None) -> dict:
-    """Identity of a model's weights, the same whatever dtype it was loaded in.
-
-    Config without loader bookkeeping + a hash of the first 512 embedding rows rounded to
-    bf16. Deciders and corpora record it; a checkpoint for another model pair is refused.
-    """
-    import hashlib
-    import json
-
-    conf = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    emb = model.get_input_embeddings().weight[:512].detach().to(torch.bfloat16).float().cpu()
-    return {
-        "name": name or Path(str(getattr(model.config, "_name_or_path", "") or "model")).name,
-        "config_sha256": hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode()).hexdigest(),
-        "embed_sha256": hashlib.sha256(emb.numpy().tobytes()).hexdigest(),
-        "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
-    }
-
-
-def same_model(a: dict, b: dict) -> bool:
-    keys = ("config_sha256", "embed_sha256", "vocab_size")
-    return all(a.get(k) == b.get(k) for k in keys)
+from .fingerprint import (  # noqa: E402,F401  (re-exported: callers import them from here)
+    FINGERPRINT_VERSION,
+    fingerprint,
+    same_model,
+    stale_fingerprint,
+    weights_sample_sha256,
+)
 
 
 # --- A draft whose output layer scores only the target's frequent tokens -------------------
@@ -222,13 +280,13 @@ def same_model(a: dict, b: dict) -> bool:
 # pair: ~half its step). A head over the K most frequent tokens, scattered back into a
 # full-width logits row, keeps the engine and check_pair unchanged: tokens outside the head
 # get a very low logit (q = 0 after softmax), so they are never proposed, and verification
-# stays exactly lossless. Registered with the Auto classes on import, so load_model() and
-# `--draft DIR` read such a directory like any other (no trust_remote_code).
+# stays exactly lossless. Stored as a stock LlamaForCausalLM + the kept ids in
+# specstop_draft.json (decoding/draft_format.py); load_model() puts this head back.
 PRUNED_HEAD_TYPE = "specstop_pruned_llama"
 MASKED_LOGIT = -1.0e4
 """Logit of tokens the pruned head cannot propose: finite (no NaN in p*log q), exp() == 0."""
 
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 
 class PrunedHeadLlamaConfig(LlamaConfig):
@@ -275,12 +333,21 @@ class PrunedHeadLlamaForCausalLM(LlamaForCausalLM):
     """A Llama draft with a PrunedHead; head_size None (or = vocab) is a plain full head."""
 
     config_class = PrunedHeadLlamaConfig
+    _keys_to_ignore_on_load_missing = [r"lm_head\.ids"]  # stored in specstop_draft.json
 
     def __init__(self, config):
         super().__init__(config)
         k = config.head_size or config.vocab_size
         self.lm_head = PrunedHead(config.vocab_size, config.hidden_size, k)
         self.post_init()
+
+    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+        """Always the standard format: stock Llama files + the kept ids in specstop_draft.json
+        (transformers' own writer would store the custom config that stock loaders refuse)."""
+        from .draft_format import save_draft_weights, write_head_ids
+
+        out = Path(save_directory)
+        write_head_ids(out, save_draft_weights(self, out))
 
     def set_head_ids(self, ids, resize: bool = False) -> None:
         """Choose the kept token ids (unique, each < vocab; length head_size unless `resize`:
@@ -300,8 +367,6 @@ class PrunedHeadLlamaForCausalLM(LlamaForCausalLM):
             self.lm_head.ids.copy_(ids.to(self.lm_head.ids.device))
 
 
-AutoConfig.register(PRUNED_HEAD_TYPE, PrunedHeadLlamaConfig, exist_ok=True)
-AutoModelForCausalLM.register(PrunedHeadLlamaConfig, PrunedHeadLlamaForCausalLM, exist_ok=True)
 
 
 def output_token_ids(model) -> torch.Tensor | None:

@@ -6,12 +6,14 @@ import numpy as np
 import pyarrow as pa
 
 from decoding.features import FEATURE_NAMES, FEATURE_SCHEMA_VERSION, NUM_FEATURES
+from decoding.models import FINGERPRINT_VERSION
 from training.shards import ShardWriter
 from training.traces import KIND, SCHEMA, SCHEMA_VERSION
 
 Q_TOKEN = FEATURE_NAMES.index("q_token")
-PAIR = {"target": {"name": "synth-target", "config_sha256": "t", "embed_sha256": "t", "vocab_size": 64},
-        "draft": {"name": "synth-draft", "config_sha256": "d", "embed_sha256": "d", "vocab_size": 64}}
+PAIR = {role: {"name": f"synth-{role}", "fingerprint_version": FINGERPRINT_VERSION,
+               "config_sha256": role[0], "weights_sha256": role[0], "vocab_size": 64}
+        for role in ("target", "draft")}  # decoding.models.fingerprint's shape, of no real model
 
 
 def identity(width: int, depth: int, pair=PAIR, feature_schema=FEATURE_SCHEMA_VERSION) -> dict:

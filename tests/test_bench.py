@@ -46,8 +46,11 @@ def test_results_have_every_row_and_key(quick):
         assert rows["ti-mcsd longest-branch (LOSSY)"]["lossless"] is False
         if cond["temperature"] == 0:
             for name in ("sd", "mcsd", "ti-mcsd", "ti-mcsd+confidence", "hf-assisted"):
-                eq = rows[name]["equal_to_ar"]
-                assert eq == {"equal": 2, "n": 2}, name  # fp32: lossless rows reproduce ar
+                eq = rows[name]["equal_to_ar"]  # fp32: lossless rows reproduce ar bit for bit
+                assert eq == {"equal": 2, "tie": 0, "mismatch": 0, "n": 2, "differences": []}, name
+                assert rows[name]["lossless"] and rows[name]["lossless_evidence"].startswith("greedy")
+            lossy = rows["ti-mcsd longest-branch (LOSSY)"]["equal_to_ar"]
+            assert lossy["tie"] == 0 and lossy["equal"] + lossy["mismatch"] == 2  # fp32: no tie excuse
             ag = rows["ti-mcsd longest-branch (LOSSY)"]["agreement"]
             assert 0 <= ag["exact_match"] <= 1 and 0 <= ag["prefix_fraction"] <= 1
             # the oracle bound row appears where the traces' temperature matches (greedy)
@@ -55,6 +58,8 @@ def test_results_have_every_row_and_key(quick):
             assert len(bound) == 1 and "BOUND" in bound[0]["name"] and bound[0]["reference"] == "ti-mcsd"
         else:
             assert rows["sd"]["equal_to_ar"] is None
+            assert rows["sd"]["lossless_evidence"] == "the exact-sampling test"
+            assert rows["ti-mcsd longest-branch (LOSSY)"]["lossless_evidence"] is None
             assert not any(r["kind"] == "bound" for r in cond["rows"])
 
 
@@ -274,3 +279,39 @@ def test_named_oracle_traces_that_cannot_be_replayed_are_an_error(tmp_path):
 
     with pytest.raises(ValueError, match="oracle.traces"):
         oracle_bound(OracleConfig(traces=str(tmp_path / "none")), None, None)
+
+
+# --- the lossless column is measured: a row that differs from ar is reported, not excused ----
+
+def test_a_mismatching_row_is_not_reported_lossless(pair):
+    """A row configured lossless whose greedy outputs really differ from ar (here: the lossy
+    longest-branch engine's outputs under a lossless label) is marked MISMATCH and loses
+    its lossless flag; the same outputs as ar count as equal."""
+    from conftest import noisy_copy
+    from decoding.bench_config import StrategySpec
+    from decoding.bench_report import _table_row
+    from decoding.bench_runs import Acc, LogLik, row_of
+    from decoding.sampling import SamplingConfig
+    from decoding.strategies import StrategyConfig, build_engine
+
+    target, _ = pair
+    prompts = [[1, 5, 7, 3], [2], [9, 9, 4, 11]]
+    ar_eng = build_engine(target, None, StrategyConfig(strategy="ar"), SamplingConfig())
+    lossy = build_engine(target, noisy_copy(target, 0.2), StrategyConfig(
+        strategy="ti-mcsd", width=4, depth=4, mode="longest-branch"), SamplingConfig())
+
+    def acc(eng):
+        runs = [eng.generate(p, 40) for p in prompts]
+        return Acc(tok_s=[10.0], tokens=[[len(o) for o, _ in runs]], wall=[[1.0] * 3],
+                   outputs=[o for o, _ in runs], stats=[st.to_dict() for _, st in runs])
+
+    ar = acc(ar_eng)
+    spec = StrategySpec(name="ti-mcsd", strategy="ti-mcsd", width=4, depth=4)
+    ll = LogLik(target)
+    bad = row_of(spec, "runner", acc(lossy), ar, True, prompts, ll, resamples=10)
+    eq = bad["equal_to_ar"]
+    assert eq["mismatch"] >= 1 and eq["tie"] == 0 and bad["lossless"] is False
+    assert bad["configured_lossless"] and all(d["kind"] == "mismatch" for d in eq["differences"])
+    assert "**MISMATCH**" in _table_row(bad) and "yes" not in _table_row(bad).split("|")[2]
+    good = row_of(spec, "runner", ar, ar, True, prompts, ll, resamples=10)
+    assert good["lossless"] and good["equal_to_ar"]["equal"] == 3 and "MISMATCH" not in _table_row(good)

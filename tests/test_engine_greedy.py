@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import noisy_copy, tiny_llama
+from decoding.agreement import check_greedy
 from decoding.decider import DeciderConfig, DeciderNet, DeciderStop
 from decoding.sampling import SamplingConfig
 from decoding.stopping import DraftConfidence
@@ -49,10 +50,17 @@ def test_greedy_equals_ar(pair, cfg):
         assert stats.block_efficiency >= 1.0
 
 
-def test_ar_matches_hf_generate_across_dtypes():
-    target = tiny_llama(3, scale=6).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ar_matches_hf_generate_across_dtypes(dtype):
+    """Bit for bit in fp32; in bf16 HF's kernels may break a near-tie the other way (which
+    ones depends on the CPU), so a difference must be a genuine tie of the target's logits."""
+    target = tiny_llama(3, scale=6).to(getattr(torch, dtype))
     ar = build_engine(target, None, StrategyConfig(strategy="ar"), GREEDY)
-    assert ar.generate([4, 2], 30)[0] == reference(target, [4, 2], 30)
+    out, ref = ar.generate([4, 2], 30)[0], reference(target, [4, 2], 30)
+    if dtype == "float32":
+        assert out == ref
+    else:
+        assert check_greedy(target, [4, 2], ref, out, dtype).kind in ("equal", "tie")
 
 
 def test_draft_equal_to_target_is_always_accepted(pair):

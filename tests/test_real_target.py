@@ -1,11 +1,13 @@
-"""Marked `real`: the embedded SmolLM2 target. Every strategy gives the same greedy text as
-`ar` in the same dtype (fp32 with fp32, bf16 with bf16)."""
+"""Marked `real`: the embedded SmolLM2 target. Every strategy gives the same greedy output as
+`ar` in the same dtype: bit for bit in fp32; in bf16 every difference must be a near-tie of the
+target's logits flipped by rounding (decoding.agreement), never a real mismatch."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from decoding import models
+from decoding.agreement import check_greedy
 from decoding.sampling import SamplingConfig
 from decoding.session import Session
 from decoding.strategies import StrategyConfig, build_engine
@@ -39,7 +41,11 @@ def test_strategies_agree_with_ar(dtype):
         ref, _ = ar.generate(ids, N)
         for cfg in configs:
             out, stats = build_engine(sess.target, draft, cfg, greedy).generate(ids, N)
-            assert sess.tokenizer.decode(out) == sess.tokenizer.decode(ref), (dtype, cfg.name)
+            if dtype == "float32":
+                assert out == ref, cfg.name
+            else:  # which near-ties a batched bf16 verification flips depends on the CPU
+                check = check_greedy(sess.target, ids, ref, out, dtype)
+                assert check.kind != "mismatch", (cfg.name, check)
             assert stats.accepted > 0  # the layer-skip draft is really accepted sometimes
 
 

@@ -48,8 +48,6 @@ CORPUS_KIND = "specstop-teacher-corpus"
 # on this CPU, which would dominate a draft writing at batch 64).
 SAMPLERS = ("per-prompt-generator-v1", "per-prompt-inverse-cdf-v2")
 SAMPLE_SEP = "#"  # "<prompt id>#<k>": the k-th extra continuation of a prompt
-VOLATILE_CONFIG_KEYS = {"quantization_config", "transformers_version", "_model_name_or_path",
-                        "dtype", "torch_dtype", "_name_or_path"}
 ARROW_SCHEMA = pa.schema([
     ("prompt_id", pa.string()), ("kind", pa.string()), ("split", pa.string()),
     ("seed", pa.int64()), ("prompt_ids", pa.list_(pa.int32())),
@@ -121,7 +119,13 @@ def _sha256(data: bytes) -> str:
 
 
 def load_teacher(cfg: CorpusConfig) -> Teacher:
-    from decoding.models import DEFAULT_TARGET_NAME, load_model, load_tokenizer, resolve_model_dir
+    from decoding.models import (
+        DEFAULT_TARGET_NAME,
+        fingerprint,
+        load_model,
+        load_tokenizer,
+        resolve_model_dir,
+    )
 
     model_dir = resolve_model_dir(cfg.target)
     model, tok = load_model(cfg.target, dtype=cfg.dtype), load_tokenizer(cfg.target)
@@ -134,15 +138,10 @@ def load_teacher(cfg: CorpusConfig) -> Teacher:
     eos = model.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [tok.eos_token_id])
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
-    # Canonical config without loader bookkeeping, so re-converting the same weights (or a
-    # newer transformers) keeps the fingerprint; a sample of the embedding pins the weights.
-    conf = json.loads((model_dir / "config.json").read_text())
-    conf = {k: v for k, v in conf.items() if k not in VOLATILE_CONFIG_KEYS}
-    embed = model.get_input_embeddings().weight[:512].detach().float().numpy().tobytes()
-    info = {
-        "name": DEFAULT_TARGET_NAME if cfg.target is None else model_dir.name,
-        "config_sha256": _sha256(json.dumps(conf, sort_keys=True).encode()),
-        "embed_sha256": _sha256(embed),
+    # The weights' identity (decoding.models.fingerprint: weight-defining config fields + a
+    # weight sample, so a newer transformers keeps it) plus the tokenizer and chat template.
+    name = DEFAULT_TARGET_NAME if cfg.target is None else model_dir.name
+    info = fingerprint(model, name) | {
         "vocab_size": len(tok),
         "chat_template_sha256": _sha256((tok.chat_template or "").encode()),
     }

@@ -7,14 +7,14 @@ Training is LightningCLI (any `--trainer.*`, `--model.*`, `--data.*` override wo
 `--trainer.strategy ddp --trainer.devices 2 --trainer.accelerator cpu`). It resumes from the
 run's last.ckpt when one exists, stops at trainer.max_time, and exports the best checkpoint
 (highest validation top-1 agreement) to `checkpoints/drafts/<name>/`: config.json,
-model.safetensors (16-bit), the target's tokenizer files and specstop_draft.json (target
-fingerprint, data, losses, metrics). The directory is written to a temp dir and renamed.
+model.safetensors (16-bit, a stock LlamaForCausalLM), the target's tokenizer files and
+specstop_draft.json (kept head ids, target fingerprint, data, losses, metrics). The directory
+is written to a temp dir and renamed.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import sys
@@ -74,8 +74,11 @@ def export_draft(module: DistillModule, out: Path, meta: dict, dtype: str = "bfl
 
 def write_draft(model, out: Path, meta: dict, tokenizer_dir: Path, dtype: str = "bfloat16",
                 adapter=None) -> Path:
-    """An HF draft directory (16-bit weights, the target's tokenizer files, our metadata),
-    written to a temp dir and swapped in: readers see the old draft or the new one."""
+    """An HF draft directory (a stock LlamaForCausalLM in 16-bit, the target's tokenizer files,
+    our metadata + the kept head ids), written to a temp dir and swapped in: readers see the
+    old draft or the new one."""
+    from decoding.draft_format import DRAFT_SCHEMA, dumps_meta, save_draft_weights
+
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
@@ -83,11 +86,12 @@ def write_draft(model, out: Path, meta: dict, tokenizer_dir: Path, dtype: str = 
             adapter.save_pretrained(tmp / "adapter")
             model = adapter.merge_and_unload()  # note: folds the adapter into the module's draft
         model = model.to({"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]).eval()
-        model.save_pretrained(tmp, safe_serialization=True)
+        head_ids = save_draft_weights(model, tmp)
         for f in TOKENIZER_FILES:
             if (tokenizer_dir / f).exists():
                 shutil.copy2(tokenizer_dir / f, tmp / f)
-        (tmp / METADATA).write_text(json.dumps(meta, indent=1) + "\n")
+        meta = {k: v for k, v in meta.items() if k != "head_ids"} | {"schema_version": DRAFT_SCHEMA}
+        (tmp / METADATA).write_text(dumps_meta(meta | ({"head_ids": head_ids} if head_ids else {})))
         os.chmod(tmp, 0o755)  # mkdtemp makes 0700 (and some writers 0600): a shareable artifact
         for f in tmp.rglob("*"):
             os.chmod(f, 0o755 if f.is_dir() else 0o644)
@@ -117,6 +121,7 @@ def load_module(ckpt: str | os.PathLike) -> DistillModule:
 
 def build_metadata(module: DistillModule, ckpt: str, corpus: str | None, metrics: dict,
                    train_tokens: int | None, extra_corpora: list[str] = ()) -> dict:
+    from decoding.draft_format import DRAFT_SCHEMA
     from decoding.models import output_token_ids
 
     def manifest_sha(c: str | None) -> str | None:
@@ -125,7 +130,7 @@ def build_metadata(module: DistillModule, ckpt: str, corpus: str | None, metrics
 
     head = output_token_ids(module.base())
     return {
-        "kind": "specstop-draft", "schema_version": 1,
+        "kind": "specstop-draft", "schema_version": DRAFT_SCHEMA,
         "target": target_fingerprint(module.target_path),
         "data": {"corpus": corpus, "corpus_manifest_sha256": manifest_sha(corpus),
                  "extra_corpora": {c: manifest_sha(c) for c in extra_corpora},
