@@ -8,6 +8,7 @@ it. Version-1 records (the whole config dict) migrate: `python -m training.migra
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -44,7 +45,13 @@ def weight_config(model) -> dict:
     bookkeeping and keys a newer transformers adds do not change it."""
     from .models import PRUNED_HEAD_TYPE, output_token_ids
 
+    from .feature_draft import FeatureDraftConfig
+
     c = model.config
+    if isinstance(c, FeatureDraftConfig):  # a feature (EAGLE-3) head: its own typed config
+        d = dataclasses.asdict(c)
+        d.pop("extra", None)
+        return {"architecture": "eagle3", **d}
     arch = "llama" if c.model_type == PRUNED_HEAD_TYPE else c.model_type
     out = {"architecture": arch, "rope": _rope(c)}
     out |= {k: getattr(c, k) for k in _WEIGHT_CONFIG_KEYS if getattr(c, k, None) is not None}
