@@ -106,7 +106,9 @@ class DeciderStop(StopPolicy):
 
     @torch.inference_mode()
     def scores(self, level: DraftLevel) -> torch.Tensor:
-        return torch.sigmoid(self.net(F.node_features(level), F.node_hidden(level)))
+        """[k] acceptance probabilities, on the CPU (the rules below read them as floats).
+        The net must sit on the features' device: Session moves it to the draft's at load."""
+        return torch.sigmoid(self.net(F.node_features(level), F.node_hidden(level))).cpu()
 
     def _path_scores(self, level: DraftLevel, s: torch.Tensor) -> list[float]:
         """Predicted probability that the whole path down to each node is accepted."""
@@ -118,7 +120,7 @@ class DeciderStop(StopPolicy):
 
     def should_stop(self, level: DraftLevel) -> bool:
         s = self.scores(level)
-        valid = torch.tensor(level.valid)
+        valid = torch.tensor(level.valid, device=s.device)
         if not valid.any():
             return True
         if self.cfg.rule == "paper":

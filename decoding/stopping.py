@@ -78,7 +78,7 @@ class DraftConfidence(StopPolicy):
             raise ValueError(f"confidence rule must be one of {CONFIDENCE_RULES} (got {self.rule!r})")
 
     def should_stop(self, level: DraftLevel) -> bool:
-        ok = level.q_token[torch.tensor(level.valid)]
+        ok = level.q_token[torch.tensor(level.valid, device=level.q_token.device)]
         return ok.numel() == 0 or float(ok.max()) < self.threshold
 
     def expand(self, level: DraftLevel) -> list[bool]:

@@ -102,7 +102,7 @@ class TreeLayout:
     @cached_property
     def mask(self) -> torch.Tensor:
         """[N, N] bool: node i attends node j iff j is i itself or one of its ancestors."""
-        m = torch.zeros(self.size, self.size, dtype=torch.bool)
+        m = torch.zeros(self.size, self.size, dtype=torch.bool, device="cpu")
         for i in range(self.size):
             j = i
             while j != ANCHOR:
@@ -113,7 +113,7 @@ class TreeLayout:
     @cached_property
     def depth_ids(self) -> torch.Tensor:
         """[N] long: position offset of each node relative to the anchor's position."""
-        return torch.tensor(self.depths, dtype=torch.long)
+        return torch.tensor(self.depths, dtype=torch.long, device="cpu")
 
     @cached_property
     def retrieve_indices(self) -> torch.Tensor:
@@ -128,7 +128,7 @@ class TreeLayout:
                 j = self.parents[j]
             path.reverse()
             rows.append(path + [-1] * (self.max_depth - len(path)))
-        return torch.tensor(rows, dtype=torch.long).reshape(len(rows), self.max_depth)
+        return torch.tensor(rows, dtype=torch.long, device="cpu").reshape(len(rows), self.max_depth)
 
     def path_to(self, node: int) -> list[int]:
         """Node ids from the first level down to `node` inclusive."""
@@ -163,9 +163,9 @@ def attention_rows(
     visible to everyone; a tree node sees only itself and its ancestors.
     """
     n_new = end - start
-    m = torch.ones(pending + n_new, past + pending + end, dtype=torch.bool)
+    m = torch.ones(pending + n_new, past + pending + end, dtype=torch.bool, device="cpu")
     if pending:
-        m[:pending, past : past + pending] = torch.ones(pending, pending, dtype=torch.bool).tril_()
+        m[:pending, past : past + pending] = torch.ones(pending, pending, dtype=torch.bool, device="cpu").tril_()
         m[:pending, past + pending :] = False
     if n_new:
         m[pending:, past + pending :] = tree_mask[start:end, :end]
