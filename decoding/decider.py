@@ -136,14 +136,25 @@ class DeciderStop(StopPolicy):
         return [ok and v >= self.cfg.threshold for v, ok in zip(path, level.valid)]
 
 
-def _atomic_dir(out: Path, write) -> None:
+def _write_once_dir(out: Path, write) -> None:
+    """Write a directory in full under a temp name, then rename it into place, refusing to
+    replace one that exists: a checkpoint directory never changes once readers can see it
+    (what `latest` names is switched by replacing registry.json, atomically)."""
+    if out.exists():
+        raise FileExistsError(f"{out} already exists: decider checkpoints are write-once, "
+                              f"export under a new run id")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
         write(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        os.chmod(tmp, 0o755)  # mkdtemp makes 0700: a shareable artifact
+        try:
+            os.rename(tmp, out)  # fails on a non-empty `out` made by a concurrent writer
+        except OSError as e:
+            if out.exists():
+                raise FileExistsError(f"{out} was written concurrently: decider checkpoints are "
+                                      f"write-once, export under a new run id") from None
+            raise e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -157,7 +168,7 @@ def save_decider(out: str | os.PathLike, net: DeciderNet, cfg: DeciderConfig, me
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=1))
 
     out = Path(out)
-    _atomic_dir(out, write)
+    _write_once_dir(out, write)
     return out
 
 
@@ -168,6 +179,9 @@ def resolve_decider_dir(path: str | os.PathLike | None) -> Path:
             latest = json.loads(reg.read_text())["latest"]
         except (OSError, ValueError, KeyError, TypeError):
             raise ModelError(f"no usable decider registry at {reg}: pass --decider DIR") from None
+        if not isinstance(latest, str) or not latest or "/" in latest or latest.startswith("."):
+            raise ModelError(f"{reg} names no latest decider (latest = {json.dumps(latest)}): "
+                             f"fit one (python -m training.fit) or pass --decider DIR")
         return DECIDERS_DIR / latest
     return Path(path)
 
