@@ -20,7 +20,7 @@ from torch import nn
 
 from . import features as F
 from .models import ModelError, fingerprint, same_model
-from .stopping import CONFIDENCE_RULES, DraftLevel, StopPolicy
+from .stopping import CONFIDENCE_RULES, DraftLevel, StopPolicy, check_threshold
 
 KINDS = ("mlp11", "hidden", "logistic", "mlp")
 RULES = ("paper", "specdecpp", "tree")
@@ -58,6 +58,7 @@ class DeciderConfig:
             raise ValueError(f"unknown decider kind {self.kind!r}; choose from {', '.join(KINDS)}")
         if self.rule not in RULES:
             raise ValueError(f"unknown stop rule {self.rule!r}; choose from {', '.join(RULES)}")
+        check_threshold("decider threshold", self.threshold)
         for name, table, keys in (("thresholds", self.thresholds, RULES),
                                   ("confidence_thresholds", self.confidence_thresholds, CONFIDENCE_RULES)):
             if not isinstance(table, dict) or set(table) - set(keys):

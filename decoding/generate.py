@@ -16,7 +16,7 @@ from .decider import RULES
 from .models import ModelError
 from .sampling import SamplingConfig
 from .session import Session
-from .stopping import CONFIDENCE_RULES
+from .stopping import CONFIDENCE_RULES, check_threshold
 from .strategies import MODES, STRATEGIES, StrategyConfig
 
 
@@ -78,6 +78,8 @@ def main(argv=None) -> int:
                              confidence_threshold=args.confidence_threshold,
                              confidence_rule=args.confidence_rule)
         sampling = SamplingConfig(args.temperature, args.top_p)
+        if args.decider_threshold is not None:
+            check_threshold("--decider-threshold", args.decider_threshold)
         if args.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be >= 1")
         sess = Session.open(args.target, args.draft, args.dtype, args.device,
