@@ -1,43 +1,26 @@
 """Every promotion branch of training.retrain, on synthetic traces (seconds, no real fit).
 
-Seams: `collect` writes synthetic traces (tests/synth_traces.py: acceptance follows q_token),
-`training.fit.main` exports a hand-made decider (good: scores q_token up; bad: down), and the
-live check reads a table. assess / decide / the registry compare-and-swap / the decision
-record are the real code. Crashes and races are injected at the exact step (events, no timing).
+Seams (tests/retrain_seams.py): synthetic traces instead of collection, a hand-made decider
+instead of a fit, and a table instead of the live check; assess / decide / the registry
+compare-and-swap / the decision record are the real code. Crashes and races are injected at
+the exact step (events, no timing).
 """
 
 import json
-from dataclasses import asdict
 from types import SimpleNamespace
 
 import pytest
-import torch
 
+import retrain_seams
 from conftest import noisy_copy, tiny_llama
-from decoding.decider import DeciderConfig, DeciderNet, save_decider
-from decoding.features import FEATURE_NAMES
-from synth_traces import write_traces
+from retrain_seams import make_decider
 from test_retrain import write_prompts
-from training import fit, registry
+from training import registry
 from training import retrain as R
-from training.threshold import DEFAULT_COST
 
 
 class Crash(BaseException):
     """Stands in for a kill: no `except Exception` handler sees it."""
-
-
-def make_decider(root, run_id, kind: str, promote: bool):
-    """good: scores q_token up (acceptance follows it); inverted: down; timid: stops at once."""
-    cfg = DeciderConfig(kind="logistic", threshold=0.5, rule="paper", cost_model=asdict(DEFAULT_COST))
-    net = DeciderNet(cfg)
-    weight, bias = {"good": (20.0, -10.0), "inverted": (-20.0, 10.0), "timid": (0.0, -10.0)}[kind]
-    with torch.no_grad():
-        net.net[0].weight.zero_()
-        net.net[0].weight[0, FEATURE_NAMES.index("q_token")] = weight
-        net.net[0].bias.fill_(bias)
-    save_decider(root / run_id, net, cfg, {"kind": kind})
-    registry.register(root, run_id, {"kind": kind}, promote=promote)
 
 
 @pytest.fixture
@@ -45,25 +28,14 @@ def env(tmp_path, monkeypatch):
     """A champion (quality chosen per test) and a retrain whose challenger quality is chosen too."""
     target = tiny_llama(0, vocab=16, layers=1, hidden=16)
     sess = SimpleNamespace(target=target, draft=noisy_copy(target, 0.05))
-    state = {"challenger": "good", "live": {}, "assessed": 0}
-
-    def fake_collect(ccfg, session, prompts, progress=True):
-        write_traces(ccfg.out, n_prompts=len(prompts), prefix=ccfg.out[-7:], per_shard=8, seed=len(prompts))
-        return {"acceptance_rate": 0.5}
-
-    def fake_fit(argv):
-        a = dict(zip(argv[::2], argv[1::2]))
-        make_decider(tmp_path / "deciders", a["--export.run_id"], state["challenger"], promote=False)
-        return 0
-
+    state = {"kind": "good", "live": {}, "assessed": 0}
+    retrain_seams.install(monkeypatch.setattr, state)
     real_assess = R.assess
 
     def counting_assess(*a, **k):
         state["assessed"] += 1
         return real_assess(*a, **k)
 
-    monkeypatch.setattr(R, "collect", fake_collect)
-    monkeypatch.setattr(fit, "main", fake_fit)
     monkeypatch.setattr(R, "assess", counting_assess)
     monkeypatch.setattr(R, "live_tokens_per_s",
                         lambda s, d, p, c: state["live"].get("chall" if d.name.startswith("retrain-") else "champ", 1.0))
@@ -99,7 +71,7 @@ def test_challenger_wins(env):
 
 def test_challenger_loses_on_roc_auc(env):
     make_decider(env.root, "champ", "good", promote=True)
-    env.state["challenger"] = "inverted"
+    env.state["kind"] = "inverted"
     rc, _ = env.run(margin=-1.0, auc_tolerance=0.01)  # the replay check passes; AUC decides
     d = env.decision()
     assert rc == R.EXIT_KEPT and env.latest() == "champ" and not d["promoted"]
