@@ -256,6 +256,10 @@ def finish_promotion(root: Path, run_dir: Path, decision: dict, log=print) -> in
     return EXIT_PROMOTED
 
 
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr if msg.startswith("error:") else sys.stdout)
+
+
 def main(argv=None) -> int:
     cfg = parse_config(RetrainConfig, argv, "python -m training.retrain", __doc__.split("\n")[0])
     if cfg.threads:
@@ -263,7 +267,7 @@ def main(argv=None) -> int:
 
         torch.set_num_threads(cfg.threads)
     try:
-        return run(cfg)
+        return run(cfg, log=_log)
     except (ModelError, ValueError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return EXIT_BAD_INPUT
