@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .sampling import sample, uniforms
+
 _EPS = 1e-12
 
 
@@ -98,7 +100,7 @@ def walk_sampling(
         p = p_at(node)
         kids = children[node + 1]
         if kids:
-            u = torch.rand(len(kids), generator=generator).tolist()
+            u = uniforms(len(kids), generator)
             idx, p = multi_candidate(
                 p, q_at(node), [tokens[c] for c in kids], u, replacement, [valid[c] for c in kids]
             )
@@ -106,7 +108,7 @@ def walk_sampling(
                 path.append(kids[idx])
                 node = kids[idx]
                 continue
-        return WalkResult(path, int(torch.multinomial(p, 1, generator=generator)))
+        return WalkResult(path, sample(p, generator))
 
 
 def longest_branch(
@@ -129,7 +131,7 @@ def longest_branch(
             if greedy:
                 ok = target_argmax[node + 1] == tokens[child]
             else:
-                ok = accept_one(p_at(node), q_at(node), tokens[child], float(torch.rand(1, generator=generator)))
+                ok = accept_one(p_at(node), q_at(node), tokens[child], uniforms(1, generator)[0])
             if not ok:
                 break
             run.append(child)

@@ -101,16 +101,16 @@ class CachedModel:
         anchor = len(committed) - 1
         dev = self.model.device
         ids = torch.tensor([pending + list(node_tokens)], device=dev)
-        pos = torch.arange(self.length, len(committed))
+        pos = torch.arange(self.length, len(committed), device=dev)
         if n_new:
-            pos = torch.cat([pos, anchor + layout.depth_ids[start:end]])
+            pos = torch.cat([pos, anchor + layout.depth_ids[start:end].to(dev)])
             rows = attention_rows(self.length, len(pending), layout.mask, start, end)
             mask = additive_mask(rows, self.model.dtype, dev)
         else:  # plain causal step: let transformers build its fast default mask
             mask = None
         out = self.model(
             input_ids=ids,
-            position_ids=pos[None].to(dev),
+            position_ids=pos[None],
             attention_mask=mask,
             past_key_values=self.cache,
             use_cache=True,

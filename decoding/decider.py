@@ -20,7 +20,7 @@ from torch import nn
 
 from . import features as F
 from .models import ModelError, fingerprint, same_model, stale_fingerprint
-from .stopping import CONFIDENCE_RULES, DraftLevel, StopPolicy
+from .stopping import CONFIDENCE_RULES, DraftLevel, StopPolicy, check_threshold
 
 KINDS = ("mlp11", "hidden", "logistic", "mlp")
 RULES = ("paper", "specdecpp", "tree")
@@ -58,6 +58,7 @@ class DeciderConfig:
             raise ValueError(f"unknown decider kind {self.kind!r}; choose from {', '.join(KINDS)}")
         if self.rule not in RULES:
             raise ValueError(f"unknown stop rule {self.rule!r}; choose from {', '.join(RULES)}")
+        check_threshold("decider threshold", self.threshold)
         for name, table, keys in (("thresholds", self.thresholds, RULES),
                                   ("confidence_thresholds", self.confidence_thresholds, CONFIDENCE_RULES)):
             if not isinstance(table, dict) or set(table) - set(keys):
@@ -106,7 +107,9 @@ class DeciderStop(StopPolicy):
 
     @torch.inference_mode()
     def scores(self, level: DraftLevel) -> torch.Tensor:
-        return torch.sigmoid(self.net(F.node_features(level), F.node_hidden(level)))
+        """[k] acceptance probabilities, on the CPU (the rules below read them as floats).
+        The net must sit on the features' device: Session moves it to the draft's at load."""
+        return torch.sigmoid(self.net(F.node_features(level), F.node_hidden(level))).cpu()
 
     def _path_scores(self, level: DraftLevel, s: torch.Tensor) -> list[float]:
         """Predicted probability that the whole path down to each node is accepted."""
@@ -118,7 +121,7 @@ class DeciderStop(StopPolicy):
 
     def should_stop(self, level: DraftLevel) -> bool:
         s = self.scores(level)
-        valid = torch.tensor(level.valid)
+        valid = torch.tensor(level.valid, device=s.device)
         if not valid.any():
             return True
         if self.cfg.rule == "paper":
@@ -134,14 +137,25 @@ class DeciderStop(StopPolicy):
         return [ok and v >= self.cfg.threshold for v, ok in zip(path, level.valid)]
 
 
-def _atomic_dir(out: Path, write) -> None:
+def _write_once_dir(out: Path, write) -> None:
+    """Write a directory in full under a temp name, then rename it into place, refusing to
+    replace one that exists: a checkpoint directory never changes once readers can see it
+    (what `latest` names is switched by replacing registry.json, atomically)."""
+    if out.exists():
+        raise FileExistsError(f"{out} already exists: decider checkpoints are write-once, "
+                              f"export under a new run id")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
         write(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        os.chmod(tmp, 0o755)  # mkdtemp makes 0700: a shareable artifact
+        try:
+            os.rename(tmp, out)  # fails on a non-empty `out` made by a concurrent writer
+        except OSError as e:
+            if out.exists():
+                raise FileExistsError(f"{out} was written concurrently: decider checkpoints are "
+                                      f"write-once, export under a new run id") from None
+            raise e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -155,7 +169,7 @@ def save_decider(out: str | os.PathLike, net: DeciderNet, cfg: DeciderConfig, me
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=1))
 
     out = Path(out)
-    _atomic_dir(out, write)
+    _write_once_dir(out, write)
     return out
 
 
@@ -166,6 +180,9 @@ def resolve_decider_dir(path: str | os.PathLike | None) -> Path:
             latest = json.loads(reg.read_text())["latest"]
         except (OSError, ValueError, KeyError, TypeError):
             raise ModelError(f"no usable decider registry at {reg}: pass --decider DIR") from None
+        if not isinstance(latest, str) or not latest or "/" in latest or latest.startswith("."):
+            raise ModelError(f"{reg} names no latest decider (latest = {json.dumps(latest)}): "
+                             f"fit one (python -m training.fit) or pass --decider DIR")
         return DECIDERS_DIR / latest
     return Path(path)
 

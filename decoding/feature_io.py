@@ -33,6 +33,8 @@ def draft_kind(path) -> str:
         kind = json.loads(marker.read_text()).get("draft_kind")
     except (OSError, ValueError) as e:
         raise ModelError(f"unreadable {marker}: {e}") from e
+    if kind is None:  # a stand-alone draft's specstop_draft.json (head ids, provenance)
+        return "model"
     if kind != KIND:
         raise ModelError(f"{marker}: unknown draft_kind {kind!r} (this specstop knows {KIND!r})")
     return kind

@@ -25,12 +25,13 @@ NUM_FEATURES = len(FEATURE_NAMES)
 def node_features(level: DraftLevel) -> torch.Tensor:
     """[k, NUM_FEATURES] float32 features for the k nodes of one drafted level."""
     q = level.parent_q.float()
+    dev = q.device  # every tensor made here goes where the draft's q lives (cpu or cuda)
     entropy = -(q * torch.log(q.clamp_min(1e-30))).sum(-1, keepdim=True)
     top = q.topk(min(TOP_K, q.shape[-1]), dim=-1).values
     if top.shape[-1] < TOP_K:  # tiny vocabularies (tests)
         top = torch.nn.functional.pad(top, (0, TOP_K - top.shape[-1]))
     per_parent = torch.cat([entropy, top], dim=-1)[level.parent_of]
-    q_tok = level.q_token.float()
+    q_tok = level.q_token.float().to(dev)
     # rank of the drawn token in its parent's distribution (0 = the draft's argmax): every
     # token above a top-10 token is itself in the top 10, so a full pass is needed only for
     # tokens drawn from outside it (sampling); this runs once per drafted level
@@ -38,16 +39,16 @@ def node_features(level: DraftLevel) -> torch.Tensor:
     rank = (tops > q_tok[:, None]).sum(-1).float()
     far = q_tok < tops[:, -1]
     if far.any():
-        rows = torch.tensor(level.parent_of)[far]
+        rows = torch.tensor(level.parent_of, device=dev)[far]
         rank[far] = (q[rows] > q_tok[far, None]).sum(-1).float()
     k = len(level.nodes)
     per_node = torch.stack([
         q_tok,
         rank,
-        torch.full((k,), float(level.depth)),
-        torch.tensor(level.branch, dtype=torch.float32),
-        level.path_logq.float(),
-        torch.full((k,), float(torch.log1p(torch.tensor(float(level.position))))),
+        torch.full((k,), float(level.depth), device=dev),
+        torch.tensor(level.branch, dtype=torch.float32, device=dev),
+        level.path_logq.float().to(dev),
+        torch.full((k,), float(torch.log1p(torch.tensor(float(level.position), device="cpu"))), device=dev),
     ], dim=-1)
     return torch.cat([per_parent, per_node], dim=-1)
 

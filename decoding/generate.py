@@ -17,7 +17,7 @@ from . import defaults as dflt
 from .decider import RULES
 from .models import ModelError
 from .sampling import SamplingConfig
-from .stopping import CONFIDENCE_RULES
+from .stopping import CONFIDENCE_RULES, check_threshold
 from .strategies import MODES, STRATEGIES
 
 
@@ -90,6 +90,8 @@ def main(argv=None) -> int:
         from .api import Decoder
 
         SamplingConfig(args.temperature, args.top_p)  # validated before the (slow) model load
+        if args.decider_threshold is not None:
+            check_threshold("--decider-threshold", args.decider_threshold)
         if args.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be >= 1")
         dec = Decoder.load(args.target, args.draft, args.decider, dtype=args.dtype, device=args.device,

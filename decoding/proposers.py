@@ -110,7 +110,7 @@ class TreeProposer:
             depth=tree.layout.max_depth, nodes=nodes, tokens=toks, valid=[tree.valid[n] for n in nodes],
             q_token=parent_q[parent_of, toks], parent_q=parent_q, parent_of=parent_of,
             parent_nodes=[grow.parents[n] for n in nodes], branch=branch,
-            path_logq=torch.tensor([grow.logq[n] for n in nodes]),
+            path_logq=torch.tensor([grow.logq[n] for n in nodes], device=parent_q.device),
         )
 
     def _layout(self, grow: _Growth) -> TreeLayout:

@@ -6,9 +6,14 @@ acceptance rule: the rule then reproduces the warped target distribution exactly
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+MIN_TEMPERATURE = 1e-4
+"""Below this, logits / temperature can overflow float32 (nan probabilities); such a
+temperature is greedy in all but name: use 0."""
 
 
 @dataclass(frozen=True)
@@ -19,9 +24,11 @@ class SamplingConfig:
     """Nucleus sampling: keep the smallest set of tokens whose mass reaches top_p."""
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
-        if not 0 < self.top_p <= 1:
+        t = self.temperature
+        if not math.isfinite(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE} "
+                             f"(got {t}; smaller values overflow logits / temperature)")
+        if not 0 < self.top_p <= 1:  # also refuses nan
             raise ValueError(f"top-p must be in (0, 1] (got {self.top_p})")
 
     @property
@@ -49,8 +56,23 @@ def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return probs / probs.sum(-1, keepdim=True)
 
 
+def uniforms(n: int, generator: torch.Generator | None) -> list[float]:
+    """n uniforms in [0, 1), drawn on the generator's own device (a CUDA generator cannot
+    fill a tensor on the default CPU device) and returned as Python floats."""
+    device = generator.device if generator is not None else None
+    return torch.rand(n, generator=generator, device=device).tolist()
+
+
+def multinomial(probs: torch.Tensor, n: int, generator: torch.Generator | None,
+                replacement: bool = False) -> list[int]:
+    """torch.multinomial on the generator's device (probs are moved there if they differ)."""
+    if generator is not None and probs.device != generator.device:
+        probs = probs.to(generator.device)
+    return torch.multinomial(probs, n, replacement=replacement, generator=generator).tolist()
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return multinomial(probs, 1, generator)[0]
 
 
 def draw_candidates(
@@ -65,7 +87,7 @@ def draw_candidates(
     if cfg.greedy:
         return probs.topk(k).indices.tolist(), [True] * k
     if replacement:
-        return torch.multinomial(probs, k, replacement=True, generator=generator).tolist(), [True] * k
+        return multinomial(probs, k, generator, replacement=True), [True] * k
     n = min(k, int((probs > 0).sum()))
-    toks = torch.multinomial(probs, n, replacement=False, generator=generator).tolist()
+    toks = multinomial(probs, n, generator)
     return toks + [toks[0]] * (k - n), [True] * n + [False] * (k - n)

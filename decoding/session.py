@@ -78,6 +78,7 @@ class Session:
         if self.draft is None:
             raise models.ModelError("--stop decider needs a draft model")
         net, dcfg = load_decider(decider or "latest", self.target, self.draft)
+        net.to(next(self.draft.parameters()).device)  # features live where the draft's q does
         rule = rule or dcfg.rule
         if threshold is None:
             threshold = rule_threshold(dcfg, rule, resolve_decider_dir(decider or "latest"))

@@ -11,6 +11,8 @@ itself, and every drafted node is verified, so sampling stays exact.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -78,7 +80,7 @@ class DraftConfidence(StopPolicy):
             raise ValueError(f"confidence rule must be one of {CONFIDENCE_RULES} (got {self.rule!r})")
 
     def should_stop(self, level: DraftLevel) -> bool:
-        ok = level.q_token[torch.tensor(level.valid)]
+        ok = level.q_token[torch.tensor(level.valid, device=level.q_token.device)]
         return ok.numel() == 0 or float(ok.max()) < self.threshold
 
     def expand(self, level: DraftLevel) -> list[bool]:
@@ -89,6 +91,17 @@ class DraftConfidence(StopPolicy):
 
 
 CONFIDENCE_RULES = ("level", "tree")
+
+
+def check_threshold(name: str, value) -> float:
+    """A stop threshold must be a finite number (nan would silently never / always stop)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number (got {value!r})") from None
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite number (got {value})")
+    return v
 
 
 def make_stop_policy(name: str, threshold: float | None = None, rule: str = "level") -> StopPolicy:

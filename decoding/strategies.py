@@ -10,7 +10,8 @@ from .feature_proposer import FeatureProposer
 from .proposers import TreeProposer
 from .sampling import SamplingConfig
 from .stopping import StopPolicy, make_stop_policy
-from .tree import fork_k_config, layout_from_k_config, parse_k_config
+from .stopping import check_threshold
+from .tree import fork_k_config, layout_from_k_config, parse_k_config, tree_size
 
 STRATEGIES = ("ar", "sd", "mcsd", "ti-mcsd")
 MODES = ("lossless", "longest-branch")
@@ -49,6 +50,8 @@ class StrategyConfig:
         if self.gamma < 1:
             raise ValueError(f"gamma must be >= 1 (got {self.gamma})")
         self.k_config = ",".join(map(str, parse_k_config(self.k_config)))
+        tree_size(self.k_levels)  # width / depth / k-config / gamma: fail before any model loads
+        check_threshold("confidence threshold", self.confidence_threshold)
 
     @property
     def k_levels(self) -> tuple[int, ...]:

@@ -17,6 +17,23 @@ from functools import cached_property
 import torch
 
 ANCHOR = -1  # parent id of first-level nodes
+MAX_TREE_NODES = 1024
+"""Largest draft tree: its mask is size^2 and it is built in Python; far past any tree that
+pays off (a 64-node tree already costs a CPU target more than one step does)."""
+
+
+def tree_size(k_levels) -> int:
+    """Nodes of a k-config tree (sum over levels of the product of widths so far); raises
+    ValueError past MAX_TREE_NODES without building anything."""
+    size = level = 0
+    for k in k_levels:
+        level = k if level == 0 else level * k
+        size += level
+        if size > MAX_TREE_NODES:
+            widths = ",".join(map(str, k_levels))
+            raise ValueError(f"draft tree {widths} has more than {MAX_TREE_NODES} nodes "
+                             f"(the cap is MAX_TREE_NODES): use fewer or narrower levels")
+    return size
 
 
 def parse_k_config(text: str | list[int] | tuple[int, ...]) -> tuple[int, ...]:
@@ -38,7 +55,9 @@ def k_config_parents(k_config) -> tuple[int, ...]:
     """Parents of a k-config tree: level d has k_d children under every node of level d-1."""
     parents: list[int] = []
     prev_level = [ANCHOR]
-    for k in parse_k_config(k_config):
+    ks = parse_k_config(k_config)
+    tree_size(ks)
+    for k in ks:
         level = []
         for p in prev_level:
             for _ in range(k):
@@ -52,6 +71,9 @@ def fork_k_config(width: int, depth: int) -> tuple[int, ...]:
     """The target-initialized fork tree: `width` branches, each a chain of `depth` tokens."""
     if width < 1 or depth < 1:
         raise ValueError(f"fork tree needs width >= 1 and depth >= 1 (got {width}, {depth})")
+    if width * depth > MAX_TREE_NODES:
+        raise ValueError(f"fork tree W={width} D={depth} has {width * depth} nodes, more than "
+                         f"MAX_TREE_NODES = {MAX_TREE_NODES}: use a smaller width or depth")
     return (width,) + (1,) * (depth - 1)
 
 
@@ -102,7 +124,7 @@ class TreeLayout:
     @cached_property
     def mask(self) -> torch.Tensor:
         """[N, N] bool: node i attends node j iff j is i itself or one of its ancestors."""
-        m = torch.zeros(self.size, self.size, dtype=torch.bool)
+        m = torch.zeros(self.size, self.size, dtype=torch.bool, device="cpu")
         for i in range(self.size):
             j = i
             while j != ANCHOR:
@@ -113,7 +135,7 @@ class TreeLayout:
     @cached_property
     def depth_ids(self) -> torch.Tensor:
         """[N] long: position offset of each node relative to the anchor's position."""
-        return torch.tensor(self.depths, dtype=torch.long)
+        return torch.tensor(self.depths, dtype=torch.long, device="cpu")
 
     @cached_property
     def retrieve_indices(self) -> torch.Tensor:
@@ -128,7 +150,7 @@ class TreeLayout:
                 j = self.parents[j]
             path.reverse()
             rows.append(path + [-1] * (self.max_depth - len(path)))
-        return torch.tensor(rows, dtype=torch.long).reshape(len(rows), self.max_depth)
+        return torch.tensor(rows, dtype=torch.long, device="cpu").reshape(len(rows), self.max_depth)
 
     def path_to(self, node: int) -> list[int]:
         """Node ids from the first level down to `node` inclusive."""
@@ -163,9 +185,9 @@ def attention_rows(
     visible to everyone; a tree node sees only itself and its ancestors.
     """
     n_new = end - start
-    m = torch.ones(pending + n_new, past + pending + end, dtype=torch.bool)
+    m = torch.ones(pending + n_new, past + pending + end, dtype=torch.bool, device="cpu")
     if pending:
-        m[:pending, past : past + pending] = torch.ones(pending, pending, dtype=torch.bool).tril_()
+        m[:pending, past : past + pending] = torch.ones(pending, pending, dtype=torch.bool, device="cpu").tril_()
         m[:pending, past + pending :] = False
     if n_new:
         m[pending:, past + pending :] = tree_mask[start:end, :end]

@@ -27,6 +27,7 @@ from lightning.pytorch.callbacks import Callback
 
 from .distill_data import CorpusDataModule
 from .distill_module import DistillModule, DraftConfig
+from .swap import replace_dir
 
 METADATA = "specstop_draft.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -95,13 +96,7 @@ def write_draft(model, out: Path, meta: dict, tokenizer_dir: Path, dtype: str = 
         os.chmod(tmp, 0o755)  # mkdtemp makes 0700 (and some writers 0600): a shareable artifact
         for f in tmp.rglob("*"):
             os.chmod(f, 0o755 if f.is_dir() else 0o644)
-        old = None
-        if out.exists():  # swap: rename the old dir away, the new one in, then delete the old
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, out)  # one atomic swap: a reader never finds the path empty
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

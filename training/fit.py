@@ -225,6 +225,9 @@ def main(argv=None) -> int:
     dm, model, trainer = cli.datamodule, cli.model, cli.trainer
     rcfg, ecfg = cli.config_init.replay, cli.config_init.export
     try:
+        taken = Path(ecfg.out or DECIDERS_DIR) / ecfg.run_id if ecfg.run_id else None
+        if taken is not None and taken.exists():  # decider dirs are write-once: refuse before training
+            raise ValueError(f"{taken} already exists: decider checkpoints are write-once, pick another export.run_id")
         dm.load()  # fail on bad traces before any process is launched
         # rank 0 (the launching process) times the models now: fails fast, and nothing else
         # competes for the CPU while it measures; DDP workers never need the cost model

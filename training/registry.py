@@ -41,13 +41,26 @@ def _locked(root: Path):
         yield
 
 
-def register(root, run_id: str, info: dict, promote: bool = True) -> dict:
-    """Add (or replace) run `run_id` and, if `promote`, make it `latest`. Returns the registry."""
+class LatestMoved(RuntimeError):
+    """`latest` is no longer the run a compare-and-swap promotion was judged against."""
+
+
+_ANY = object()
+
+
+def register(root, run_id: str, info: dict, promote: bool = True, expect_latest=_ANY) -> dict:
+    """Add (or replace) run `run_id` and, if `promote`, make it `latest`. Returns the registry.
+
+    expect_latest: compare-and-swap; under the lock, refuse (LatestMoved, nothing written)
+    unless `latest` is still this run id (None = no champion yet)."""
     root = Path(root)
     if not (root / run_id / "config.json").is_file():
         raise ValueError(f"{root / run_id}: not an exported decider (no config.json)")
     with _locked(root):
         reg = read_registry(root)
+        if expect_latest is not _ANY and reg["latest"] != expect_latest:
+            raise LatestMoved(f"{root / REGISTRY}: latest is now {reg['latest']!r}, not the "
+                              f"{expect_latest!r} this run was compared against")
         reg["runs"] = [r for r in reg["runs"] if r.get("run_id") != run_id] + [{"run_id": run_id, **info}]
         if promote:
             reg["latest"] = run_id

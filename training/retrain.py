@@ -9,9 +9,16 @@ finished prompts, a finished fit is reused). The champion is the registry's `lat
 challenger is promoted only when it beats the champion on the SAME held-out traces by the
 configured margin (replayed tokens/s, ROC-AUC not worse) and does not lose the live check.
 
+Promotion is a compare-and-swap: the decision is written to decision.pending.json, then
+`latest` is moved from the champion it was judged against to the challenger under the
+registry lock (refused if `latest` moved meanwhile, e.g. a concurrent training.fit), then
+the record is renamed to decision.json. A re-run that finds a pending record completes it;
+it never re-compares (after a crash past the swap the challenger would face itself).
+
 Exit codes: 0 challenger promoted | 10 champion kept | 11 up to date (nothing to do) |
-2 bad input (one `error:` line) | 75 another retrain holds the lock | 1 unexpected failure
-(e.g. a full disk); the registry is untouched by every non-zero exit.
+2 bad input (one `error:` line) | 75 another retrain holds the lock, or `latest` moved since
+the comparison (run again) | 1 unexpected failure (e.g. a full disk); the registry is
+untouched by every non-zero exit.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -32,10 +40,12 @@ from decoding.models import ModelError, fingerprint
 from .cli import parse_config
 from .collect import CollectConfig, collect
 from .corpus import Prompt
-from .registry import read_registry, register
+from .registry import LatestMoved, read_registry, register
 from .shards import write_json
 
 EXIT_PROMOTED, EXIT_KEPT, EXIT_UP_TO_DATE, EXIT_BAD_INPUT, EXIT_LOCKED = 0, 10, 11, 2, 75
+EXIT_LATEST_MOVED = EXIT_LOCKED  # EX_TEMPFAIL: try again
+PENDING, DECISION = "decision.pending.json", "decision.json"
 
 
 @dataclass
@@ -166,9 +176,11 @@ def run(cfg: RetrainConfig, session=None, log=print) -> int:
         session = session or Session.open(cfg.target, cfg.draft, cfg.dtype, need_draft=True)
         pair = {"target": fingerprint(session.target), "draft": fingerprint(session.draft)}
         run_dir = work / input_key(cfg, prompts, pair)
-        if (run_dir / "decision.json").exists():
+        if (run_dir / DECISION).exists():
             log(f"up to date: {run_dir} already decided for these inputs")
             return EXIT_UP_TO_DATE
+        if (run_dir / PENDING).exists():  # a promotion cut short: finish it, never re-compare
+            return finish_promotion(root, run_dir, json.loads((run_dir / PENDING).read_text()), log)
         champion_id = read_registry(root).get("latest")
         if champion_id:  # fail before any work on a corrupt or foreign champion
             load_decider(root / champion_id, session.target, session.draft)
@@ -217,13 +229,35 @@ def run(cfg: RetrainConfig, session=None, log=print) -> int:
                     "challenger": challenger_id, "champion_metrics": champ, "challenger_metrics": chall,
                     "collect": stats, "redistill": redistill,
                     "decided": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        decision = json.loads(json.dumps(decision, default=float))
         if promote:
-            reg = read_registry(root)
-            info = next((r for r in reg.get("runs", []) if r.get("run_id") == challenger_id), {})
-            register(root, challenger_id, {k: v for k, v in info.items() if k != "run_id"}, promote=True)
-        write_json(run_dir / "decision.json", json.loads(json.dumps(decision, default=float)))
-        log(json.dumps({"promoted": promote, "reason": reason, "run_dir": str(run_dir)}))
-        return EXIT_PROMOTED if promote else EXIT_KEPT
+            write_json(run_dir / PENDING, decision)  # recorded before the swap it describes
+            return finish_promotion(root, run_dir, decision, log)
+        write_json(run_dir / DECISION, decision)
+        log(json.dumps({"promoted": False, "reason": reason, "run_dir": str(run_dir)}))
+        return EXIT_KEPT
+
+
+def finish_promotion(root: Path, run_dir: Path, decision: dict, log=print) -> int:
+    """Swap `latest` from decision["champion"] to decision["challenger"] (compare-and-swap;
+    already done when a crash came after it), then turn the pending record into decision.json."""
+    chall, pending = decision["challenger"], run_dir / PENDING
+    if read_registry(root).get("latest") != chall:
+        info = next((r for r in read_registry(root)["runs"] if r.get("run_id") == chall), {})
+        try:
+            register(root, chall, {k: v for k, v in info.items() if k != "run_id"}, promote=True,
+                     expect_latest=decision["champion"])
+        except LatestMoved as e:
+            pending.unlink()  # judged against a champion that is gone: the next run re-compares
+            log(f"error: {e}; nothing promoted, run again to compare against it")
+            return EXIT_LATEST_MOVED
+    os.replace(pending, run_dir / DECISION)
+    log(json.dumps({"promoted": True, "reason": decision["reason"], "run_dir": str(run_dir)}))
+    return EXIT_PROMOTED
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr if msg.startswith("error:") else sys.stdout)
 
 
 def main(argv=None) -> int:
@@ -233,7 +267,7 @@ def main(argv=None) -> int:
 
         torch.set_num_threads(cfg.threads)
     try:
-        return run(cfg)
+        return run(cfg, log=_log)
     except (ModelError, ValueError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return EXIT_BAD_INPUT
