@@ -22,6 +22,9 @@ from training.metrics import classification, ece
 from training.shards import ShardWriter
 from training.traces import KIND, SCHEMA, SCHEMA_VERSION
 
+# one xdist worker runs this module (--dist loadgroup): the fitted decider (module fixture) is trained once
+pytestmark = pytest.mark.xdist_group("test_fit")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -16,6 +16,10 @@ from training.traces import load_traces
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# one xdist worker runs this module (--dist loadgroup): the tiny pair and the reference
+# collection are made once
+pytestmark = pytest.mark.xdist_group("test_scaleout")
+
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
