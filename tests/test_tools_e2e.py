@@ -132,8 +132,7 @@ def test_demo_end_to_end_on_a_tiny_pair(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(demo, "OUT", tmp_path / "demo")
     assert demo.main() == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith("| ") and "stop policy" not in line]
-    assert [r.split("|")[1].strip() for r in rows] == ["fixed depth", "confidence", "confidence (tree)",
-                                                       "decider"]
-    assert all(r.rstrip(" |").endswith("True") for r in rows)  # every policy lossless
+    rows = {r.split("|")[1].strip(): r for r in out.splitlines() if r.startswith("| ")}
+    for policy in ("fixed depth", "confidence", "confidence (tree)", "decider"):
+        assert "True" in rows[policy].split("|")[-2], rows[policy]  # lossless column
     assert (tmp_path / "demo" / "deciders" / "demo" / "config.json").exists()
