@@ -108,7 +108,7 @@ def test_calibrate_measures_forwards_and_bookkeeping_on_a_tiny_pair(pair, tmp_pa
     # take a few ms, far below 100 even on a loaded machine)
     hook = target.register_forward_pre_hook(lambda m, a: time.sleep(0.1))
     try:
-        cm = calibrate(target, draft, context=32, repeats=1, sizes=[1, 4, 16],
+        cm = calibrate(target, draft, context=32, repeats=3, sizes=[1, 4, 16],
                        collect={"strategy": "ti-mcsd", "width": 2, "depth": 3}, overhead_tokens=6)
     finally:
         hook.remove()
