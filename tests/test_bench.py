@@ -12,6 +12,9 @@ from synth_traces import write_traces
 from decoding.bench import main
 from decoding.bench_config import load_config
 
+# one xdist worker runs this module (--dist loadgroup): the quick benchmark (module fixture) runs once
+pytestmark = pytest.mark.xdist_group("test_bench")
+
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):

@@ -170,6 +170,7 @@ def test_draft_with_other_tokenizer_is_refused(target_dir, tmp_path):
                    load_tokenizer(other))
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_on_cpu(target_dir, corpus_dir, tmp_path):
     """`--trainer.strategy ddp --trainer.devices 2` on CPU (gloo), unchanged config (~10 s)."""
     cfg = {

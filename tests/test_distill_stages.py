@@ -128,7 +128,9 @@ def test_shrunk_head_keeps_the_most_frequent_ids_and_their_logits(target_dir, co
     x = torch.randint(0, V, (2, 10))
     with torch.no_grad():  # a row selection of the tied embedding: kept logits are unchanged
         a, b = big(input_ids=x).logits, small(input_ids=x).logits
-    assert torch.equal(a[..., kept], b[..., kept])
+    # equal up to fp32 rounding: the two heads are GEMMs of different shapes, whose blocking
+    # (and so summation order) depends on the CPU's kernels; a wrong row is off by O(1)
+    torch.testing.assert_close(b[..., kept], a[..., kept], rtol=1e-5, atol=1e-5 * float(a.abs().max()))
     assert (b[..., sorted(dropped)] == MASKED_LOGIT).all()
     meta = json.loads((out / "specstop_draft.json").read_text())
     assert meta["head_shrunk"]["to"] == 20 == meta["draft"]["head_size"]

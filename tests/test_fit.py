@@ -22,6 +22,9 @@ from training.metrics import classification, ece
 from training.shards import ShardWriter
 from training.traces import KIND, SCHEMA, SCHEMA_VERSION
 
+# one xdist worker runs this module (--dist loadgroup): the fitted decider (module fixture) is trained once
+pytestmark = pytest.mark.xdist_group("test_fit")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -72,9 +75,12 @@ def test_split_is_by_prompt_and_deterministic(traces):
 def test_fit_learns_known_rule_and_exports(fitted, traces):
     _, run = fitted
     m = json.loads((run / "metrics.json").read_text())
-    assert m["classification"]["test"]["decider"]["roc_auc"] > 0.9
-    for base in ("logistic_regression", "hist_gradient_boosting", "confidence_q_token"):
-        assert m["classification"]["test"][base]["roc_auc"] > 0.9  # same table
+    auc = {k: v["roc_auc"] for k, v in m["classification"]["test"].items()}
+    # the label depends on the parent's entropy as well as on q (synth_traces): q alone is
+    # ~0.72, so every learned scorer must find the entropy signal to clear 0.9
+    assert auc["confidence_q_token"] < 0.8
+    for scorer in ("decider", "logistic_regression", "hist_gradient_boosting"):
+        assert auc[scorer] > 0.9 and auc[scorer] > auc["confidence_q_token"] + 0.1, scorer
     rep = m["replay"]["test"]
     for key in ("fixed-1", "fixed-4", "confidence", "oracle", "decider-paper", "decider-specdecpp"):
         assert rep[key]["tokens_per_s"] > 0
@@ -152,7 +158,9 @@ def test_hidden_kind_soft_labels_and_balancing(tmp_path):
     assert fit.main(["--config", str(cfg), "--export.run_id", "h"]) == 0
     run = tmp_path / "deciders" / "h"
     m = json.loads((run / "metrics.json").read_text())
-    assert m["classification"]["test"]["decider"]["roc_auc"] > 0.9
+    auc = m["classification"]["test"]
+    # the hidden state carries (q, entropy, noise): the net must combine the first two
+    assert auc["decider"]["roc_auc"] > 0.9 and auc["decider"]["roc_auc"] > auc["confidence_q_token"]["roc_auc"] + 0.1
     assert m["replay"]["chosen"]["rule"] == "paper" and "logistic_regression-paper" not in m["replay"]["test"]
     _, cfg = D.load_decider(run)
     assert cfg.kind == "hidden" and cfg.hidden_size == 8 and cfg.label == "soft"
@@ -204,8 +212,8 @@ def test_cost_model_sources(tmp_path, monkeypatch, pair):
     monkeypatch.setattr(Session, "open", classmethod(lambda cls, *a, **k: stub))
     with pytest.raises(ValueError, match="not the target the traces were recorded with"):
         load_cost(ReplayConfig(cost_model="measure"), PAIR)
-    # replay.calibrate feeds token ids up to 265: too many for the tiny test vocabulary
-    monkeypatch.setattr(T, "calibrate", lambda t, d: ("timed", t, d))
+    # the real calibrate is tested in test_replay.py: here only which models it is given
+    monkeypatch.setattr(T, "calibrate", lambda t, d, collect=None: ("timed", t, d))
     assert load_cost(ReplayConfig(cost_model="measure"),
                      {"target": fingerprint(target), "draft": fingerprint(draft)}) == ("timed", target, draft)
     for kind in ("mlp", "hidden"):

@@ -8,6 +8,7 @@ from training.replay import (
     CostModel,
     ReplaySet,
     baseline_table,
+    calibrate,
     decider_policy,
     fixed,
     monotone,
@@ -92,3 +93,33 @@ def test_measured_costs_are_made_monotone_in_the_tree_size():
     ms = [62.5, 48.3, 161.5, 69.0, 59.3, 77.7, 110.8]
     assert monotone(ms) == [48.3, 48.3, 59.3, 59.3, 59.3, 77.7, 110.8]
     assert monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]  # already monotone: unchanged
+
+
+def test_calibrate_measures_forwards_and_bookkeeping_on_a_tiny_pair(pair, tmp_path):
+    import json
+    import time
+    from dataclasses import asdict
+
+    from training.threshold import ReplayConfig, load_cost
+
+    target, draft = pair
+    # every target forward sleeps 100 ms: it must show in target_ms and NOT in the bookkeeping,
+    # which is the round's time outside the forwards (a tiny pair's bookkeeping and draft step
+    # take a few ms, far below 100 even on a loaded machine)
+    hook = target.register_forward_pre_hook(lambda m, a: time.sleep(0.1))
+    try:
+        cm = calibrate(target, draft, context=32, repeats=3, sizes=[1, 4, 16],
+                       collect={"strategy": "ti-mcsd", "width": 2, "depth": 3}, overhead_tokens=6)
+    finally:
+        hook.remove()
+    assert cm.sizes == [1, 4, 16] and len(cm.target_ms) == len(cm.draft_ms) == 3
+    for ms in (cm.target_ms, cm.draft_ms):
+        assert all(m > 0 for m in ms) and ms == sorted(ms)  # positive, monotone medians
+    assert min(cm.target_ms) >= 100 > max(cm.draft_ms)
+    assert 0 < cm.overhead_ms < 100
+    assert set(cm.source) == {"target_ms", "draft_ms", "overhead_ms", "policy_ms"}
+    assert "measured" in cm.source["overhead_ms"] and "W=2,D=3" in cm.source["overhead_ms"]
+    # saved as the fit stores it, read back by replay.cost_model: the same model, provenance kept
+    p = tmp_path / "cost.json"
+    p.write_text(json.dumps(asdict(cm)))
+    assert load_cost(ReplayConfig(cost_model=str(p)), {}) == cm

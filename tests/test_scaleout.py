@@ -5,7 +5,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,6 +16,10 @@ from training.traces import load_traces
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# one xdist worker runs this module (--dist loadgroup): the tiny pair and the reference
+# collection are made once
+pytestmark = pytest.mark.xdist_group("test_scaleout")
+
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
@@ -25,7 +29,7 @@ def setup(tmp_path_factory):
     d = save_tiny(root / "draft", WORDS, noisy_copy(target, 0.05))
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "kind": "general", "prompt": f"w{i % 30} w{(3 * i) % 30} w5"}) + "\n"
-                               for i in range(24)))
+                               for i in range(12)))
     return root, t, d, prompts
 
 
@@ -45,34 +49,64 @@ def run(cmd):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-def test_two_process_collection_merges_to_single_run(setup):
+@pytest.fixture(scope="module")
+def single(setup):
+    """The reference: one process collects every prompt (6 shards of 2)."""
+    res = run(collect_cmd(setup, setup[0] / "single"))
+    assert res.returncode == 0, res.stderr
+    return setup[0] / "single"
+
+
+@pytest.mark.slow
+def test_two_process_collection_merges_to_single_run(setup, single):
     root = setup[0]
-    single = run(collect_cmd(setup, root / "single"))
-    assert single.returncode == 0, single.stderr
     procs = [subprocess.Popen(collect_cmd(setup, root / "multi", "--shard-index", str(i), "--num-shards", "2"),
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
     assert all(p.wait(timeout=300) == 0 for p in procs)
-    assert rows(root / "multi") == rows(root / "single")
+    assert rows(root / "multi") == rows(single)
 
 
-def test_sigkill_mid_collection_resumes_without_loss_or_duplicates(setup):
-    root = setup[0]
-    ref = root / "single-ref"
-    assert run(collect_cmd(setup, ref)).returncode == 0
-    out = root / "killed"
-    p = subprocess.Popen(collect_cmd(setup, out), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    manifest = out / "manifest.json"
-    deadline = time.time() + 120
-    while time.time() < deadline:  # kill once some but not all shards are written
-        if manifest.exists() and len(json.loads(manifest.read_text())["shards"]) >= 2:
-            break
-        time.sleep(0.05)
-    os.kill(p.pid, signal.SIGKILL)
-    p.wait()
-    done = len(json.loads(manifest.read_text())["shards"])
-    assert 2 <= done < 12
+# Runs training.collect with the third shard's atomic write stopped between its temp file and
+# the rename: the child says PAUSED and sleeps, and the test kills it then (an event, not a
+# deadline: the same state on any machine, however fast).
+PAUSE_AT_THIRD_SHARD = """
+import os, runpy, sys, time
+import training.shards as S
+real = S.atomic_write
+def paused(path, write):
+    if path.name == "shard-00002.parquet":
+        write(path.with_name(f".{path.name}.tmp-{os.getpid()}"))
+        print("PAUSED", flush=True)
+        time.sleep(600)
+    real(path, write)
+S.atomic_write = paused
+sys.argv = ["training.collect", *sys.argv[1:]]
+runpy.run_module("training.collect", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_mid_collection_resumes_without_loss_or_duplicates(setup, single, tmp_path):
+    ref, out = single, setup[0] / "killed"
+    cmd = collect_cmd(setup, out)
+    with open(tmp_path / "stderr", "w") as err:
+        p = subprocess.Popen([sys.executable, "-c", PAUSE_AT_THIRD_SHARD, *cmd[3:]], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=err, text=True)
+        timer = threading.Timer(300, p.kill)  # a child that never pauses cannot hang the suite
+        timer.start()
+        try:
+            lines = iter(p.stdout.readline, "")
+            paused = any(line.strip() == "PAUSED" for line in lines)
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+        finally:
+            timer.cancel()
+    assert paused, (tmp_path / "stderr").read_text()[-2000:]
+    assert len(json.loads((out / "manifest.json").read_text())["shards"]) == 2
+    assert list(out.glob(".shard-00002.parquet.tmp-*"))  # the kill left a half-written shard
     again = run(collect_cmd(setup, out))
     assert again.returncode == 0, again.stderr
+    assert not list(out.glob(".*.tmp-*"))
     assert rows(out) == rows(ref)
     ids = [r["prompt_id"] for r in load_traces(out)[1].select(["prompt_id", "round", "node"]).to_pylist()]
     assert len(ids) == len(rows(ref))

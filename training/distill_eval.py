@@ -33,11 +33,12 @@ import torch.nn.functional as F
 KINDS = {"general": "data/prompts/heldout_general.jsonl", "code": "data/prompts/heldout_code.jsonl"}
 
 
-def eval_corpus(kind: str, n: int, root: Path, dtype: str) -> list[dict]:
-    """Target continuations of the first n held-out prompts of a kind (generated once)."""
+def eval_corpus(kind: str, n: int, root: Path, dtype: str, target: str | None = None) -> list[dict]:
+    """Target continuations of the first n held-out prompts of a kind (generated once;
+    `target` None = the embedded target)."""
     from .corpus import CorpusConfig, build_corpus, load_corpus, load_teacher, read_prompts
 
-    cfg = CorpusConfig(prompt_files=[KINDS[kind]], out=str(root / kind), dtype=dtype,
+    cfg = CorpusConfig(prompt_files=[KINDS[kind]], out=str(root / kind), target=target, dtype=dtype,
                        batch_size=8, shard_size=64, max_new_tokens=128, temperature=0.7)
     prompts = read_prompts(cfg.prompt_files, n)
     have = set()
@@ -107,10 +108,11 @@ def step_cost(target, draft, ctx: int = 128, steps: int = 30, repeats: int = 7) 
     from transformers import DynamicCache
 
     def timed(m) -> float:
-        ids = torch.randint(100, 1000, (1, ctx), generator=torch.Generator().manual_seed(0))
+        v = m.config.vocab_size  # ids 100..999 of a real vocabulary, scaled down for tiny ones
+        ids = torch.randint(min(100, v // 2), min(1000, v), (1, ctx), generator=torch.Generator().manual_seed(0))
         cache = DynamicCache(config=m.config)
         m(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        x = torch.tensor([[500]])
+        x = torch.tensor([[min(500, v - 1)]])
         for _ in range(3):
             m(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
         t0 = time.perf_counter()
@@ -229,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(prog="python -m training.distill_eval", description=__doc__.split("\n")[0])
     p.add_argument("--draft", default="checkpoints/drafts/smollm2-135m-draft")
+    p.add_argument("--target", default=None, help="target HF dir (default: the embedded target)")
     p.add_argument("--out", default="reports/draft")
     p.add_argument("--prompts", type=int, default=24, help="held-out prompts per kind (teacher-forced)")
     p.add_argument("--engine-prompts", type=int, default=4, help="held-out prompts per kind (engine runs)")
@@ -244,17 +247,17 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(a.threads)
     draft_dir = Path(a.draft)
     try:
-        target, draft = load_model(None, a.dtype), load_model(draft_dir, a.dtype)
+        target, draft = load_model(a.target, a.dtype), load_model(draft_dir, a.dtype)
     except ModelError as e:
         raise SystemExit(f"error: {e}") from None
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     eos = target.generation_config.eos_token_id
-    res = {"draft": str(draft_dir), "target": DEFAULT_TARGET_NAME, "dtype": a.dtype,
+    res = {"draft": str(draft_dir), "target": a.target or DEFAULT_TARGET_NAME, "dtype": a.dtype,
            "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "teacher_forced": {}, "engine": {}}
     for kind in KINDS:
-        rows = eval_corpus(kind, a.prompts, Path(a.eval_cache), "bfloat16")
+        rows = eval_corpus(kind, a.prompts, Path(a.eval_cache), "bfloat16", a.target)
         tf = teacher_forced(target, draft, rows)
         res["teacher_forced"][kind] = {"prompts": len(rows)} | tf
         print(f"{kind}: {json.dumps(tf)}", file=sys.stderr, flush=True)

@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(prog="python -m training.draft_cost", description=__doc__.split("\n")[0])
     p.add_argument("--draft", action="append", required=True, help="draft directory (repeatable)")
+    p.add_argument("--target", default=None, help="target HF dir (default: the embedded target)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--repeats", type=int, default=7)
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for d in a.draft:  # a bad path fails before the target is loaded
             resolve_model_dir(d)
-        target = load_model(None, a.dtype)
+        target = load_model(a.target, a.dtype)
         drafts = {d: load_model(d, a.dtype) for d in a.draft}
     except ModelError as e:
         raise SystemExit(f"error: {e}") from None
@@ -53,19 +54,20 @@ def main(argv: list[str] | None = None) -> None:
                   file=sys.stderr, flush=True)
     out = {"cost": rows}
     if a.speed_prompts:
-        out["speed"] = speed(target, drafts, a.speed_prompts)
+        out["speed"] = speed(target, drafts, a.speed_prompts, a.target)
     if a.out:
         _write(Path(a.out), json.dumps(out, indent=1) + "\n")
 
 
-def speed(target, drafts: dict, n: int) -> dict:
+def speed(target, drafts: dict, n: int, target_dir: str | None = None) -> dict:
     """Per kind and draft: sd gamma 4 totals (and ar once), prompt by prompt, drafts interleaved."""
     from .distill_eval import KINDS, engine_runs, eval_corpus
 
     eos = target.generation_config.eos_token_id
     res: dict = {}
     for kind in KINDS:
-        rows = eval_corpus(kind, n, Path(".cache/eval_corpus"), "bfloat16")
+        rows = eval_corpus(kind, n, Path(".cache/eval_corpus") / (Path(target_dir).name if target_dir else ""),
+                           "bfloat16", target_dir)
         tot: dict = {}
         for r in rows:
             for i, (name, draft) in enumerate(drafts.items()):

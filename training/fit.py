@@ -231,7 +231,8 @@ def main(argv=None) -> int:
         dm.load()  # fail on bad traces before any process is launched
         # rank 0 (the launching process) times the models now: fails fast, and nothing else
         # competes for the CPU while it measures; DDP workers never need the cost model
-        cost = load_cost(rcfg, dm.manifest.get("model_pair", {})) if rank_zero_only.rank == 0 else None
+        cost = (load_cost(rcfg, dm.manifest.get("model_pair", {}), dm.manifest.get("collect"))
+                if rank_zero_only.rank == 0 else None)
         trainer.fit(model, datamodule=dm)
         if not trainer.is_global_zero:
             return 0  # DDP workers: rank 0 evaluates and exports

@@ -14,6 +14,7 @@ function ReplaySet -> kept mask over the trace rows; everything here is vectoris
 
 from __future__ import annotations
 
+import platform
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -33,10 +34,13 @@ class CostModel:
     sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     target_ms: list[float] = field(default_factory=list)
     draft_ms: list[float] = field(default_factory=list)
-    overhead_ms: float = 0.5
-    """Bookkeeping per round (acceptance walk, cache commit)."""
+    overhead_ms: float = 0.0
+    """Engine bookkeeping per round outside the forwards (drawing candidates, acceptance walk,
+    cache commit); `calibrate` measures it."""
     policy_ms: float = 0.0
     """Stop-policy cost per drafted level (decider inference)."""
+    source: dict[str, str] = field(default_factory=dict)
+    """Where each cost came from (field -> how it was obtained, on which machine/pair)."""
 
     def target(self, n):
         return np.interp(n, self.sizes, self.target_ms)
@@ -56,10 +60,11 @@ def monotone(ms: list[float]) -> list[float]:
 
 
 @torch.inference_mode()
-def calibrate(target, draft, context: int = 256, repeats: int = 5, sizes=None) -> CostModel:
-    """Measure forward times on this machine for each tree size: sizes interleaved within
-    each repeat (a burst of load hits several sizes once, not one size every time), median
-    of `repeats`, then made monotone."""
+def calibrate(target, draft, context: int = 256, repeats: int = 5, sizes=None,
+              collect: dict | None = None, overhead_tokens: int = 32) -> CostModel:
+    """Measure this machine: forward times for each tree size (sizes interleaved within each
+    repeat, so a burst of load hits several sizes once, not one size every time; median of
+    `repeats`, then made monotone), and the engine's per-round bookkeeping (`overhead_ms`)."""
     from decoding.cache import CachedModel
     from decoding.tree import layout_from_k_config
 
@@ -78,7 +83,49 @@ def calibrate(target, draft, context: int = 256, repeats: int = 5, sizes=None) -
                 m.feed(prompt, lay, [(1 + i) % vocab for i in range(n)], 0, n)
                 times[n].append(1000 * (time.perf_counter() - t))
         out.extend(monotone([float(np.median(times[n][1:])) for n in cm.sizes]))
+    cm.overhead_ms, how = bookkeeping_ms(target, draft, prompt, repeats, collect, overhead_tokens)
+    where = f"measured on {platform.node() or 'this machine'} ({torch.get_num_threads()} threads)"
+    cm.source = {"target_ms": f"{where}: median CachedModel.feed of {context} + n tokens, "
+                              f"{repeats} repeats, made monotone",
+                 "draft_ms": f"{where}: as target_ms, for the draft",
+                 "overhead_ms": f"{where}: {how}",
+                 "policy_ms": "not measured here: deciders add their own inference time"}
     return cm
+
+
+def bookkeeping_ms(target, draft, prompt, repeats: int = 5, collect: dict | None = None,
+                   new_tokens: int = 32) -> tuple[float, str]:
+    """Median per-round engine time outside the target's and draft's forwards: generate with
+    the tree the traces were collected with (`collect`: the trace manifest's collect block) and
+    subtract the time spent inside `CachedModel.feed`, which the forward costs already charge."""
+    from decoding.sampling import SamplingConfig
+    from decoding.strategies import StrategyConfig, build_engine
+
+    c = {"strategy": "ti-mcsd", "width": 4, "depth": 6, "temperature": 0.0} | (collect or {})
+    keys = ("strategy", "width", "depth", "k_config", "gamma")
+    scfg = StrategyConfig(**{k: c[k] for k in keys if c.get(k) is not None})
+    if scfg.strategy == "ar":
+        scfg = StrategyConfig()
+    sampling = SamplingConfig(float(c.get("temperature") or 0.0), float(c.get("top_p") or 1.0))
+    engine = build_engine(target, draft, scfg, sampling)
+    in_feed = [0.0]
+    for cached in (engine.target, engine.proposer.model):
+        def timed(*a, _feed=cached.feed, **k):
+            t = time.perf_counter()
+            try:
+                return _feed(*a, **k)
+            finally:
+                in_feed[0] += time.perf_counter() - t
+        cached.feed = timed
+    per_round = []
+    for r in range(repeats + 1):  # the first run warms up and is dropped
+        in_feed[0] = 0.0
+        _, stats = engine.generate(prompt[:64], max_new_tokens=new_tokens, seed=r)
+        if r:
+            per_round.append(1000 * max(0.0, stats.wall_s - in_feed[0]) / max(stats.rounds, 1))
+    how = (f"median over {repeats} generations of ({scfg.name}, T={sampling.temperature}, "
+           f"{new_tokens} tokens) wall time minus time in the forwards, per round")
+    return float(np.median(per_round)), how
 
 
 class ReplaySet:

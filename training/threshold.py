@@ -61,13 +61,19 @@ class ReplayConfig:
             raise ValueError("replay.grid must be a non-empty list of thresholds in [0, 1]")
 
 
-# Illustrative only (NOT measured): a 135M-class target on CPU with a ~15x cheaper draft;
-# verification of a 32-node tree ~1.4x a single-token step (DESIGN.md section 6).
+# Illustrative only (NOT measured): a 135M-class target on CPU with a ~15x cheaper draft and
+# a 32-node tree verified at ~1.4x a one-token step (the project's first bf16 trial on a CPU;
+# the measured cost model in a decider checkpoint puts it at 2-3x here, see the README's
+# benchmark section). For tests and quick runs only; results use `measure`.
 DEFAULT_COST = CostModel(target_ms=[25.0, 25.5, 26.0, 27.0, 29.5, 34.0, 42.0],
-                         draft_ms=[1.7, 1.75, 1.8, 1.9, 2.1, 2.5, 3.3])
+                         draft_ms=[1.7, 1.75, 1.8, 1.9, 2.1, 2.5, 3.3], overhead_ms=0.5,
+                         source={k: "illustrative constant (training.threshold.DEFAULT_COST), not measured"
+                                 for k in ("target_ms", "draft_ms", "overhead_ms", "policy_ms")})
 
 
-def load_cost(cfg: ReplayConfig, model_pair: dict) -> CostModel:
+def load_cost(cfg: ReplayConfig, model_pair: dict, collect: dict | None = None) -> CostModel:
+    """The replay's cost model; `collect` (the traces' collect block) picks the tree whose
+    bookkeeping `measure` times."""
     if cfg.cost_model == "default":
         return DEFAULT_COST
     if cfg.cost_model == "measure":
@@ -84,12 +90,15 @@ def load_cost(cfg: ReplayConfig, model_pair: dict) -> CostModel:
             if want and not same_model(want, fingerprint(model)):
                 raise ValueError(f"replay.{role} is not the {role} the traces were recorded with "
                                  f"({want.get('name')}): the cost model must time the same pair")
-        return calibrate(sess.target, sess.draft)
+        return calibrate(sess.target, sess.draft, collect=collect)
     p = Path(cfg.cost_model)
     try:
-        return CostModel(**json.loads(p.read_text()))
+        cost = CostModel(**json.loads(p.read_text()))
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"replay.cost_model: cannot read a CostModel from {p} ({e})") from None
+    # a file without provenance (written before CostModel.source existed) says only where it was read
+    cost.source = cost.source or {"all": f"read from {p} (no recorded source)"}
+    return cost
 
 
 @torch.inference_mode()
