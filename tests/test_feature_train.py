@@ -90,7 +90,8 @@ def test_cache_round_trips_and_is_incremental(tiny):
     assert torch.equal(row["top1"], ref["top1"][0][ref["lab_mask"][0]])
     assert torch.equal(row["lab_ids"], ref["lab_ids"][0][ref["lab_mask"][0]])
     # the labels are the target's distribution restricted to the draft vocabulary
-    full = torch.log_softmax(teacher.model(input_ids=ids).logits[0].float(), -1)
+    with torch.no_grad():
+        full = torch.log_softmax(teacher.model(input_ids=ids).logits[0].float(), -1)
     restricted = torch.log_softmax(full[:, vocab.used], -1)[ref["lab_mask"][0]]
     torch.testing.assert_close(row["lab_logp"].float(), restricted.topk(8, -1).values,
                                atol=1e-2, rtol=1e-2)
@@ -127,10 +128,10 @@ class Record(__import__("lightning").Callback):
 def test_loss_falls_and_step1_agreement_rises(tiny):
     torch.manual_seed(0)
     dm = data(tiny)
-    module = FeatureDistillModule(target=dm.target, steps=3, lr=3e-3, schedule="steps")
+    module = FeatureDistillModule(target=dm.target, steps=3, lr=1e-2, schedule="steps")
     before = trainer().validate(module, datamodule=dm, verbose=False)[0]
     rec = Record()
-    t = trainer(max_steps=60, callbacks=[rec], val_check_interval=1.0,
+    t = trainer(max_steps=80, callbacks=[rec], val_check_interval=1.0,
                 check_val_every_n_epoch=1000)
     t.fit(module, datamodule=dm)
     after = trainer().validate(module, datamodule=dm, verbose=False)[0]

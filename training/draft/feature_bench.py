@@ -34,17 +34,16 @@ def agreement(target, head, rows: list[dict], layers: list[int], steps: int = ST
     from .feature_cache import _batches, pad_batch, target_batch
     from .feature_module import shift
 
-    used = head.d2t + torch.arange(len(head.d2t))
-    t2d = head.t2d
+    used, t2d = head.used_ids, head.t2d
     hits, n, inside = torch.zeros(steps), torch.zeros(steps), 0.0
     seqs = [r["prompt_ids"] + r["completion_ids"] for r in rows]
     starts = [len(r["prompt_ids"]) - 1 for r in rows]
     for idx in _batches([len(s) for s in seqs], max_tokens):
         ids, mask = pad_batch([seqs[i] for i in idx])
         b = target_batch(target, ids, mask, torch.tensor([starts[i] for i in idx]), layers, used, 1)
-        logits = head.unroll(b["feats"], ids, mask, steps)
+        outs = head.unroll(ids, b["feats"], steps, mask)
         inside += float(t2d[b["top1"][b["lab_mask"]]].sum())
-        for j, lg in enumerate(logits):
+        for j, (lg, _) in enumerate(outs):
             m = shift(b["lab_mask"], 1 + j, False)
             top1 = shift(b["top1"], 1 + j, 0)[m]
             hits[j] += float((used[lg[m].argmax(-1)] == top1).sum())
@@ -83,6 +82,47 @@ def learning_curve(csv: Path, png: Path, steps: int = STEPS) -> list[dict]:
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     return pts
+
+
+def train_speed(module, batches: list[dict], online: bool) -> dict:
+    """Training positions/s (forward, backward, AdamW step) over the same batches, with the
+    target's states read from the cache or computed by a prefill inside each step."""
+    opt = torch.optim.AdamW(module.head.parameters(), lr=1e-5)
+    pos = secs = 0.0
+    for n, b in enumerate(batches):
+        if online:
+            b = {k: v for k, v in b.items()
+                 if k in ("input_ids", "attention_mask", "code", "label_start")}
+        t0 = time.perf_counter()
+        loss, _ = module._step(b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if n:  # the first batch warms up
+            secs += time.perf_counter() - t0
+            pos += float(b["attention_mask"].sum())
+    return {"batches": len(batches) - 1, "positions": int(pos), "positions_per_s": pos / secs}
+
+
+def speed(a) -> dict:
+    """Cached vs online feature source, same batches, this machine, --threads threads."""
+    from itertools import islice
+
+    from .feature_data import FeatureDataModule
+    from .feature_module import FeatureDistillModule
+
+    dm = FeatureDataModule(cache_root=a.cache_root, draft_vocab_size=a.vocab_size,
+                           build_cache=False)
+    dm.setup("fit")
+    module = FeatureDistillModule(steps=a.steps)
+    module.build_head(dm.layers, dm.vocab.used)
+    module.online_k = dm.k
+    batches = list(islice(iter(dm.train_dataloader()), a.batches + 1))
+    out = {"steps": a.steps, "max_tokens": dm.max_tokens, "threads": torch.get_num_threads()}
+    for name, online in (("cached", False), ("online", True)):
+        out[name] = train_speed(module, batches, online)
+        print(f"{name}: {json.dumps(out[name])}", file=sys.stderr, flush=True)
+    return out
 
 
 def load_head(a, target):
@@ -127,6 +167,10 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--ckpt", help="Lightning checkpoint of a feature-head run")
     g.add_argument("--draft", help="exported feature-head directory")
     g.add_argument("--untrained", action="store_true", help="the head as initialised")
+    g.add_argument("--speed", action="store_true",
+                   help="training positions/s, cached vs online source -> <out>/throughput.json")
+    p.add_argument("--batches", type=int, default=4, help="--speed: timed batches per source")
+    p.add_argument("--steps", type=int, default=5, help="--speed: training-time-test steps")
     p.add_argument("--vocab-size", type=int, default=8192, help="--untrained: draft vocab size")
     p.add_argument("--cache-root", default=".cache/features")
     p.add_argument("--out", default="reports/draft/feature")
@@ -138,6 +182,12 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.speed:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        res = speed(a) | {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        _write(out / "throughput.json", json.dumps(res, indent=1) + "\n")
+        return print(out / "throughput.json")
     for f in (a.ckpt, a.metrics_csv):
         if f and not Path(f).is_file():
             raise SystemExit(f"error: file not found: {f}")

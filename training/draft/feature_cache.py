@@ -76,10 +76,8 @@ def _ids_hash(prompt_ids: list[str]) -> str:
 
 def default_layers(n_layers: int) -> list[int]:
     """EAGLE-3's low / middle / high layers (2, L//2, L-3), the serving engines' default."""
-    try:
-        from decoding.feature_draft import default_aux_layers
-    except ImportError:
-        return [2, n_layers // 2, n_layers - 3] if n_layers >= 6 else [0, n_layers // 2, n_layers - 1]
+    from decoding.feature_draft import default_aux_layers
+
     return list(default_aux_layers(n_layers))
 
 
@@ -94,7 +92,7 @@ def pad_batch(seqs: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, tor
     return ids, mask
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: online training saves these for backward
 def target_batch(model, ids: torch.Tensor, mask: torch.Tensor, label_start: torch.Tensor,
                  layers: list[int], used: torch.Tensor, k: int, chunk: int = 1024) -> dict:
     """Features and soft labels of a right-padded batch, dense over positions.
@@ -105,9 +103,9 @@ def target_batch(model, ids: torch.Tensor, mask: torch.Tensor, label_start: torc
     """
     from decoding.feature_draft import capture_aux
 
-    with capture_aux(model, layers) as aux:
+    with capture_aux(model, layers) as cap:
         hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
-    feats = torch.cat([a.float() for a in aux.states()], dim=-1)
+    feats = cap.aux().float()
     b, w = ids.shape
     t = torch.arange(w)
     lab_mask = (t[None] >= label_start[:, None]) & (t[None] < mask.sum(-1, keepdim=True) - 1)
@@ -232,7 +230,7 @@ def build(corpora: list[str], root, settings: CacheSettings, teacher, max_tokens
     todo = [(c, s) for c in corpora for s in mans[c]["shards"]
             if not (shard_dir(folder, c, mans[c]) / _file(s)).exists()]
     t0, pos = time.time(), 0
-    bar = tqdm(total=len(todo), unit="shard", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=len(todo), unit="shard", disable=not (progress and todo), dynamic_ncols=True)
     for c, s in todo:
         if max_minutes is not None and time.time() - t0 > 60 * max_minutes:
             break

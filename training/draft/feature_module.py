@@ -69,6 +69,7 @@ class FeatureDistillModule(L.LightningModule):
         self.head = None  # built in setup(): its vocabulary comes from the data
         self._target: list = []  # out of the module tree: never saved, never trained
         self._progress, self.t_start = 0.0, None
+        self.layers, self.online_k = None, 32  # set from the data in setup()
 
     # --- construction ----------------------------------------------------------------------
     def target(self):
@@ -82,9 +83,11 @@ class FeatureDistillModule(L.LightningModule):
         from decoding.feature_draft import FeatureDraft, FeatureDraftConfig
 
         t = self.target()
-        cfg = FeatureDraftConfig.from_target(t.config, draft_vocab_size=len(used), aux_layers=layers,
-                                             rope_theta=self.hp["rope_theta"])
-        head = FeatureDraft(cfg)
+        self.layers = list(layers)
+        cfg = FeatureDraftConfig.from_target(t.config, draft_vocab_size=len(used), aux_layers=layers)
+        if self.hp["rope_theta"] is not None:
+            cfg.rope_theta = float(self.hp["rope_theta"])
+        head = FeatureDraft(cfg, t.get_input_embeddings().weight)
         if init:
             head.init_from_target(t, used)
         self.head = head
@@ -95,6 +98,7 @@ class FeatureDistillModule(L.LightningModule):
         if self.head is None:
             dm = self.trainer.datamodule
             self.build_head(dm.layers, dm.vocab.used)
+        self.online_k = self.trainer.datamodule.k
 
     def on_save_checkpoint(self, ckpt: dict) -> None:
         ckpt["specstop_hparams"] = self.hp  # plain JSON types: loads with weights_only=True
@@ -104,19 +108,19 @@ class FeatureDistillModule(L.LightningModule):
     def _online(self, batch: dict) -> dict:
         from .feature_cache import target_batch
 
-        dm = self.trainer.datamodule
+        used = self.head.used_ids
         out = target_batch(self.target(), batch["input_ids"], batch["attention_mask"],
-                           batch["label_start"], dm.layers, dm.vocab.used, dm.k)
+                           batch["label_start"], self.layers, used, self.online_k)
         return batch | out
 
     def _step(self, batch: dict):
         if "feats" not in batch:
             batch = self._online(batch)
-        logits = self.head.unroll(batch["feats"], batch["input_ids"], batch["attention_mask"],
-                                  self.hp["steps"])
-        t2d, used = self.head.t2d, self.head.d2t + torch.arange(len(self.head.d2t))
+        outs = self.head.unroll(batch["input_ids"], batch["feats"], self.hp["steps"],
+                                batch["attention_mask"])
+        t2d, used = self.head.t2d, self.head.used_ids
         total, per = 0.0, []
-        for j, lg in enumerate(logits):
+        for j, (lg, _) in enumerate(outs):
             loss, agree, m = step_loss(lg, batch, j, t2d, used)
             total = total + self.hp["step_decay"] ** j * loss
             per.append((loss, agree, batch["code"][:, None].expand_as(m)[m]))
