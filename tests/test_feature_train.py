@@ -172,3 +172,37 @@ def test_refuses_a_corpus_of_another_target(tiny, tmp_path):
     with pytest.raises(ValueError, match="not the loaded one"):
         build([str(tiny[1])], tmp_path / "cache", settings(), replace(teacher_of(other)),
               progress=False)
+
+
+def test_distill_dispatches_eagle3_configs_and_exports(tiny, tmp_path):
+    import json
+
+    import yaml
+
+    from training.distill import main
+
+    target, corpus, cache = tiny
+    conf = {
+        "run": {"kind": "eagle3", "name": "head", "drafts": str(tmp_path / "drafts"), "threads": 1},
+        "model": {"target": str(target), "steps": 2, "schedule": "steps"},
+        "data": {"corpora": [str(corpus)], "target": str(target), "cache_root": str(cache),
+                 "draft_vocab_size": 40, "k": 8, "layers": LAYERS, "max_prompt_tokens": 16,
+                 "max_tokens": 256, "val_percent": 20, "max_val_rows": 16},
+        "trainer": {"accelerator": "cpu", "max_steps": 3, "logger": False,
+                    "enable_progress_bar": False, "enable_model_summary": False,
+                    "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                   "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True,
+                                                 "monitor": "val/agree", "mode": "max"}}]},
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(conf))
+    main(["--config", str(path)])
+    out = tmp_path / "drafts" / "head"
+    meta = json.loads((out / "specstop_draft.json").read_text())
+    assert meta["target"] == target_fingerprint(str(target))
+    assert (out / "model.safetensors").is_file() and (tmp_path / "ckpt" / "last.ckpt").is_file()
+
+    other = make_target(tmp_path / "other", seed=5)
+    with pytest.raises(SystemExit) as e:
+        main(["--config", str(path), "--data.target", str(other), "--model.target", str(other)])
+    assert e.value.code == 2

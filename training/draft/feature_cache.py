@@ -243,7 +243,7 @@ def build(corpora: list[str], root, settings: CacheSettings, teacher, max_tokens
         d.mkdir(parents=True, exist_ok=True)
         meta = {"corpus_shard": s["file"], "prompt_ids_sha256": _ids_hash(s["prompt_ids"]),
                 "vocab_sha256": vocab.sha256()}
-        _atomic(d / _file(s), lambda p, o=out: save_file(o, str(p), metadata=meta))
+        _atomic(d / _file(s), lambda p, o=out, mt=meta: save_file(o, str(p), metadata=mt))
         pos += int(out["offsets"][-1])
         bar.set_postfix(pos_s=f"{pos / (time.time() - t0):.0f}", refresh=False)
         bar.update(1)

@@ -110,6 +110,11 @@ def _swap(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _usage(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def fit(argv: list[str] | None) -> None:
     from lightning.pytorch.cli import LightningCLI
 
@@ -128,16 +133,16 @@ def fit(argv: list[str] | None) -> None:
     run = RunConfig(**(run if isinstance(run, dict) else vars(run)))
     trainer, module, data = cli.trainer, cli.model, cli.datamodule
     if data.target != module.hp["target"]:
-        raise SystemExit("error: data.target and model.target must name the same target")
+        _usage("data.target and model.target must name the same target")
     cb = trainer.checkpoint_callback
     if cb is None or not cb.dirpath:
-        raise SystemExit("error: the config needs a ModelCheckpoint callback with a dirpath")
+        _usage("the config needs a ModelCheckpoint callback with a dirpath")
     last = Path(cb.dirpath) / "last.ckpt"
     try:
         trainer.fit(module, datamodule=data,
                     ckpt_path=str(last) if run.resume and last.exists() else None)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+    except ValueError as e:  # wrong target, nothing cached, bad settings: a config error
+        _usage(str(e))
     if not run.export or trainer.global_rank != 0:
         return
     best = cb.best_model_path or str(last)
