@@ -112,7 +112,7 @@ def speed(a) -> dict:
     from .feature_module import FeatureDistillModule
 
     dm = FeatureDataModule(cache_root=a.cache_root, draft_vocab_size=a.vocab_size,
-                           build_cache=False)
+                           build_cache=False, max_tokens=a.max_tokens)
     dm.setup("fit")
     module = FeatureDistillModule(steps=a.steps)
     module.build_head(dm.layers, dm.vocab.used)
@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="training positions/s, cached vs online source -> <out>/throughput.json")
     p.add_argument("--batches", type=int, default=4, help="--speed: timed batches per source")
     p.add_argument("--steps", type=int, default=5, help="--speed: training-time-test steps")
+    p.add_argument("--max-tokens", type=int, default=1024, help="--speed: padded positions per batch")
     p.add_argument("--vocab-size", type=int, default=8192, help="--untrained: draft vocab size")
     p.add_argument("--cache-root", default=".cache/features")
     p.add_argument("--out", default="reports/draft/feature")

@@ -188,18 +188,19 @@ def open_cache(root, target: dict, settings: CacheSettings, corpora: list[str],
                always: set[int] = frozenset()) -> tuple[Path, DraftVocab]:
     """The cache folder for (target, settings), with its vocabulary (chosen on first use)."""
     folder = cache_root(root, target, settings)
-    vfile = folder / "vocab.safetensors"
+    vfile, man = folder / "vocab.safetensors", folder / "manifest.json"
     if vfile.exists():
         used = load_file(str(vfile))["used"].long()
-        vocab = DraftVocab(used, int(target["vocab_size"]), float("nan"))
+        cover = json.loads(man.read_text()).get("vocab_coverage") if man.exists() else None
+        vocab = DraftVocab(used, int(target["vocab_size"]), cover)
     else:
         vocab = build_vocab(corpora, settings.draft_vocab_size, always)
         folder.mkdir(parents=True, exist_ok=True)
         _atomic(vfile, lambda p: save_file({"used": vocab.used}, str(p)))
-    man = folder / "manifest.json"
     if not man.exists():
         body = {"kind": MANIFEST_KIND, "version": CACHE_VERSION, "target": target,
-                "settings": asdict(settings), "vocab_sha256": vocab.sha256(), "dtype": "float32"}
+                "settings": asdict(settings), "vocab_sha256": vocab.sha256(),
+                "vocab_coverage": vocab.coverage, "dtype": "float32"}
         _atomic(man, lambda p: p.write_text(json.dumps(body, indent=1) + "\n"))
     else:
         m = json.loads(man.read_text())

@@ -25,8 +25,8 @@ class DraftVocab:
     """[N] int64 target ids, ascending."""
     target_vocab: int
     """Size of the target vocabulary."""
-    coverage: float
-    """Share of the counted tokens that fall inside the draft vocabulary."""
+    coverage: float | None
+    """Share of the counted tokens that fall inside the draft vocabulary (None: unknown)."""
 
     @property
     def d2t(self) -> torch.Tensor:
