@@ -8,6 +8,7 @@ which is fed together with the next tree, so a round costs exactly one target fo
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +62,8 @@ class SpeculativeEngine:
             t0 = time.perf_counter()
             tree = self._propose(committed, gen, anchor_p, len(committed) - n0)  # propose
             t1 = time.perf_counter()
-            logits, _ = self.target.feed(committed, tree.layout, tree.tokens, 0, tree.size)  # verify
+            with self._verifying():
+                logits, _ = self.target.feed(committed, tree.layout, tree.tokens, 0, tree.size)  # verify
             t2 = time.perf_counter()
             out = self._decide(tree, logits, gen)                                      # decide
             if self.observer is not None and tree.size:
@@ -82,6 +84,11 @@ class SpeculativeEngine:
                 break
         stats.wall_s = time.perf_counter() - t_start
         return committed[n0:], stats
+
+    def _verifying(self):
+        """A feature draft captures the target's hidden states during verification."""
+        hook = getattr(self.proposer, "verifying", None)
+        return hook() if hook is not None else nullcontext()
 
     def _propose(self, committed, gen, anchor_p, position) -> DraftTree:
         if self.proposer is None or (self.longest_branch and anchor_p is None):

@@ -135,8 +135,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
-        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        # a plain fp32 attribute, not a buffer: .to(bfloat16) must not round the RoPE frequencies
+        self.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
 
     def qkv(self, x, positions):
         """x [B, T, 2H], positions [B, T] -> q [B, nH, T, d], k / v [B, nKV, T, d] with RoPE."""
@@ -145,7 +145,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        ang = positions.float()[..., None] * self.inv_freq.float()
+        if self.inv_freq.device != x.device:
+            self.inv_freq = self.inv_freq.to(x.device)
+        ang = positions.to(x.device).float()[..., None] * self.inv_freq
         emb = torch.cat((ang, ang), dim=-1)[:, None]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
@@ -221,6 +223,15 @@ class FeatureDraft(nn.Module):
         if embed_weight is not None:
             self.attach_embeddings(embed_weight)
 
+    # identity for models.fingerprint (deciders record the pair they were fitted on)
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    @property
+    def identity_weight(self) -> torch.Tensor:
+        """The trained rows that identify this head (its embeddings are the target's)."""
+        return self.lm_head.weight
+
     # -- set-up ---------------------------------------------------------------------------
     def attach_embeddings(self, weight: torch.Tensor) -> None:
         """Use the target's token embeddings (shared, frozen, never saved)."""
@@ -287,9 +298,9 @@ class FeatureDraft(nn.Module):
         """Pre-norm h -> draft-vocabulary logits."""
         return self.lm_head(self.norm(h))
 
-    def to_target(self, logits):
-        """Draft-vocabulary logits [.., N] -> target-vocabulary [.., V], -inf outside the draft vocab."""
-        out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+    def to_target(self, logits, fill: float = float("-inf")):
+        """Draft-vocabulary logits [.., N] -> target-vocabulary [.., V], `fill` outside the draft vocab."""
+        out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), fill)
         return out.index_copy_(-1, self.used_ids, logits)
 
     def step(self, tokens, hidden, positions, cache: DraftKV | None = None, mask=None):

@@ -203,7 +203,8 @@ def fingerprint(model, name: str | None = None) -> dict:
     import json
 
     conf = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    emb = model.get_input_embeddings().weight[:512].detach().to(torch.bfloat16).float().cpu()
+    ident = getattr(model, "identity_weight", None)  # a feature draft shares the target's embeddings
+    emb = (model.get_input_embeddings().weight if ident is None else ident)[:512].detach().to(torch.bfloat16).float().cpu()
     return {
         "name": name or Path(str(getattr(model.config, "_name_or_path", "") or "model")).name,
         "config_sha256": hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode()).hexdigest(),

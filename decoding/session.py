@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from . import models
+from .feature_io import draft_kind, load_feature_draft
 from .decider import DeciderConfig, DeciderStop, load_decider, resolve_decider_dir
 from .sampling import SamplingConfig
 from .stopping import make_stop_policy
@@ -50,7 +51,9 @@ class Session:
         tok = models.load_tokenizer(tdir)
         t = models.load_model(tdir, dtype, device)
         d = None
-        if ddir is not None:
+        if ddir is not None and draft_kind(ddir) == "eagle3":  # checked against the target's fingerprint
+            d = load_feature_draft(ddir, t, dtype, device)
+        elif ddir is not None:
             d = models.load_model(ddir, dtype, device)
             models.check_pair(t, d, tok, models.load_tokenizer(ddir))
         return cls(t, d, tok, tdir, ddir)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .engine import SpeculativeEngine
+from .feature_draft import FeatureDraft
+from .feature_proposer import FeatureProposer
 from .proposers import TreeProposer
 from .sampling import SamplingConfig
 from .stopping import StopPolicy, make_stop_policy
@@ -77,8 +79,12 @@ def build_engine(target, draft, cfg: StrategyConfig, sampling: SamplingConfig,
     if draft is None:
         raise ValueError(f"strategy {cfg.strategy} needs a draft model (--draft DIR)")
     lossy = cfg.mode == "longest-branch"
-    proposer = TreeProposer(draft, layout_from_k_config(cfg.k_levels), sampling,
-                            replacement=cfg.replacement, roots_from_target=lossy)
+    if isinstance(draft, FeatureDraft):  # an EAGLE-3 head reads the target's hidden states
+        proposer = FeatureProposer(draft, target, layout_from_k_config(cfg.k_levels), sampling,
+                                   replacement=cfg.replacement, roots_from_target=lossy)
+    else:
+        proposer = TreeProposer(draft, layout_from_k_config(cfg.k_levels), sampling,
+                                replacement=cfg.replacement, roots_from_target=lossy)
     if stop is None and cfg.stop == "decider":
         raise ValueError("--stop decider needs a decider checkpoint (see Session.engine)")
     stop = stop or make_stop_policy(cfg.stop, cfg.confidence_threshold, cfg.confidence_rule)

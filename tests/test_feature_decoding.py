@@ -1,0 +1,172 @@
+"""Decoding with an EAGLE-3 feature head: greedy equality with `ar`, exact sampling, the
+draft cache rebuilt from the target's true features, checkpoint kind and target checks."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from test_engine_greedy import random_decider
+from test_feature_draft import tiny_feature_draft
+from test_sampling_exact import chi2_pvalue, exact_distribution, speculative_counts
+from decoding.feature_draft import DraftKV, capture_aux
+from decoding.feature_io import draft_kind, load_feature_draft, save_feature_draft
+from decoding.models import ModelError
+from decoding.sampling import SamplingConfig
+from decoding.strategies import StrategyConfig, build_engine
+
+GREEDY = SamplingConfig()
+N = 24
+PROMPTS = [[1, 2, 3], [5], [7, 7, 7, 7, 9, 11]]
+CASES = [
+    StrategyConfig(strategy="sd", gamma=4),
+    StrategyConfig(strategy="mcsd", k_config="3,2,1"),
+    StrategyConfig(strategy="ti-mcsd", width=3, depth=4),
+    StrategyConfig(strategy="ti-mcsd", width=2, depth=5, stop="confidence", confidence_threshold=0.5),
+    StrategyConfig(strategy="mcsd", k_config="2,2,1", stop="confidence", confidence_rule="tree",
+                   confidence_threshold=0.3),
+]
+
+
+def fit_head(target, draft_vocab=32, steps=150, seed=0):
+    """A head briefly trained (training-time test, 2 steps) on the target's own greedy text, so
+    that drafts get accepted and the accepted-path bookkeeping is really exercised."""
+    torch.manual_seed(seed)
+    prompts = torch.randint(0, target.config.vocab_size, (24, 3))
+    with torch.no_grad():
+        seqs = target.generate(prompts, max_new_tokens=N, do_sample=False, eos_token_id=None, pad_token_id=0)
+        with capture_aux(target, (0, 1, 3)) as cap:
+            teacher = target(input_ids=seqs).logits.argmax(-1)
+    used = torch.bincount(seqs.flatten(), minlength=target.config.vocab_size).argsort(descending=True)[:draft_vocab]
+    draft = tiny_feature_draft(target, draft_vocab=draft_vocab, init=False)
+    draft.init_from_target(target, used)
+    t2d_index = torch.full((target.config.vocab_size,), -1).index_put_((draft.used_ids,), torch.arange(draft_vocab))
+    opt = torch.optim.AdamW(draft.parameters(), lr=3e-3)
+    T = seqs.shape[1]
+    for _ in range(steps):
+        outs = draft.unroll(seqs, cap.aux(), 2)
+        loss = 0.0
+        for j, (logits, _) in enumerate(outs):
+            label = t2d_index[teacher[:, 1 + j:]]  # target's argmax at position t+1+j
+            loss = loss + torch.nn.functional.cross_entropy(
+                logits[:, : T - 1 - j].reshape(-1, draft_vocab), label.reshape(-1), ignore_index=-1)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return draft.eval()
+
+
+@pytest.fixture(scope="module")
+def feature_pair():
+    target = tiny_llama(0, vocab=40, layers=4, hidden=32, scale=6)
+    return target, fit_head(target)
+
+
+def ar_output(target, prompt, n=N):
+    return build_engine(target, None, StrategyConfig(strategy="ar"), GREEDY).generate(prompt, n)[0]
+
+
+@pytest.mark.parametrize("cfg", CASES, ids=lambda c: c.name)
+def test_greedy_equals_ar(feature_pair, cfg):
+    target, draft = feature_pair
+    eng = build_engine(target, draft, cfg, GREEDY)
+    accepted = 0
+    for prompt in PROMPTS:
+        out, stats = eng.generate(prompt, N)
+        assert out == ar_output(target, prompt)
+        assert stats.new_tokens == N and stats.lossless
+        accepted += stats.accepted
+    assert accepted > 0, "no draft token accepted: the accepted-path bookkeeping went untested"
+
+
+@pytest.mark.parametrize("rule,threshold", [("specdecpp", 0.5), ("tree", 0.3)])
+def test_decider_stop_is_lossless(feature_pair, rule, threshold):
+    target, draft = feature_pair
+    cfg = StrategyConfig(strategy="ti-mcsd", width=2, depth=4, stop="decider")
+    stop = random_decider(rule, threshold, kind="hidden", hidden_size=draft.config.hidden_size)
+    eng = build_engine(target, draft, cfg, GREEDY, stop=stop)
+    for prompt in PROMPTS:
+        assert eng.generate(prompt, N)[0] == ar_output(target, prompt)
+
+
+def test_longest_branch_runs(feature_pair):
+    target, draft = feature_pair
+    cfg = StrategyConfig(strategy="ti-mcsd", width=2, depth=3, mode="longest-branch")
+    out, stats = build_engine(target, draft, cfg, GREEDY).generate(PROMPTS[0], N)
+    assert len(out) == N and not stats.lossless
+
+
+def test_draft_cache_is_rebuilt_from_true_features(feature_pair):
+    """After a run, every committed entry of the head's cache equals a fresh build from the
+    target's features of the committed text (no entry computed from the head's own h)."""
+    target, draft = feature_pair
+    eng = build_engine(target, draft, StrategyConfig(strategy="mcsd", k_config="2,2,1"), GREEDY)
+    prompt = PROMPTS[0]
+    out, stats = eng.generate(prompt, N)
+    assert stats.accepted > 0, "the test needs accepted draft tokens"
+    fc = eng.proposer.model
+    seq = prompt + out
+    with torch.no_grad(), capture_aux(target, draft.config.aux_layers) as cap:
+        target(input_ids=torch.tensor([seq]))
+    n = fc.length
+    assert n >= len(seq) - 5 and len(fc.cache) == n  # the last round (<= 4 tokens) is not read back
+    ref = DraftKV()
+    with torch.no_grad():
+        draft.step(torch.tensor([seq[1: n + 1]]), draft.fuse(cap.aux()[:, :n]), torch.arange(n)[None], ref)
+    torch.testing.assert_close(fc.cache.k, ref.k, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fc.cache.v, ref.v, rtol=1e-4, atol=1e-5)
+
+
+# -- exact sampling over a tiny vocabulary (machinery of test_sampling_exact) -------------------
+SAMPLES = 4000
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    target = tiny_llama(0, vocab=6, layers=2, hidden=16, scale=3)
+    # 4 of the 6 ids: the two others reach the output only through residual resampling
+    return target, tiny_feature_draft(target, draft_vocab=4, aux=(0, 1, 1), seed=3)
+
+
+@pytest.mark.parametrize("cfg,sampling", [
+    (StrategyConfig(strategy="mcsd", k_config="2,2"), SamplingConfig(temperature=1.0)),
+    (StrategyConfig(strategy="ti-mcsd", width=2, depth=2, stop="confidence", confidence_threshold=0.3),
+     SamplingConfig(temperature=0.8, top_p=0.9)),
+], ids=["mcsd", "ti-mcsd+confidence-top-p"])
+def test_sampling_is_exact(tiny_pair, cfg, sampling):
+    target, draft = tiny_pair
+    eng = build_engine(target, draft, cfg, sampling)
+    counts, depths, _ = speculative_counts(eng, SAMPLES)
+    assert sum(v for d, v in depths.items() if d >= 1) > 0.3 * SAMPLES
+    pvalue = chi2_pvalue(counts, exact_distribution(target, sampling), SAMPLES)
+    assert pvalue > 1e-3, f"p={pvalue:.2e}"
+
+
+def test_sampling_test_catches_a_broken_rule(tiny_pair, monkeypatch):
+    from decoding import acceptance
+
+    monkeypatch.setattr(acceptance, "residual", lambda p, q: p)
+    target, draft = tiny_pair
+    sampling = SamplingConfig(temperature=1.0)
+    eng = build_engine(target, draft, StrategyConfig(strategy="mcsd", k_config="2,2"), sampling)
+    counts, _, _ = speculative_counts(eng, SAMPLES)
+    assert chi2_pvalue(counts, exact_distribution(target, sampling), SAMPLES) < 1e-6
+
+
+# -- checkpoint ----------------------------------------------------------------------------------
+def test_checkpoint_roundtrip_and_refusal(feature_pair, tmp_path):
+    target, draft = feature_pair
+    out = save_feature_draft(draft, tmp_path / "head", target, {"note": "test"})
+    assert draft_kind(out) == "eagle3" and draft_kind(tmp_path) == "model"
+    back = load_feature_draft(out, target)
+    ids, aux = torch.randint(0, 40, (1, 5)), torch.randn(1, 5, 96)
+    with torch.no_grad():
+        torch.testing.assert_close(back.unroll(ids, aux, 2)[1][0], draft.unroll(ids, aux, 2)[1][0], rtol=0, atol=0)
+    other = tiny_llama(5, vocab=40, layers=4, hidden=32)
+    with pytest.raises(ModelError, match="only fits its own target"):
+        load_feature_draft(out, other)
+    marker = json.loads((out / "specstop_draft.json").read_text())
+    (out / "specstop_draft.json").write_text(json.dumps({**marker, "draft_kind": "medusa"}))
+    with pytest.raises(ModelError, match="unknown draft_kind"):
+        draft_kind(out)
