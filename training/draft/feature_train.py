@@ -54,60 +54,10 @@ def load_feature_module(ckpt) -> FeatureDistillModule:
 
 
 def export(module: FeatureDistillModule, out: Path, meta: dict) -> Path:
-    """specstop's own checkpoint: decoding.feature_io's writer when it exists, else a minimal
-    one (config.json = the head's config, model.safetensors, specstop_draft.json, the
-    target's tokenizer files), written to a temp dir and swapped in."""
-    head = module.head.float().eval()
-    try:
-        from decoding import feature_io
-    except ImportError:
-        feature_io = None
-    if feature_io is not None and hasattr(feature_io, "save_feature_draft"):
-        return feature_io.save_feature_draft(head, out, meta)
-    import json
-    import tempfile
+    """specstop's own feature-draft checkpoint (decoding.feature_io: atomic, target-pinned)."""
+    from decoding import feature_io
 
-    from safetensors.torch import save_file
-
-    from decoding.models import resolve_model_dir
-
-    from ..distill import METADATA, TOKENIZER_FILES
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
-        (tmp / "config.json").write_text(json.dumps(
-            {"model_type": "specstop_feature_draft"} | head.config.to_dict(), indent=1) + "\n")
-        save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(tmp / "model.safetensors"))
-        tok = resolve_model_dir(module.hp["target"])
-        for f in TOKENIZER_FILES:
-            if (tok / f).exists():
-                (tmp / f).write_bytes((tok / f).read_bytes())
-        (tmp / METADATA).write_text(json.dumps({"kind": "specstop-feature-draft", "schema_version": 1}
-                                               | meta, indent=1) + "\n")
-        _swap(tmp, out)
-    except BaseException:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
-def _swap(tmp: Path, out: Path) -> None:
-    import os
-    import shutil
-
-    os.chmod(tmp, 0o755)
-    for f in tmp.rglob("*"):
-        os.chmod(f, 0o644)
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    return feature_io.save_feature_draft(module.head.float().eval(), out, module.target(), meta)
 
 
 def _usage(msg: str) -> None:
@@ -146,7 +96,8 @@ def fit(argv: list[str] | None) -> None:
     if not run.export or trainer.global_rank != 0:
         return
     best = cb.best_model_path or str(last)
-    meta = {"target": target_fingerprint(module.hp["target"]),
+    # feature_io records the target's models.fingerprint; the corpus identity goes beside it
+    meta = {"corpus_target": target_fingerprint(module.hp["target"]),
             "data": {"corpora": data.corpora, "train_positions": data.positions(),
                      "vocab_sha256": data.vocab.sha256(), "vocab_coverage": data.vocab.coverage},
             "training": module.hp | {"checkpoint": _relative(best)},
