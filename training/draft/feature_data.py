@@ -6,6 +6,8 @@ only and the module runs the target's prefill inside the training step. Batches 
 `max_tokens` padded positions (rows of similar length together, batches shuffled, new
 batches every epoch). Validation is a fixed slice of the first corpus, chosen by a hash of the
 prompt id (stable as the corpus grows, never trained on); extra corpora train only.
+The rows are fixed at setup: shards cached later (a cache job beside) join at the next run,
+which resumes from last.ckpt.
 """
 
 from __future__ import annotations
