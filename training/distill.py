@@ -214,6 +214,16 @@ def _peek_threads(argv: list[str]) -> int | None:
     return None
 
 
+def _peek_kind(argv: list[str]) -> str | None:
+    """run.kind of the --config file (eagle3 = the feature head's trainer)."""
+    import yaml
+
+    for i, a in enumerate(argv):
+        if a == "--config" and i + 1 < len(argv) and Path(argv[i + 1]).is_file():
+            return ((yaml.safe_load(Path(argv[i + 1]).read_text()) or {}).get("run") or {}).get("kind")
+    return None
+
+
 def export_main(argv: list[str]) -> None:
     import argparse
 
@@ -235,6 +245,10 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["export"]:
         export_main(args[1:])
+    elif _peek_kind(args) == "eagle3":  # the feature head: training/draft/feature_train.py
+        from .draft.feature_train import fit as fit_feature
+
+        fit_feature(argv)
     else:
         fit(argv)  # None: LightningCLI reads sys.argv itself
 

@@ -1,0 +1,212 @@
+"""Training the feature (EAGLE-3) head on a tiny random target: cache, loss, resume, refusal."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from distill_fixtures import EOS, PAD, V, tiny_tokenizer, trainer
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from decoding.models import load_model
+from training.corpus import CorpusConfig, Prompt, Teacher, build_corpus
+from training.distill import target_fingerprint
+from training.draft.feature_cache import CacheSettings, ShardReader, build, cached, target_batch
+from training.draft.feature_data import FeatureDataModule
+from training.draft.feature_module import FeatureDistillModule
+
+LAYERS = [0, 1, 3]
+
+
+def make_target(out: Path, seed: int = 0) -> Path:
+    """A tiny, sharp random 4-layer Llama (three distinct aux layers) with a tokenizer."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                      bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.model.norm.weight.mul_(4)  # sharp next-token distributions: a learnable target
+    model.save_pretrained(out)
+    tiny_tokenizer(out)
+    return out
+
+
+def teacher_of(target: Path) -> Teacher:
+    model = load_model(target)
+    return Teacher(model, lambda t: [1] + [3 + ord(c) % 60 for c in t], [EOS], PAD,
+                   target_fingerprint(str(target)))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(target dir, corpus dir, cache root) for the whole module."""
+    root = tmp_path_factory.mktemp("feature")
+    target = make_target(root / "target")
+    prompts = [Prompt(f"p{i}", "code" if i % 3 else "general", "train", "abcde"[i % 5] * (1 + i % 4))
+               for i in range(64)]
+    build_corpus(CorpusConfig(out=str(root / "corpus"), dtype="float32", batch_size=8,
+                              shard_size=16, max_new_tokens=24, temperature=1.0),
+                 teacher_of(target), prompts, progress=False)
+    return target, root / "corpus", root / "cache"
+
+
+def settings() -> CacheSettings:
+    return CacheSettings(LAYERS, draft_vocab_size=40, k=8, max_prompt_tokens=16)
+
+
+def data(tiny, **kw) -> FeatureDataModule:
+    target, corpus, cache = tiny
+    args = dict(corpora=[str(corpus)], target=str(target), cache_root=str(cache),
+                draft_vocab_size=40, k=8, layers=LAYERS, max_prompt_tokens=16, max_tokens=256,
+                val_percent=20, max_val_rows=16)
+    return FeatureDataModule(**(args | kw))
+
+
+def test_cache_round_trips_and_is_incremental(tiny):
+    target, corpus, cache = tiny
+    teacher = teacher_of(target)
+    folder, vocab = build([str(corpus)], cache, settings(), teacher, progress=False)
+    assert len(vocab.used) == 40 and int(vocab.t2d.sum()) == 40
+    assert torch.equal(vocab.d2t + torch.arange(40), vocab.used)
+    assert EOS in vocab.used.tolist()
+    from training.corpus import read_manifest
+
+    m = read_manifest(corpus)
+    files = cached(folder, corpus, m)
+    assert len(files) == len(m["shards"])
+    stamps = [p.stat().st_mtime_ns for _, p in files]
+    build([str(corpus)], cache, settings(), teacher, progress=False)  # nothing left to do
+    assert [p.stat().st_mtime_ns for _, p in files] == stamps
+
+    shard, path = files[1]
+    row = ShardReader(path, shard, vocab.sha256()).row(3)
+    ids = row["ids"][None]
+    ref = target_batch(teacher.model, ids, torch.ones_like(ids), torch.tensor([row["label_start"]]),
+                       LAYERS, vocab.used, 8)
+    torch.testing.assert_close(row["feats"].float(), ref["feats"][0], atol=2e-2, rtol=1e-2)
+    assert torch.equal(row["top1"], ref["top1"][0][ref["lab_mask"][0]])
+    assert torch.equal(row["lab_ids"], ref["lab_ids"][0][ref["lab_mask"][0]])
+    # the labels are the target's distribution restricted to the draft vocabulary
+    with torch.no_grad():
+        full = torch.log_softmax(teacher.model(input_ids=ids).logits[0].float(), -1)
+    restricted = torch.log_softmax(full[:, vocab.used], -1)[ref["lab_mask"][0]]
+    torch.testing.assert_close(row["lab_logp"].float(), restricted.topk(8, -1).values,
+                               atol=1e-2, rtol=1e-2)
+
+
+def test_online_batch_equals_cached_batch(tiny):
+    cached_dm, online_dm = data(tiny), data(tiny, source="online")
+    for dm in (cached_dm, online_dm):
+        dm.prepare_data()
+        dm.setup("fit")
+    assert torch.equal(cached_dm.vocab.used, online_dm.vocab.used)
+    a = next(iter(cached_dm.val_dataloader()))
+    b = next(iter(online_dm.val_dataloader()))
+    assert torch.equal(a["input_ids"], b["input_ids"])
+    module = FeatureDistillModule(target=cached_dm.target)
+    module._target.append(load_model(cached_dm.target))
+    ref = target_batch(module.target(), b["input_ids"], b["attention_mask"], b["label_start"],
+                       LAYERS, online_dm.vocab.used, 8)
+    assert torch.equal(ref["lab_mask"], a["lab_mask"])
+    assert torch.equal(ref["top1"][ref["lab_mask"]], a["top1"][a["lab_mask"]])
+    torch.testing.assert_close(ref["feats"] * a["attention_mask"][..., None], a["feats"],
+                               atol=2e-2, rtol=1e-2)
+
+
+class Record(__import__("lightning").Callback):
+    def __init__(self):
+        self.losses, self.steps = [], []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, idx):
+        self.losses.append(float(outputs["loss"]))
+        self.steps.append(trainer.global_step)
+
+
+def test_loss_falls_and_step1_agreement_rises(tiny):
+    torch.manual_seed(0)
+    dm = data(tiny)
+    module = FeatureDistillModule(target=dm.target, steps=3, lr=1e-2, schedule="steps")
+    before = trainer().validate(module, datamodule=dm, verbose=False)[0]
+    rec = Record()
+    t = trainer(max_steps=80, callbacks=[rec], val_check_interval=1.0,
+                check_val_every_n_epoch=1000)
+    t.fit(module, datamodule=dm)
+    after = trainer().validate(module, datamodule=dm, verbose=False)[0]
+    first, last = sum(rec.losses[:5]) / 5, sum(rec.losses[-5:]) / 5
+    assert last < 0.8 * first
+    assert after["val/agree_1"] > before["val/agree_1"] + 0.1
+    assert {"val/agree_2", "val/agree_3", "val/agree_1_code", "val/agree_1_general"} <= set(after)
+
+
+def test_resume_continues_the_step_count(tiny, tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(max_steps, ckpt=None):
+        rec = Record()
+        cb = ModelCheckpoint(dirpath=tmp_path, save_last=True, enable_version_counter=False)
+        t = trainer(max_steps=max_steps, callbacks=[rec, cb], enable_checkpointing=True,
+                    limit_val_batches=0)
+        m = FeatureDistillModule(target=str(tiny[0]), steps=2, schedule="steps")
+        t.fit(m, datamodule=data(tiny), ckpt_path=ckpt)
+        return rec, t
+
+    run(4)
+    assert (tmp_path / "last.ckpt").is_file()
+    rec, t = run(8, str(tmp_path / "last.ckpt"))
+    assert rec.steps[0] == 5 and t.global_step == 8
+
+    from training.draft.feature_train import load_feature_module
+
+    m = load_feature_module(tmp_path / "last.ckpt")
+    assert m.head is not None and m.hp["steps"] == 2
+
+
+def test_refuses_a_corpus_of_another_target(tiny, tmp_path):
+    other = make_target(tmp_path / "other", seed=5)
+    dm = data(tiny, target=str(other), cache_root=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="written for target"):
+        dm.setup("fit")
+    with pytest.raises(ValueError, match="not the loaded one"):
+        build([str(tiny[1])], tmp_path / "cache", settings(), replace(teacher_of(other)),
+              progress=False)
+
+
+def test_distill_dispatches_eagle3_configs_and_exports(tiny, tmp_path):
+    import json
+
+    import yaml
+
+    from training.distill import main
+
+    target, corpus, cache = tiny
+    conf = {
+        "run": {"kind": "eagle3", "name": "head", "drafts": str(tmp_path / "drafts"), "threads": 1},
+        "model": {"target": str(target), "steps": 2, "schedule": "steps"},
+        "data": {"corpora": [str(corpus)], "target": str(target), "cache_root": str(cache),
+                 "draft_vocab_size": 40, "k": 8, "layers": LAYERS, "max_prompt_tokens": 16,
+                 "max_tokens": 256, "val_percent": 20, "max_val_rows": 16},
+        "trainer": {"accelerator": "cpu", "max_steps": 3, "logger": False,
+                    "enable_progress_bar": False, "enable_model_summary": False,
+                    "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                   "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True,
+                                                 "monitor": "val/agree", "mode": "max"}}]},
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(conf))
+    main(["--config", str(path)])
+    out = tmp_path / "drafts" / "head"
+    meta = json.loads((out / "specstop_draft.json").read_text())
+    assert meta["draft_kind"] == "eagle3" and meta["corpus_target"] == target_fingerprint(str(target))
+    assert (tmp_path / "ckpt" / "last.ckpt").is_file()
+    from decoding.feature_io import load_feature_draft
+
+    head = load_feature_draft(out, load_model(target))  # loads back for its own target
+    assert head.config.aux_layers == tuple(LAYERS) and head.config.draft_vocab_size == 40
+
+    other = make_target(tmp_path / "other", seed=5)
+    with pytest.raises(SystemExit) as e:
+        main(["--config", str(path), "--data.target", str(other), "--model.target", str(other)])
+    assert e.value.code == 2

@@ -1,0 +1,1 @@
+"""The feature-level (EAGLE-3) draft stage: vocabulary, feature cache, training, evaluation."""

@@ -1,0 +1,216 @@
+"""Teacher-forced agreement of a feature (EAGLE-3) head on held-out prompts, steps 1..4.
+
+    python -m training.draft.feature_bench --ckpt runs/distill/smollm2-135m-eagle3/checkpoints/best.ckpt
+    python -m training.draft.feature_bench --draft checkpoints/drafts/smollm2-135m-eagle3
+    python -m training.draft.feature_bench --untrained      # the head as initialised from the target
+
+On target continuations of the first --prompts held-out prompts per kind (general, code;
+written once with the corpus settings and cached under .cache/eval_corpus/, as
+training.distill_eval does): step j's top-1 at position t (true tokens, the head's own
+features from step 2 on, as in training-time test) against the target's full-vocabulary
+argmax for token t+1+j. Also the share of those argmaxes inside the draft vocabulary (the
+ceiling). fp32 target and head. Writes <out>/eval.json and, with --metrics-csv (the run's
+CSVLogger file), <out>/learning_curve.png (validation agreement per step vs minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+STEPS = 4
+
+
+@torch.inference_mode()
+def agreement(target, head, rows: list[dict], layers: list[int], steps: int = STEPS,
+              max_tokens: int = 2048) -> dict:
+    """Per-step top-1 agreement over every completion token of the rows."""
+    from .feature_cache import _batches, pad_batch, target_batch
+    from .feature_module import shift
+
+    used, t2d = head.used_ids, head.t2d
+    hits, n, inside = torch.zeros(steps), torch.zeros(steps), 0.0
+    seqs = [r["prompt_ids"] + r["completion_ids"] for r in rows]
+    starts = [len(r["prompt_ids"]) - 1 for r in rows]
+    for idx in _batches([len(s) for s in seqs], max_tokens):
+        ids, mask = pad_batch([seqs[i] for i in idx])
+        b = target_batch(target, ids, mask, torch.tensor([starts[i] for i in idx]), layers, used, 1)
+        outs = head.unroll(ids, b["feats"], steps, mask)
+        inside += float(t2d[b["top1"][b["lab_mask"]]].sum())
+        for j, (lg, _) in enumerate(outs):
+            m = shift(b["lab_mask"], 1 + j, False)
+            top1 = shift(b["top1"], 1 + j, 0)[m]
+            hits[j] += float((used[lg[m].argmax(-1)] == top1).sum())
+            n[j] += int(m.sum())
+    return {"positions": int(n[0]), "target_top1_in_draft_vocab": inside / max(1, int(n[0])),
+            **{f"agree_step{j + 1}": float(hits[j] / n[j].clamp_min(1)) for j in range(steps)}}
+
+
+def learning_curve(csv: Path, png: Path, steps: int = STEPS) -> list[dict]:
+    """Validation agreement of steps 1..steps vs training minutes, from a run's metrics.csv."""
+    import pandas as pd
+
+    df = pd.read_csv(csv)
+    if "val/agree_1" not in df:
+        return []
+    v = df[df["val/agree_1"].notna()]
+    cols = ["step", "train_minutes"] + [c for j in range(1, steps + 1)
+                                         for c in (f"val/agree_{j}", f"val/agree_{j}_general",
+                                                   f"val/agree_{j}_code") if c in v]
+    pts = [{k: float(x) for k, x in r.items()} for r in v[cols].to_dict("records")]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for j in range(1, steps + 1):
+        if f"val/agree_{j}" in v:
+            ax.plot([p["train_minutes"] for p in pts], [p[f"val/agree_{j}"] for p in pts],
+                    marker="o", ms=3, label=f"step {j}")
+    ax.set_xlabel("training wall-clock minutes (shared 2-core CPU)")
+    ax.set_ylabel("top-1 agreement (validation slice of the corpus)")
+    ax.axhline(0.75, ls="--", c="grey", lw=1, label="goal step 1: 0.75")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    return pts
+
+
+def train_speed(module, batches: list[dict], online: bool) -> dict:
+    """Training positions/s (forward, backward, AdamW step) over the same batches, with the
+    target's states read from the cache or computed by a prefill inside each step."""
+    opt = torch.optim.AdamW(module.head.parameters(), lr=1e-5)
+    pos = secs = 0.0
+    for n, b in enumerate(batches):
+        if online:
+            b = {k: v for k, v in b.items()
+                 if k in ("input_ids", "attention_mask", "code", "label_start")}
+        t0 = time.perf_counter()
+        loss, _ = module._step(b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if n:  # the first batch warms up
+            secs += time.perf_counter() - t0
+            pos += float(b["attention_mask"].sum())
+    return {"batches": len(batches) - 1, "positions": int(pos), "positions_per_s": pos / secs}
+
+
+def speed(a) -> dict:
+    """Cached vs online feature source, same batches, this machine, --threads threads."""
+    from itertools import islice
+
+    from .feature_data import FeatureDataModule
+    from .feature_module import FeatureDistillModule
+
+    dm = FeatureDataModule(cache_root=a.cache_root, draft_vocab_size=a.vocab_size,
+                           build_cache=False, max_tokens=a.max_tokens)
+    dm.setup("fit")
+    module = FeatureDistillModule(steps=a.steps)
+    module.build_head(dm.layers, dm.vocab.used)
+    module.online_k = dm.k
+    batches = list(islice(iter(dm.train_dataloader()), a.batches + 1))
+    out = {"steps": a.steps, "max_tokens": dm.max_tokens, "threads": torch.get_num_threads()}
+    for name, online in (("cached", False), ("online", True)):
+        out[name] = train_speed(module, batches, online)
+        print(f"{name}: {json.dumps(out[name])}", file=sys.stderr, flush=True)
+    return out
+
+
+def load_head(a, target):
+    """The head to measure: a Lightning checkpoint, an exported directory, or untrained."""
+    if a.ckpt:
+        from .feature_train import load_feature_module
+
+        m = load_feature_module(a.ckpt)
+        return m.head.float().eval(), list(m.head.config.aux_layers)
+    if a.draft:
+        from decoding import feature_io
+
+        head = feature_io.load_feature_draft(a.draft, target)
+        return head.float().eval(), list(head.config.aux_layers)
+    from .feature_cache import CacheSettings, default_layers, open_cache
+    from .feature_module import FeatureDistillModule
+    from ..distill import target_fingerprint
+
+    layers = default_layers(target.config.num_hidden_layers)
+    s = CacheSettings(layers, a.vocab_size, 32, 256)
+    _, vocab = open_cache(a.cache_root, target_fingerprint(None), s,
+                          ["data/corpus", "data/corpus-onpolicy"])
+    m = FeatureDistillModule()
+    m._target.append(target)
+    return m.build_head(layers, vocab.used).float().eval(), layers
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from decoding.models import ModelError, load_model
+
+    from ..distill_eval import KINDS, eval_corpus
+
+    p = argparse.ArgumentParser(prog="python -m training.draft.feature_bench",
+                                description=__doc__.split("\n")[0])
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--ckpt", help="Lightning checkpoint of a feature-head run")
+    g.add_argument("--draft", help="exported feature-head directory")
+    g.add_argument("--untrained", action="store_true", help="the head as initialised")
+    g.add_argument("--speed", action="store_true",
+                   help="training positions/s, cached vs online source -> <out>/throughput.json")
+    p.add_argument("--batches", type=int, default=4, help="--speed: timed batches per source")
+    p.add_argument("--steps", type=int, default=5, help="--speed: training-time-test steps")
+    p.add_argument("--max-tokens", type=int, default=1024, help="--speed: padded positions per batch")
+    p.add_argument("--vocab-size", type=int, default=8192, help="--untrained: draft vocab size")
+    p.add_argument("--cache-root", default=".cache/features")
+    p.add_argument("--out", default="reports/draft/feature")
+    p.add_argument("--name", default="eval", help="writes <out>/<name>.json")
+    p.add_argument("--prompts", type=int, default=16, help="held-out prompts per kind")
+    p.add_argument("--metrics-csv", default=None, help="the run's metrics.csv (learning curve)")
+    p.add_argument("--eval-cache", default=".cache/eval_corpus")
+    p.add_argument("--threads", type=int, default=None)
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if a.speed:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        res = speed(a) | {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        _write(out / "throughput.json", json.dumps(res, indent=1) + "\n")
+        return print(out / "throughput.json")
+    for f in (a.ckpt, a.metrics_csv):
+        if f and not Path(f).is_file():
+            raise SystemExit(f"error: file not found: {f}")
+    try:
+        target = load_model(None, "float32")
+        head, layers = load_head(a, target)
+    except (ModelError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res = {"head": a.ckpt or a.draft or "untrained", "dtype": "float32", "layers": layers,
+           "threads": torch.get_num_threads(),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "teacher_forced": {}}
+    for kind in KINDS:
+        rows = eval_corpus(kind, a.prompts, Path(a.eval_cache), "bfloat16")
+        res["teacher_forced"][kind] = {"prompts": len(rows)} | agreement(target, head, rows, layers)
+        print(f"{kind}: {json.dumps(res['teacher_forced'][kind])}", file=sys.stderr, flush=True)
+    if a.metrics_csv:
+        res["learning_curve"] = learning_curve(Path(a.metrics_csv), out / "learning_curve.png")
+    _write(out / f"{a.name}.json", json.dumps(res, indent=1) + "\n")
+    print(out / f"{a.name}.json")
+
+
+if __name__ == "__main__":
+    main()

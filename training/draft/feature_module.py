@@ -1,0 +1,197 @@
+"""LightningModule training the feature (EAGLE-3) head with training-time test.
+
+Step j (0-based) of the unroll, at position t, reads the token t+1+j and (j = 0) the target's
+fused three-layer state at t, or (j > 0) the head's own pre-norm output of step j-1, and
+predicts the token t+2+j: its label is the target's distribution at position t+1+j,
+restricted to the draft vocabulary (top-k soft labels). Loss = sum_j decay^j * soft
+cross-entropy, masked where the target's argmax is outside the draft vocabulary. Logged per
+step: top-1 agreement with the target's full-vocabulary argmax (train and validation,
+general / code), which is the teacher-forced agreement of draft step j+1.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+
+def shift(x: torch.Tensor, n: int, fill) -> torch.Tensor:
+    """x[:, t + n] at position t (dim 1), `fill` past the end."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def step_loss(logits: torch.Tensor, batch: dict, j: int, t2d: torch.Tensor,
+              used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(soft CE mean, per-position agreement [n], their mask over the batch) for step j."""
+    m = shift(batch["lab_mask"], 1 + j, False)
+    top1 = shift(batch["top1"], 1 + j, 0)[m]
+    lq = F.log_softmax(logits[m].float(), -1)
+    ids, lp = shift(batch["lab_ids"], 1 + j, 0)[m], shift(batch["lab_logp"], 1 + j, float("-inf"))[m]
+    inside = t2d[top1]
+    ce = -(lp.exp() * lq.gather(1, ids)).sum(-1)
+    loss = (ce * inside).sum() / inside.sum().clamp_min(1)
+    agree = (used[lq.argmax(-1)] == top1).float()
+    return loss, agree, m
+
+
+class FeatureDistillModule(L.LightningModule):
+    def __init__(self, target: str | None = None, steps: int = 5, step_decay: float = 0.8,
+                 lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.95),
+                 weight_decay: float = 0.0, warmup_ratio: float = 0.015, min_lr_ratio: float = 0.1,
+                 schedule: str = "time", rope_theta: float | None = None):
+        """Args:
+            target: target model dir (None = embedded SmolLM2): the head's shapes, frozen
+                embedding, initial weights and (source online) the prefill.
+            steps: training-time-test unroll depth (EAGLE-3: 7; 3-7 is the useful range).
+            step_decay: weight of step j is step_decay ** j.
+            lr, betas, weight_decay: AdamW.
+            warmup_ratio: linear warm-up over this share of the schedule.
+            min_lr_ratio: cosine floor (share of lr).
+            schedule: time (cosine over the share of trainer.max_time spent: a time-boxed run
+                ends at the floor, also after a resume) | steps (over the estimated steps).
+            rope_theta: RoPE base of the head (None: the target's own); recorded on export.
+        """
+        super().__init__()
+        if not 1 <= steps <= 16:
+            raise ValueError(f"steps must be in 1..16 (got {steps})")
+        if schedule not in ("time", "steps"):
+            raise ValueError(f"schedule must be time or steps (got {schedule!r})")
+        self.hp = {"target": target, "steps": steps, "step_decay": step_decay, "lr": lr,
+                   "betas": list(betas), "weight_decay": weight_decay, "warmup_ratio": warmup_ratio,
+                   "min_lr_ratio": min_lr_ratio, "schedule": schedule, "rope_theta": rope_theta}
+        self.head = None  # built in setup(): its vocabulary comes from the data
+        self._target: list = []  # out of the module tree: never saved, never trained
+        self._progress, self.t_start = 0.0, None
+        self.layers, self.online_k = None, 32  # set from the data in setup()
+
+    # --- construction ----------------------------------------------------------------------
+    def target(self):
+        if not self._target:
+            from decoding.models import load_model
+
+            self._target.append(load_model(self.hp["target"], "float32").requires_grad_(False))
+        return self._target[0]
+
+    def build_head(self, layers: list[int], used: torch.Tensor, init: bool = True):
+        from decoding.feature_draft import FeatureDraft, FeatureDraftConfig
+
+        t = self.target()
+        self.layers = list(layers)
+        cfg = FeatureDraftConfig.from_target(t.config, draft_vocab_size=len(used), aux_layers=layers)
+        if self.hp["rope_theta"] is not None:
+            cfg.rope_theta = float(self.hp["rope_theta"])
+        head = FeatureDraft(cfg, t.get_input_embeddings().weight)
+        if init:
+            head.init_from_target(t, used)
+        self.head = head
+        self.hp["head"] = cfg.to_dict()
+        return head
+
+    def setup(self, stage: str) -> None:
+        if self.head is None:
+            dm = self.trainer.datamodule
+            self.build_head(dm.layers, dm.vocab.used)
+        self.online_k = self.trainer.datamodule.k
+
+    def on_save_checkpoint(self, ckpt: dict) -> None:
+        ckpt["specstop_hparams"] = self.hp  # plain JSON types: loads with weights_only=True
+
+    # --- loss ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _online(self, batch: dict) -> dict:
+        from .feature_cache import target_batch
+
+        used = self.head.used_ids
+        out = target_batch(self.target(), batch["input_ids"], batch["attention_mask"],
+                           batch["label_start"], self.layers, used, self.online_k)
+        return batch | out
+
+    def _step(self, batch: dict):
+        if "feats" not in batch:
+            batch = self._online(batch)
+        outs = self.head.unroll(batch["input_ids"], batch["feats"], self.hp["steps"],
+                                batch["attention_mask"])
+        t2d, used = self.head.t2d, self.head.used_ids
+        total, per = 0.0, []
+        for j, (lg, _) in enumerate(outs):
+            loss, agree, m = step_loss(lg, batch, j, t2d, used)
+            total = total + self.hp["step_decay"] ** j * loss
+            per.append((loss, agree, batch["code"][:, None].expand_as(m)[m]))
+        return total, per
+
+    def training_step(self, batch: dict, idx: int):
+        if self.t_start is None:
+            self.t_start = time.time()
+        loss, per = self._step(batch)
+        n = int(batch["lab_mask"].sum()) if "lab_mask" in batch else None
+        self.log("train/loss", loss, prog_bar=True, batch_size=n)
+        for j, (_, agree, _) in enumerate(per):
+            self.log(f"train/agree_{j + 1}", agree.mean(), prog_bar=j == 0, batch_size=len(agree))
+        self.log("train/positions", float(batch["attention_mask"].sum()), reduce_fx="sum")
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        # [step, kind (code, general), (positions, agree sum, loss sum)]
+        self._val = torch.zeros(self.hp["steps"], 2, 3, dtype=torch.float64)
+
+    def validation_step(self, batch: dict, idx: int) -> None:
+        _, per = self._step(batch)
+        for j, (loss, agree, code) in enumerate(per):
+            for c, sel in enumerate((code, ~code)):
+                self._val[j, c] += torch.tensor([float(sel.sum()), float(agree[sel].sum()),
+                                                 float(loss) * float(sel.sum())], dtype=torch.float64)
+
+    def on_validation_epoch_end(self) -> None:
+        tot = self.trainer.strategy.reduce(self._val.to(self.device), reduce_op="sum").cpu()
+        out = {}
+        for j in range(self.hp["steps"]):
+            both = tot[j].sum(0)
+            out[f"val/agree_{j + 1}"] = both[1] / both[0].clamp_min(1)
+            out[f"val/loss_{j + 1}"] = both[2] / both[0].clamp_min(1)
+            for c, name in enumerate(("code", "general")):
+                out[f"val/agree_{j + 1}_{name}"] = tot[j, c, 1] / tot[j, c, 0].clamp_min(1)
+        out["val/agree"] = out["val/agree_1"]  # the checkpoint monitor
+        timer = self._timer()
+        secs = timer.time_elapsed("train") if timer is not None else (
+            0.0 if self.t_start is None else time.time() - self.t_start)
+        out["train_minutes"] = torch.tensor(secs / 60)
+        for k, v in out.items():
+            self.log(k, v.float(), prog_bar=k == "val/agree")
+
+    # --- optimiser -------------------------------------------------------------------------
+    def _timer(self):
+        from lightning.pytorch.callbacks import Timer
+
+        timer = next((c for c in self.trainer.callbacks if isinstance(c, Timer)), None)
+        return timer if timer is not None and timer._duration else None
+
+    def on_train_batch_start(self, batch, idx: int) -> None:
+        timer = self._timer() if self.hp["schedule"] == "time" else None
+        if timer is not None:
+            frac = (timer.time_elapsed("train") or 0.0) / timer._duration
+            self._progress = float(self.trainer.strategy.broadcast(frac, src=0))
+
+    def configure_optimizers(self):
+        params = [p for p in self.head.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=self.hp["lr"], betas=tuple(self.hp["betas"]),
+                                weight_decay=self.hp["weight_decay"])
+        timed = self.hp["schedule"] == "time" and self._timer() is not None
+        total = 1 if timed else max(1, int(self.trainer.estimated_stepping_batches))
+        warm_frac, floor = self.hp["warmup_ratio"], self.hp["min_lr_ratio"]
+
+        def factor(step: int) -> float:
+            frac = min(1.0, self._progress) if timed else min(1.0, step / total)
+            if frac < warm_frac:
+                return max(frac / warm_frac, 1e-3)
+            frac = (frac - warm_frac) / max(1e-9, 1 - warm_frac)
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -1,0 +1,106 @@
+"""Train the feature (EAGLE-3) head and export it: what `python -m training.distill` runs for a
+config whose `run.kind` is eagle3 (configs/distill_eagle3.yaml).
+
+    python -m training.distill --config configs/distill_eagle3.yaml [--trainer.max_time ...]
+
+LightningCLI (any --trainer.*, --model.*, --data.* override). It resumes from the run's
+last.ckpt (the ModelCheckpoint dirpath, e.g. runs/distill/<name>/checkpoints/, git-ignored)
+when one exists, stops at trainer.max_time and exports the best checkpoint (highest
+validation step-1 agreement) to `<run.drafts>/<run.name>/` in specstop's own format.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .feature_data import FeatureDataModule
+from .feature_module import FeatureDistillModule
+
+
+@dataclass
+class RunConfig:
+    kind: str = "eagle3"
+    """Which trainer training.distill dispatches to (this one: eagle3)."""
+    name: str = "smollm2-135m-eagle3"
+    """Exported head name: <drafts>/<name>/."""
+    drafts: str = "checkpoints/drafts"
+    """Where the exported directory goes."""
+    export: bool = True
+    """Export the best checkpoint after fit."""
+    resume: bool = True
+    """Continue from <checkpoint dirpath>/last.ckpt when it exists."""
+    threads: int | None = None
+    """torch intra-op threads (None = torch's default)."""
+
+
+def load_feature_module(ckpt) -> FeatureDistillModule:
+    """Rebuild the module from a checkpoint, reading only tensors and plain types (the head's
+    token embeddings are the target's: loaded from model.target, never stored)."""
+    from decoding.feature_draft import FeatureDraft, FeatureDraftConfig
+
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    hp = dict(state["specstop_hparams"])
+    head_cfg = hp.pop("head")
+    module = FeatureDistillModule(**hp)
+    cfg = FeatureDraftConfig.from_dict(head_cfg)
+    module.head = FeatureDraft(cfg, module.target().get_input_embeddings().weight)
+    module.hp["head"], module.layers = head_cfg, list(cfg.aux_layers)
+    module.load_state_dict(state["state_dict"])
+    return module
+
+
+def export(module: FeatureDistillModule, out: Path, meta: dict) -> Path:
+    """specstop's own feature-draft checkpoint (decoding.feature_io: atomic, target-pinned)."""
+    from decoding import feature_io
+
+    return feature_io.save_feature_draft(module.head.float().eval(), out, module.target(), meta)
+
+
+def _usage(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def fit(argv: list[str] | None) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    from ..distill import _ckpt_metrics, _peek_threads, _relative, target_fingerprint
+
+    class CLI(LightningCLI):
+        def add_arguments_to_parser(self, parser):
+            parser.add_class_arguments(RunConfig, "run")
+
+    threads = _peek_threads(argv if argv is not None else sys.argv[1:])
+    if threads:
+        torch.set_num_threads(threads)
+    cli = CLI(FeatureDistillModule, FeatureDataModule, run=False, args=argv,
+              save_config_kwargs={"overwrite": True})
+    run = cli.config["run"]
+    run = RunConfig(**(run if isinstance(run, dict) else vars(run)))
+    trainer, module, data = cli.trainer, cli.model, cli.datamodule
+    if data.target != module.hp["target"]:
+        _usage("data.target and model.target must name the same target")
+    cb = trainer.checkpoint_callback
+    if cb is None or not cb.dirpath:
+        _usage("the config needs a ModelCheckpoint callback with a dirpath")
+    last = Path(cb.dirpath) / "last.ckpt"
+    try:
+        trainer.fit(module, datamodule=data,
+                    ckpt_path=str(last) if run.resume and last.exists() else None)
+    except ValueError as e:  # wrong target, nothing cached, bad settings: a config error
+        _usage(str(e))
+    if not run.export or trainer.global_rank != 0:
+        return
+    best = cb.best_model_path or str(last)
+    # feature_io records the target's models.fingerprint; the corpus identity goes beside it
+    meta = {"corpus_target": target_fingerprint(module.hp["target"]),
+            "data": {"corpora": data.corpora, "train_positions": data.positions(),
+                     "vocab_sha256": data.vocab.sha256(), "vocab_coverage": data.vocab.coverage},
+            "training": module.hp | {"checkpoint": _relative(best)},
+            "metrics": {"validation": _ckpt_metrics(best)}}
+    out = export(load_feature_module(best), Path(run.drafts) / run.name, meta)
+    print(f"distill: exported {best} -> {out}", file=sys.stderr)
