@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from ..teacher_cache import _batches  # rows grouped by length, padded batches <= max_tokens
 from .vocab import DraftVocab, build_vocab
 
 CACHE_VERSION = 1
@@ -136,17 +137,6 @@ def rows_of_shard(prompts: list[list[int]], comps: list[list[int]], max_prompt_t
         seqs.append(p + c)
         starts.append(len(p) - 1)
     return seqs, starts
-
-
-def _batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    out, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * lengths[i] > max_tokens:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    return out + ([cur] if cur else [])
 
 
 def compute_shard(model, seqs: list[list[int]], starts: list[int], settings: CacheSettings,
