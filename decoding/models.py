@@ -145,7 +145,8 @@ def load_model(path, dtype: str = "float32", device: str = "cpu", head_dtype: st
     except ModelError:
         raise
     except Exception as e:  # safetensors/torch/transformers raise many types for a bad file
-        raise ModelError(f"cannot load model from {p}: {type(e).__name__}: "
+        what = "model.safetensors: " if "safetensor" in type(e).__name__.lower() else ""
+        raise ModelError(f"cannot load model from {p}: {what}{type(e).__name__}: "
                          f"{(str(e).strip().splitlines() or [''])[0]}") from e
     finally:
         hf_logging.set_verbosity(level)

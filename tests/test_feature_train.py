@@ -174,8 +174,10 @@ def test_refuses_a_corpus_of_another_target(tiny, tmp_path):
               progress=False)
 
 
-def test_distill_dispatches_eagle3_configs_and_exports(tiny, tmp_path):
+def test_distill_dispatches_eagle3_configs_and_exports(tiny, tmp_path, monkeypatch):
     import json
+
+    monkeypatch.chdir(tmp_path)  # LightningCLI writes its config.yaml into the working directory
 
     import yaml
 

@@ -1,5 +1,5 @@
 """End to end, on tiny models: the tools a user runs (corpus, the shipped distill configs,
-draft_cost, distill_eval, demo), each through its own `main` with the shipped config and only
+draft_cost, distill_eval; the demo is tests/test_demo.py), each through its own `main` with the shipped config and only
 the models, data and sizes overridden."""
 
 import json
@@ -101,38 +101,3 @@ def test_draft_cost_and_distill_eval_on_a_tiny_pair(chat_target, tmp_path, capsy
     assert "Draft evaluation" in (tmp_path / "rep" / "eval.md").read_text()
     # the draft carries its held-out figures
     assert json.loads((draft / "specstop_draft.json").read_text())["metrics"]["heldout"]["cost"]
-
-
-def test_demo_end_to_end_on_a_tiny_pair(tmp_path, monkeypatch, capsys):
-    """training.demo's own steps (collect -> fit -> generate x 4 -> table) with each step's
-    arguments extended to a tiny pair (later flags override the demo's)."""
-    from conftest import noisy_copy, tiny_llama
-    from test_cli import WORDS, save_tiny
-
-    from decoding import generate
-    from training import collect, demo, fit
-
-    target = tiny_llama(0, vocab=len(WORDS), scale=6, max_pos=256)
-    t = save_tiny(tmp_path / "target", WORDS, target)
-    d = save_tiny(tmp_path / "draft", WORDS, noisy_copy(target, 0.03))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "kind": "general",
-                                           "prompt": f"w{i % 30} w{(7 * i) % 30} w3"}) + "\n"
-                               for i in range(16)))
-    pair = ["--target", t, "--draft", d, "--dtype", "float32"]
-    real = {m: m.main for m in (collect, fit, generate)}
-    over = {collect: pair + ["--prompt-files", str(prompts), "--chat", "false", "--max-new-tokens", "12",
-                             "--width", "2", "--depth", "3", "--threads", "1"],
-            fit: ["--replay.cost_model", "default", "--trainer.max_epochs", "2", "--threads", "1",
-                  "--data.val_fraction", "0.25", "--data.test_fraction", "0.25"],
-            generate: pair + ["--max-new-tokens", "12", "--width", "2", "--depth", "3"]}
-    for m in real:
-        monkeypatch.setattr(m, "main", lambda argv, m=m: real[m](
-            [a for a in argv if a != "--chat"] + over[m]))
-    monkeypatch.setattr(demo, "OUT", tmp_path / "demo")
-    assert demo.main() == 0
-    out = capsys.readouterr().out
-    rows = {r.split("|")[1].strip(): r for r in out.splitlines() if r.startswith("| ")}
-    for policy in ("fixed depth", "confidence", "confidence (tree)", "decider"):
-        assert "True" in rows[policy].split("|")[-2], rows[policy]  # lossless column
-    assert (tmp_path / "demo" / "deciders" / "demo" / "config.json").exists()
