@@ -26,6 +26,7 @@ from . import defaults as dflt
 from . import models
 from .sampling import SamplingConfig
 from .session import DEFAULT_DRAFT, Session
+from .stopping import GROW
 from .strategies import StrategyConfig, build_engine
 
 _STRATEGY_KEYS = {f.name for f in fields(StrategyConfig)}
@@ -68,7 +69,9 @@ class Decoder:
         if config.strategy != "ar" and session.draft is None:
             raise ValueError(f"strategy {config.strategy} needs a draft model")
         if config.stop == "decider" and config.strategy != "ar":  # load and check it now, not mid-run
-            self._stop = session.decider_stop(decider, decider_rule, decider_threshold)
+            self._stop = session.decider_stop(decider, decider_rule, decider_threshold, config)
+        elif config.stop == "confidence" and config.confidence_rule == GROW and config.strategy != "ar":
+            self._stop = session.grow_policy(config, decider)  # the cost model comes with a decider
         self._engines: dict[SamplingConfig, object] = {}
         self.last_result: GenerationResult | None = None
         """The result of the last stream() that ran to the end."""

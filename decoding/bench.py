@@ -23,7 +23,8 @@ from .bench_config import BenchConfig, StrategySpec, as_dict, load_config
 from .bench_engine import engine_markdown, engine_suite, random_draft  # noqa: F401  (public helpers)
 from .bench_oracle import oracle_bound
 from .bench_quick import quick_config
-from .bench_report import add_bound_rows, compute_goals, markdown, plots, write_atomic, write_json
+from .bench_plots import plots
+from .bench_report import add_bound_rows, compute_goals, markdown, write_atomic, write_json
 from .bench_runs import LogLik, make_runner, measure, row_of
 from .sampling import SamplingConfig
 from .session import Session

@@ -39,7 +39,9 @@ class StrategySpec:
     confidence_rule: str = "level"
     """level (HF's rule) | tree (extend nodes while their path's draft probability >= threshold)."""
     rule: str | None = None
-    """Decider stop rule (paper | specdecpp | tree); null = the checkpoint's."""
+    """Decider stop rule (paper | specdecpp | tree | grow); null = the checkpoint's."""
+    max_nodes: int = 64
+    """grow rules: cap on the draft tree's nodes."""
     threshold: float | None = None
     """Decider threshold; null = the one validated for `rule` at fit time."""
     prompt_lookup_num_tokens: int = 10
@@ -48,6 +50,12 @@ class StrategySpec:
     @property
     def peer(self) -> bool:
         return self.strategy in PEERS
+
+    @property
+    def grows(self) -> bool:
+        """A cost-aware growth row (decoding.growth): its tree is sized per round."""
+        return (self.stop == "decider" and self.rule == "grow") or \
+            (self.stop == "confidence" and self.confidence_rule == "grow")
 
     @property
     def tuned(self) -> bool:
@@ -63,7 +71,8 @@ class StrategySpec:
             t = tuned_threshold
         return StrategyConfig(strategy=self.strategy, gamma=self.gamma, k_config=self.k_config,
                               width=self.width, depth=self.depth, mode=self.mode, stop=self.stop,
-                              confidence_threshold=t, confidence_rule=self.confidence_rule)
+                              confidence_threshold=t, confidence_rule=self.confidence_rule,
+                              max_nodes=self.max_nodes)
 
     def shape_config(self) -> StrategyConfig:
         """The engine config for its tree shape (a tuned threshold does not change the shape)."""
@@ -74,6 +83,8 @@ class StrategySpec:
         """Largest tree a round verifies (None for peers)."""
         if self.peer:
             return None
+        if self.grows:
+            return self.max_nodes
         levels = self.shape_config().k_levels
         return layout_from_k_config(levels).size if levels else 0
 
@@ -131,6 +142,10 @@ class GoalsConfig:
     vs_hf_assisted: float = 1.3
     dynamic_vs_best_fixed: float = 1.1
     """Best stop policy over the fastest fixed-shape row of our engine (issue 4)."""
+    learned_vs_best_fixed: float | None = None
+    """Best decider row over the fastest fixed shape (issue 13); null = not checked."""
+    learned_vs_confidence: float | None = None
+    """Best decider row over the best draft-confidence row, each at its tuned setting (issue 13)."""
 
 
 @dataclass
@@ -181,7 +196,7 @@ class BenchConfig:
             raise ValueError("strategy names must be unique")
         for s in self.strategies:
             s.validate()
-        needs = [s.name for s in self.strategies if s.stop == "decider" or s.tuned]
+        needs = [s.name for s in self.strategies if s.stop == "decider" or s.tuned or s.grows]
         if needs and self.decider is None:
             raise ValueError(f"decider is null but row(s) {', '.join(needs)} need a decider checkpoint "
                              "(set decider: latest or a dir, or remove the rows)")

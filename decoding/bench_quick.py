@@ -53,6 +53,8 @@ def tiny_pair(root: Path) -> tuple[str, str]:
 # one a row ran with (none of them was validated: the decider is random).
 QUICK_THRESHOLDS = {"paper": 0.5, "specdecpp": 0.6, "tree": 0.3}
 QUICK_CONFIDENCE = {"level": 0.3, "tree": 0.2}
+# illustrative costs (ms) for the replay and the grow rows' code paths (tiny models)
+QUICK_COST = {"sizes": [1, 4, 16, 64], "target_ms": [2.0, 2.1, 2.4, 3.5], "draft_ms": [1.0, 1.0, 1.1, 1.3]}
 
 
 def tiny_decider(root: Path, target: str, draft: str) -> str:
@@ -62,7 +64,8 @@ def tiny_decider(root: Path, target: str, draft: str) -> str:
 
     pair = {"target": fingerprint(load_model(target)), "draft": fingerprint(load_model(draft))}
     cfg = DeciderConfig(kind="logistic", rule="tree", threshold=QUICK_THRESHOLDS["tree"], model_pair=pair,
-                        thresholds=dict(QUICK_THRESHOLDS), confidence_thresholds=dict(QUICK_CONFIDENCE))
+                        thresholds=dict(QUICK_THRESHOLDS), confidence_thresholds=dict(QUICK_CONFIDENCE),
+                        cost_model=dict(QUICK_COST))
     torch.manual_seed(2)
     return str(save_decider(root / "decider", DeciderNet(cfg), cfg, {}))
 
@@ -78,9 +81,8 @@ def quick_config(root: Path, oracle_traces: str | None = None) -> BenchConfig:
                                          "prompt": " ".join(f"w{offset + i + j}" for j in range(4))}) + "\n"
                              for i in range(2)))
         sets[name] = str(p)
-    cost = root / "cost_model.json"  # illustrative, for the replay code path only (tiny models)
-    cost.write_text(json.dumps({"sizes": [1, 4, 16, 64], "target_ms": [2.0, 2.1, 2.4, 3.5],
-                                "draft_ms": [1.0, 1.0, 1.1, 1.3]}))
+    cost = root / "cost_model.json"
+    cost.write_text(json.dumps(QUICK_COST))
     S = StrategySpec
     return BenchConfig(
         target=t, draft=d, dtype="float32", threads=1, prompt_sets=sets, prompts_per_set=2,
@@ -96,8 +98,11 @@ def quick_config(root: Path, oracle_traces: str | None = None) -> BenchConfig:
                       confidence_rule="tree", confidence_threshold="tuned"),
                     S("ti-mcsd+decider(paper)", "ti-mcsd", width=3, depth=4, stop="decider", rule="paper"),
                     S("ti-mcsd+decider(tree)", "ti-mcsd", width=3, depth=4, stop="decider"),
+                    S("ti-mcsd+confidence(grow)", "ti-mcsd", width=3, depth=4, max_nodes=12, stop="confidence",
+                      confidence_rule="grow"),
+                    S("ti-mcsd+decider(grow)", "ti-mcsd", width=3, depth=4, max_nodes=12, stop="decider", rule="grow"),
                     S("ti-mcsd longest-branch (LOSSY)", "ti-mcsd", width=3, depth=4, mode="longest-branch")],
         sweep=SweepConfig(prompts=1, max_new_tokens=8, ti_mcsd=[[2, 3], [3, 4]], mcsd=["2,1", "3,2,1"]),
         oracle=OracleConfig(traces=oracle_traces, cost_model=str(cost)),
-        goals=GoalsConfig(mcsd_reference="3,2,1"),
+        goals=GoalsConfig(mcsd_reference="3,2,1", learned_vs_best_fixed=1.1, learned_vs_confidence=1.05),
     )

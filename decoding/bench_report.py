@@ -1,11 +1,10 @@
-"""Turning measured rows into the report: bound rows, goals, results.md, PNG plots.
+"""Turning measured rows into the report: bound rows, goals, results.md (plots: bench_plots).
 Every number here is computed from results.json; nothing is hard-coded."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 from .agreement import TIE_ULPS
@@ -89,6 +88,7 @@ def compute_goals(results: dict, cfg: BenchConfig) -> list[dict]:
             continue
         rows = {r["name"]: r for r in ok_rows(cond)}
         ours = [r for r in ok_rows(cond, "engine") if r["lossless"] and r["strategy"] != "ar"]
+        learned = [r for r in ours if r["stop"] == "decider"]
 
         def best(cands, over):  # the candidate with the highest point estimate
             vals = [(_paired(r, over, cfg.bootstrap_resamples, cfg.seed), r["name"]) for r in cands]
@@ -104,6 +104,14 @@ def compute_goals(results: dict, cfg: BenchConfig) -> list[dict]:
             ref = max(fixed, key=lambda r: r["tokens_per_s"]["median"])["name"]
             checks.append(("dynamic_vs_best_fixed", f">= {g.dynamic_vs_best_fixed}x over the fastest fixed shape",
                            g.dynamic_vs_best_fixed, ref, [r for r in ours if r["dynamic"]]))
+            if g.learned_vs_best_fixed is not None:
+                checks.append(("learned_vs_best_fixed", f">= {g.learned_vs_best_fixed}x (a decider row) over the "
+                               f"fastest fixed shape", g.learned_vs_best_fixed, ref, learned))
+        conf = [r for r in ours if r["stop"] == "confidence"]
+        if g.learned_vs_confidence is not None and conf:  # the best confidence row, in hindsight too
+            ref = max(conf, key=lambda r: r["tokens_per_s"]["median"])["name"]
+            checks.append(("learned_vs_confidence", f">= {g.learned_vs_confidence}x (a decider row) over the "
+                           f"fastest draft-confidence row", g.learned_vs_confidence, ref, learned))
         for key, text, goal, ref, cands in checks:
             item = {"goal": key, "text": text, "condition": cond["name"], "target": goal}
             if ref is None or ref not in rows:
@@ -251,7 +259,9 @@ def _setting_lines(results: dict) -> list[str]:
     if not seen:
         return []
     L = [f"Stop thresholds (decider {results['meta'].get('decider')}):", ""]
-    L += [f"- {n}: {v['rule']} rule at {v['threshold']:.3g} ({v['source']})" for n, v in seen.items()]
+    L += [f"- {n}: {v['rule']} rule at {v['threshold']:.3g} ({v['source']})" if "threshold" in v else
+          f"- {n}: grow rule over {v['scores']} scores, <= {v['max_width']} children per node, <= "
+          f"{v['max_nodes']} nodes, no threshold ({v['source']})" for n, v in seen.items()]
     return L + [""]
 
 
@@ -270,89 +280,3 @@ def _oracle_lines(b: dict) -> list[str]:
         L.append(f"- replayed {k}: {_f(v['tokens_per_s'], '{:.1f}')} tok/s, oracle share "
                  f"{_f(v['oracle_share'], '{:.2f}')} (threshold {_f(v['threshold'], '{:.3f}')})")
     return L + [""]
-
-
-def _save(fig, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
-    os.replace(tmp, path)
-
-
-def plots(results: dict, out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    conds = results["conditions"]
-    names = [r["name"] for r in conds[0]["rows"] if r["name"] != "ar"]
-    names += [LABEL] if any(r["name"] == LABEL for c in conds for r in c["rows"]) and LABEL not in names else []
-    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(names)), 4.5))
-    w = 0.8 / len(conds)
-    for j, cond in enumerate(conds):
-        rows = {r["name"]: r for r in ok_rows(cond)}
-        xs, ys, lo, hi = [], [], [], []
-        for i, n in enumerate(names):
-            if n in rows and rows[n].get("speedup"):
-                s = rows[n]["speedup"]
-                ci = [c if _finite(c) else s["median"] for c in s.get("ci95") or [None, None]]
-                xs.append(i + (j - (len(conds) - 1) / 2) * w)  # (the bound row has no interval)
-                ys.append(s["median"])
-                lo.append(s["median"] - ci[0])
-                hi.append(ci[1] - s["median"])
-        ax.bar(xs, ys, w, yerr=[lo, hi], capsize=2, label=cond["name"])
-    ax.axhline(1.0, color="k", lw=0.8, ls="--")
-    ax.set_xticks(range(len(names)), [n.replace(" ", "\n", 1) for n in names], rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("speedup vs ar (median; bars: 95% CI over prompts)", fontsize=9)
-    ax.legend(fontsize=8)
-    _save(fig, out / "speedup.png")
-    plt.close(fig)
-
-    eng = [n for n in names if any(r["name"] == n and r["kind"] == "engine" for c in conds for r in ok_rows(c))]
-    cols = min(4, max(1, len(eng)))
-    rws = max(1, math.ceil(len(eng) / cols))
-    fig, axes = plt.subplots(rws, cols, figsize=(3.3 * cols, 2.6 * rws), squeeze=False)
-    for ax, n in zip(axes.flat, eng):
-        for j, cond in enumerate(conds):
-            r = next((r for r in ok_rows(cond) if r["name"] == n), None)
-            if not r or not r.get("accepted_lengths"):
-                continue
-            h = {int(k): v for k, v in r["accepted_lengths"].items()}
-            tot = sum(h.values())
-            ks = sorted(h)
-            ax.bar([k + (j - (len(conds) - 1) / 2) * w for k in ks], [h[k] / tot for k in ks], w, label=cond["name"])
-        ax.set_title(n, fontsize=8)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("accepted draft tokens per round", fontsize=7)
-    for ax in list(axes.flat)[len(eng):]:
-        ax.axis("off")
-    if eng:
-        axes.flat[0].legend(fontsize=6)
-        axes.flat[0].set_ylabel("share of rounds", fontsize=7)
-    fig.tight_layout()
-    _save(fig, out / "accepted_lengths.png")
-    plt.close(fig)
-
-    files = ["speedup.png", "accepted_lengths.png"]
-    sw = results.get("sweep")
-    if sw and sw["points"]:
-        fig, ax = plt.subplots(figsize=(6.5, 4.2))
-        for fam in sorted({p["family"] for p in sw["points"]}):
-            pts = sorted((p for p in sw["points"] if p["family"] == fam), key=lambda p: p["tree_nodes"])
-            ax.plot([p["tree_nodes"] for p in pts], [p["tokens_per_s"] for p in pts], "o-", label=fam)
-            for p in pts:
-                ax.annotate(p["label"], (p["tree_nodes"], p["tokens_per_s"]), fontsize=7,
-                            textcoords="offset points", xytext=(3, 3))
-        ax.axhline(sw["ar_tokens_per_s"], color="k", lw=0.8, ls="--", label="ar")
-        ax.set_xscale("log")
-        nodes = sorted({p["tree_nodes"] for p in sw["points"]})
-        ax.set_xticks(nodes, [str(n) for n in nodes])
-        ax.minorticks_off()
-        ax.set_xlabel("tree nodes verified per round")
-        ax.set_ylabel("tokens/s")
-        ax.legend(fontsize=8)
-        _save(fig, out / "tree_size.png")
-        plt.close(fig)
-        files.append("tree_size.png")
-    return files

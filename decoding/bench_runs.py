@@ -141,6 +141,9 @@ class HFRunner:
 
 def _setting(spec: StrategySpec, stop) -> dict | None:
     """What the row's stop policy really ran with (read back from the built policy)."""
+    if getattr(stop, "sizes_children", False):  # decoding.growth: no threshold, a cost model
+        return {"rule": "grow", "scores": stop.label, "max_width": stop.max_width, "max_nodes": stop.max_nodes,
+                "source": "cost model measured by the decider's fit"}
     if spec.stop == "decider":
         return {"rule": stop.cfg.rule, "threshold": stop.cfg.threshold,
                 "source": "config" if spec.threshold is not None else f"validated for the {stop.cfg.rule} rule"}
@@ -289,6 +292,7 @@ def row_of(spec: StrategySpec, runner, acc: Acc | None, ar: Acc | None, greedy: 
             hist.update({int(k): v for k, v in s["accepted_lengths"].items()})
             depths.update({int(k): v for k, v in s["drafted_depths"].items()})
         rounds = sum(s["rounds"] for s in st)
+        row["mean_tree_size"] = sum(s["mean_tree_size"] * s["rounds"] for s in st) / rounds if rounds else None
         ts, wall = acc.time_split, acc.time_split["wall_s"] or 1.0
         parts = {k: ts[k + "_s"] / wall for k in ("draft", "verify", "bookkeeping")}
         row.update(acceptance_rate=sum(s["accepted"] for s in st) / drafted if drafted else None,

@@ -20,10 +20,10 @@ from torch import nn
 
 from . import features as F
 from .models import ModelError, fingerprint, same_model, stale_fingerprint
-from .stopping import CONFIDENCE_RULES, DraftLevel, StopPolicy, check_threshold
+from .stopping import CONFIDENCE_RULES, GROW, DraftLevel, StopPolicy, check_threshold
 
 KINDS = ("mlp11", "hidden", "logistic", "mlp")
-RULES = ("paper", "specdecpp", "tree")
+RULES = ("paper", "specdecpp", "tree", "grow")
 DECIDERS_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "deciders"
 
 
@@ -41,7 +41,8 @@ class DeciderConfig:
     rule: str = "paper"
     """paper: continue while any new node scores > threshold; specdecpp: stop once
     P(some drafted token on the best branch is rejected) > threshold; tree: extend each node
-    whose predicted path acceptance (product of scores down to it) is >= threshold."""
+    whose predicted path acceptance (product of scores down to it) is >= threshold; grow: size
+    the tree from the scores and the cost model (decoding.growth; no threshold)."""
     model_pair: dict = field(default_factory=dict)
     """{"target": fingerprint, "draft": fingerprint} the traces were recorded with."""
     cost_model: dict = field(default_factory=dict)
@@ -120,6 +121,8 @@ class DeciderStop(StopPolicy):
         return path
 
     def should_stop(self, level: DraftLevel) -> bool:
+        if self.cfg.rule == GROW:
+            raise ValueError("the grow rule is a GrowPolicy over this decider's scores (Session.engine)")
         s = self.scores(level)
         valid = torch.tensor(level.valid, device=s.device)
         if not valid.any():

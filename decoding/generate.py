@@ -57,13 +57,18 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--confidence-threshold", type=float, default=None, help="(*)")
     ap.add_argument("--confidence-rule", choices=CONFIDENCE_RULES, default=None,
                     help="(*) level: HF's rule (stop once no node of a level has q >= threshold); tree: extend "
-                         "each node while its path's draft probability is >= threshold")
+                         "each node while its path's draft probability is >= threshold; grow: size the tree "
+                         "from q and the cost model stored with --decider (no threshold)")
     ap.add_argument("--decider", default=None,
                     help="decider checkpoint dir, or 'latest' (the default) from checkpoints/deciders/registry.json")
     ap.add_argument("--decider-rule", choices=RULES, default=None,
                     help="paper: continue while any new node scores above the threshold; specdecpp: stop "
                          "once P(a drafted token is rejected) exceeds it; tree: extend each node whose "
-                         "predicted path acceptance is >= the threshold (default: the checkpoint's, or (*))")
+                         "predicted path acceptance is >= the threshold; grow: size the tree (children per node, "
+                         "depth) from the scores and the checkpoint's cost model (default: the checkpoint's, or (*))")
+    ap.add_argument("--max-nodes", type=int, default=None,
+                    help="grow rules: cap on draft tree nodes (default 64; --width caps children per node, "
+                         "--depth the levels)")
     ap.add_argument("--decider-threshold", type=float, default=None,
                     help="override the threshold chosen at fit time by trace replay")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -100,7 +105,7 @@ def main(argv=None) -> int:
                            k_config=args.k_config, width=args.width, depth=args.depth, mode=args.mode,
                            replacement=args.replacement or None, stop=args.stop,
                            confidence_threshold=args.confidence_threshold,
-                           confidence_rule=args.confidence_rule)
+                           confidence_rule=args.confidence_rule, max_nodes=args.max_nodes)
         on_text = None if args.json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
         res = dec.generate(args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,
                            chat=args.chat, on_text=on_text)

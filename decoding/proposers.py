@@ -14,8 +14,10 @@ import torch
 
 from .cache import CachedModel
 from .sampling import SamplingConfig, draw_candidates, warp
-from .stopping import DraftLevel, StopPolicy
+from .stopping import DraftLevel, Frontier, StopPolicy
 from .tree import ANCHOR, TreeLayout
+
+FREE = -2  # full-layout id of a node whose parent's child count the stop policy chose
 
 
 @dataclass
@@ -80,27 +82,52 @@ class TreeProposer:
             row = {n: i - len(fed) for i, n in enumerate(fed)}
             for par in frontier:
                 tree.q[par] = warp(logits[row[par]], self.sampling)
-            level = self._fill_level(tree, grow, {p: tree.q[p] for p in frontier}, generator)
+            counts = stop.widths(self._frontier(tree, grow, frontier, h, row, position)) \
+                if stop.sizes_children else None
+            if counts is not None:  # the policy sizes each node's children (decoding.growth)
+                frontier = [p for p, c in zip(frontier, counts) if c > 0]
+                counts = [c for c in counts if c > 0]
+                if not frontier:
+                    break
+            level = self._fill_level(tree, grow, {p: tree.q[p] for p in frontier}, generator, counts)
             if h is not None:
                 level.parent_hidden = h[[row[p] for p in frontier]]
             level.position = position
             tree.levels.append(level)
             keep = stop.expand(level)
-            frontier = [n for n, k in zip(level.nodes, keep) if k and self.layout.children[grow.full[n] + 1]]
+            frontier = [n for n, k in zip(level.nodes, keep) if k and self._has_children(grow, n)]
         return tree
 
-    def _fill_level(self, tree: DraftTree, grow: _Growth, dists: dict, generator) -> DraftLevel:
-        """Draw the children (as in the full layout) of every parent in `dists`."""
+    def _has_children(self, grow: _Growth, node: int) -> bool:
+        if grow.full[node] == FREE:
+            return grow.depth[node] < self.layout.max_depth
+        return bool(self.layout.children[grow.full[node] + 1])
+
+    def _frontier(self, tree: DraftTree, grow: _Growth, frontier, h, row, position) -> Frontier:
+        return Frontier(
+            depth=1 if frontier == [ANCHOR] else grow.depth[frontier[0]] + 1, nodes=list(frontier),
+            q=torch.stack([tree.q[p] for p in frontier]),
+            path_logq=[0.0 if p == ANCHOR else grow.logq[p] for p in frontier],
+            valid=[p == ANCHOR or tree.valid[p] for p in frontier], size=tree.size,
+            hidden=None if h is None else h[[row[p] for p in frontier]], position=position)
+
+    def _fill_level(self, tree: DraftTree, grow: _Growth, dists: dict, generator, counts=None) -> DraftLevel:
+        """Draw the children of every parent in `dists`: as many as the full layout gives it,
+        or `counts[row]` where the stop policy sized them (those nodes are FREE of the layout)."""
         nodes, parent_of, branch = [], [], []
         for row, (par, q) in enumerate(dists.items()):
-            kids = self.layout.children[(grow.full[par] if par != ANCHOR else ANCHOR) + 1]
+            if counts is not None:
+                kids = [FREE] * counts[row]
+            else:
+                kids = self.layout.children[(grow.full[par] if par != ANCHOR else ANCHOR) + 1]
             toks, ok = draw_candidates(q, len(kids), self.sampling, self.replacement, generator)
             parent_ok = par == ANCHOR or tree.valid[par]
             for b, (kid, t, v) in enumerate(zip(kids, toks, ok)):
                 nodes.append(len(tree.tokens))
                 tree.tokens.append(t)
                 tree.valid.append(v and parent_ok)
-                grow.add(kid, par, (0.0 if par == ANCHOR else grow.logq[par]) + float(torch.log(q[t].clamp_min(1e-30))))
+                grow.add(kid, par, (0.0 if par == ANCHOR else grow.logq[par]) + float(torch.log(q[t].clamp_min(1e-30))),
+                         1 if par == ANCHOR else grow.depth[par] + 1)
                 parent_of.append(row)
                 branch.append(b)
         tree.layout = self._layout(grow)
@@ -114,8 +141,9 @@ class TreeProposer:
         )
 
     def _layout(self, grow: _Growth) -> TreeLayout:
-        n, depth = len(grow.full), self.layout.depths[grow.full[-1]]
-        if grow.full[-1] == n - 1 and self.layout.level_ends[depth] == n:
+        n = len(grow.full)
+        depth = self.layout.depths[n - 1] if n <= self.layout.size else -1
+        if not grow.free and grow.full[-1] == n - 1 and self.layout.level_ends[depth] == n:
             return self.layout.sliced(depth)  # whole levels of the full layout: cached slice
         key = tuple(grow.parents)
         if key not in self._layouts:
@@ -135,8 +163,12 @@ class _Growth:
     full: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     logq: list[float] = field(default_factory=list)
+    depth: list[int] = field(default_factory=list)
+    free: bool = False
 
-    def add(self, full_id: int, parent: int, logq: float) -> None:
+    def add(self, full_id: int, parent: int, logq: float, depth: int) -> None:
         self.full.append(full_id)
         self.parents.append(parent)
         self.logq.append(logq)
+        self.depth.append(depth)
+        self.free = self.free or full_id == FREE

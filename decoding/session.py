@@ -10,8 +10,9 @@ import torch
 from . import models
 from .feature_io import draft_kind, load_feature_draft
 from .decider import DeciderConfig, DeciderStop, load_decider, resolve_decider_dir
+from .growth import CostCurve, GrowPolicy, q_scores
 from .sampling import SamplingConfig
-from .stopping import make_stop_policy
+from .stopping import GROW, make_stop_policy
 from .strategies import StrategyConfig, build_engine
 
 # The draft shipped for the default target (see training.distill); used when --draft is absent.
@@ -67,22 +68,44 @@ class Session:
                threshold=None):
         """decider: checkpoint dir or 'latest'; rule / threshold override the checkpoint's."""
         if cfg.stop == "decider":
-            stop = self.decider_stop(decider, rule, threshold)
+            stop = self.decider_stop(decider, rule, threshold, cfg)
+        elif cfg.stop == "confidence" and cfg.confidence_rule == GROW and cfg.strategy != "ar":
+            stop = self.grow_policy(cfg, decider, scorer=None)
         else:
             stop = make_stop_policy(cfg.stop, cfg.confidence_threshold, cfg.confidence_rule)
         return build_engine(self.target, self.draft, cfg, sampling, stop)
 
-    def decider_stop(self, decider=None, rule=None, threshold=None) -> DeciderStop:
+    def decider_stop(self, decider=None, rule=None, threshold=None,
+                     cfg: StrategyConfig | None = None) -> DeciderStop | GrowPolicy:
         """rule: the checkpoint's by default; its threshold is the one validated for THAT rule
-        (a threshold chosen for one rule means nothing to another); `threshold` overrides it."""
+        (a threshold chosen for one rule means nothing to another); `threshold` overrides it.
+        The grow rule has no threshold: it sizes the tree (width / depth / max_nodes of `cfg`)."""
         if self.draft is None:
             raise models.ModelError("--stop decider needs a draft model")
         net, dcfg = load_decider(decider or "latest", self.target, self.draft)
         net.to(next(self.draft.parameters()).device)  # features live where the draft's q does
         rule = rule or dcfg.rule
+        if rule == GROW:
+            return self.grow_policy(cfg or StrategyConfig("ti-mcsd"), decider,
+                                    DeciderStop(net, replace(dcfg, rule="tree", threshold=0.0)))
         if threshold is None:
             threshold = rule_threshold(dcfg, rule, resolve_decider_dir(decider or "latest"))
         return DeciderStop(net, replace(dcfg, rule=rule, threshold=threshold))
+
+    def grow_policy(self, cfg: StrategyConfig, decider=None, scorer: DeciderStop | None = None) -> GrowPolicy:
+        """The cost-aware growth policy over the decider's scores, or over the draft's own q
+        (scorer None); either way with the cost model the decider's fit measured for this pair."""
+        if cfg.mode != "lossless":
+            raise ValueError("the grow rule sizes lossless trees only (not the longest-branch mode)")
+        where = resolve_decider_dir(decider or "latest")
+        dcfg = scorer.cfg if scorer is not None else load_decider(decider or "latest", self.target, self.draft)[1]
+        try:
+            cost = CostCurve.from_dict(dcfg.cost_model)
+        except ValueError as e:
+            raise models.ModelError(f"decider {where} has no usable cost model for the grow rule: {e}") from None
+        return GrowPolicy(q_scores if scorer is None else scorer.scores, cost, max_width=cfg.width,
+                          max_nodes=cfg.max_nodes, label="q" if scorer is None else "decider",
+                          needs_hidden=scorer is not None and scorer.needs_hidden)
 
     def tuned_confidence_threshold(self, decider, confidence_rule: str) -> float:
         """The draft-confidence threshold the decider's fit tuned on its validation replay

@@ -2,8 +2,9 @@
 
 They read only draft-side information, so they change how much is drafted and never what
 is committed: every policy is lossless under a lossless acceptance rule.
-Interface (like transformers' CandidateGenerator): `expand(level)` during drafting says which
-nodes of the level just drafted get children (none: drafting ends; the default asks
+Interface (like transformers' CandidateGenerator): `widths(frontier)` may set how many children
+each frontier node gets (decoding.growth; default: the tree layout's), `expand(level)` during
+drafting says which nodes of the level just drafted get children (none: drafting ends; the default asks
 `should_stop` and extends the whole level), and `update(drafted_depth, accepted_depth)` once
 the round is verified. A node's children are decided from information up to the node
 itself, and every drafted node is verified, so sampling stays exact.
@@ -44,9 +45,36 @@ class DraftLevel:
     """Number of tokens generated so far in this request."""
 
 
+@dataclass
+class Frontier:
+    """The nodes whose children are about to be drawn, once the draft has read them."""
+
+    depth: int
+    """Depth of the children to be drawn (1 = the anchor's)."""
+    nodes: list[int]
+    """Parent node ids (-1 = the anchor)."""
+    q: torch.Tensor
+    """[P, V] each parent's (warped) draft distribution."""
+    path_logq: list[float]
+    """Cumulative log q from the anchor down to each parent (0 for the anchor)."""
+    valid: list[bool]
+    size: int
+    """Nodes drafted so far this round."""
+    hidden: torch.Tensor | None = None
+    """[P, H] draft hidden state at each parent (when a policy asks for it)."""
+    position: int = 0
+
+
 class StopPolicy:
     name = "fixed"
     needs_hidden = False
+    sizes_children = False
+    """True: `widths` chooses every node's child count (the tree layout only caps the depth)."""
+
+    def widths(self, frontier: Frontier) -> list[int] | None:
+        """Children to draw under each frontier node (None: as many as the tree layout has).
+        Must depend only on what was drawn so far, never on the children it counts."""
+        return None
 
     def should_stop(self, level: DraftLevel) -> bool:
         return False
@@ -72,11 +100,11 @@ class DraftConfidence(StopPolicy):
     rule: str = "level"
     """level: HF's rule (a level continues while some node has q >= threshold); tree: extend
     each node while the draft probability of its whole path is >= threshold (a dynamic
-    tree from the draft's own confidence, as EAGLE-2 grows one)."""
+    tree from the draft's own confidence, as EAGLE-2 grows one); grow: decoding.growth."""
     name = "confidence"
 
     def __post_init__(self):
-        if self.rule not in CONFIDENCE_RULES:
+        if self.rule not in CONFIDENCE_RULES or self.rule == GROW:
             raise ValueError(f"confidence rule must be one of {CONFIDENCE_RULES} (got {self.rule!r})")
 
     def should_stop(self, level: DraftLevel) -> bool:
@@ -90,7 +118,9 @@ class DraftConfidence(StopPolicy):
         return [bool(k) and v for k, v in zip(keep, level.valid)]
 
 
-CONFIDENCE_RULES = ("level", "tree")
+GROW = "grow"
+"""The cost-aware growth rule (decoding.growth): sizes the tree from the cost curve, no threshold."""
+CONFIDENCE_RULES = ("level", "tree", GROW)
 
 
 def check_threshold(name: str, value) -> float:
@@ -108,6 +138,9 @@ def make_stop_policy(name: str, threshold: float | None = None, rule: str = "lev
     """Policies that need no checkpoint; `decider` is built by Session (it needs the models)."""
     if name == "fixed":
         return FixedDepth()
+    if name == "confidence" and rule == GROW:
+        raise ValueError("the grow rule needs a measured cost model: build it with Session.engine "
+                         "(it reads the one stored with a decider checkpoint)")
     if name == "confidence":
         return DraftConfidence(0.4 if threshold is None else threshold, rule)
     raise ValueError(f"unknown stop policy {name!r}; choose fixed, confidence or decider")

@@ -11,7 +11,7 @@ from .proposers import TreeProposer
 from .sampling import SamplingConfig
 from .stopping import StopPolicy, make_stop_policy
 from .stopping import check_threshold
-from .tree import fork_k_config, layout_from_k_config, parse_k_config, tree_size
+from .tree import MAX_TREE_NODES, fork_k_config, layout_from_k_config, parse_k_config, tree_size
 
 STRATEGIES = ("ar", "sd", "mcsd", "ti-mcsd")
 MODES = ("lossless", "longest-branch")
@@ -38,7 +38,10 @@ class StrategyConfig:
     confidence_threshold: float = 0.4
     """Draft-probability threshold of the `confidence` stop policy."""
     confidence_rule: str = "level"
-    """`confidence` only: level (HF's rule, whole levels) or tree (per-node path probability)."""
+    """`confidence` only: level (HF's rule, whole levels), tree (per-node path probability) or
+    grow (the cost-aware tree of decoding.growth)."""
+    max_nodes: int = 64
+    """grow rules only: cap on the draft tree's nodes (width caps children per node, depth levels)."""
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -52,6 +55,8 @@ class StrategyConfig:
         self.k_config = ",".join(map(str, parse_k_config(self.k_config)))
         tree_size(self.k_levels)  # width / depth / k-config / gamma: fail before any model loads
         check_threshold("confidence threshold", self.confidence_threshold)
+        if not 1 <= self.max_nodes <= MAX_TREE_NODES:
+            raise ValueError(f"max_nodes must be in 1..{MAX_TREE_NODES} (got {self.max_nodes})")
 
     @property
     def k_levels(self) -> tuple[int, ...]:
@@ -69,7 +74,8 @@ class StrategyConfig:
         n = {"ar": "ar", "sd": f"sd[g={self.gamma}]", "mcsd": f"mcsd[{self.k_config}]",
              "ti-mcsd": f"ti-mcsd[W={self.width},D={self.depth}]"}[self.strategy]
         if self.stop != "fixed" and self.strategy != "ar":
-            n += f"+{self.stop}" + ("(tree)" if self.stop == "confidence" and self.confidence_rule == "tree" else "")
+            rule = self.confidence_rule if self.stop == "confidence" and self.confidence_rule != "level" else ""
+            n += f"+{self.stop}" + (f"({rule})" if rule else "")
         if self.mode == "longest-branch":
             n += "+longest-branch(LOSSY)"
         return n

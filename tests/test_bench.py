@@ -48,7 +48,8 @@ def test_results_have_every_row_and_key(quick):
         assert rows["ti-mcsd+decider(paper)"]["status"] == "ok"
         assert rows["ti-mcsd longest-branch (LOSSY)"]["lossless"] is False
         if cond["temperature"] == 0:
-            for name in ("sd", "mcsd", "ti-mcsd", "ti-mcsd+confidence", "hf-assisted"):
+            for name in ("sd", "mcsd", "ti-mcsd", "ti-mcsd+confidence", "hf-assisted",
+                         "ti-mcsd+confidence(grow)", "ti-mcsd+decider(grow)"):
                 eq = rows[name]["equal_to_ar"]  # fp32: lossless rows reproduce ar bit for bit
                 assert eq == {"equal": 2, "tie": 0, "mismatch": 0, "n": 2, "differences": []}, name
                 assert rows[name]["lossless"] and rows[name]["lossless_evidence"].startswith("greedy")
@@ -68,13 +69,22 @@ def test_results_have_every_row_and_key(quick):
 
 def test_report_files_goals_and_bound(quick):
     out, res = quick
-    for f in ("results.json", "results.md", "speedup.png", "accepted_lengths.png", "tree_size.png"):
+    for f in ("results.json", "results.md", "speedup.png", "accepted_lengths.png", "tree_size.png",
+              "rate_vs_tree_size.png"):
         assert (out / f).stat().st_size > 0, f
     assert not list(out.glob(".*.tmp"))  # atomic writes leave no temp files
     assert res["oracle"]["status"] == "ok" and res["oracle"]["oracle_over_full_depth"] > 0
     goals = {(g["goal"], g["condition"]) for g in res["goals"]}
-    assert goals == {(k, c) for k in ("vs_ar", "dynamic_vs_mcsd", "vs_hf_assisted", "dynamic_vs_best_fixed")
+    assert goals == {(k, c) for k in ("vs_ar", "dynamic_vs_mcsd", "vs_hf_assisted", "dynamic_vs_best_fixed",
+                                      "learned_vs_best_fixed", "learned_vs_confidence")
                      for c in ("greedy/general", "greedy/code")}
+    for g in res["goals"]:  # decider rows against the fastest fixed shape / confidence row
+        if g["goal"].startswith("learned") and g["best"]:
+            assert "decider" in g["best"] and ("confidence" in g["reference"]) == (g["goal"] == "learned_vs_confidence")
+    for cond in res["conditions"]:  # the grow rows report what they ran with and their tree sizes
+        grow = {r["name"]: r for r in cond["rows"] if "(grow)" in r["name"]}
+        assert {r["stop_setting"]["scores"] for r in grow.values()} == {"q", "decider"}
+        assert all(0 < r["mean_tree_size"] <= 12 for r in grow.values())
     for g in res["goals"]:
         assert g["verdict"] == "PASS" or g["verdict"].startswith(("SHORT BY", "n/a", "NOT SHOWN"))
     md = (out / "results.md").read_text()

@@ -135,3 +135,23 @@ def test_decider_checkpoints_are_checked(dirs, capsys, tmp_path):
     assert rc == 2 and err.count("\n") == 1 and "corrupt decider weights" in err
     rc, _, err = run(capsys, *base, "--decider", str(tmp_path / "missing"))
     assert rc == 2 and "not a decider checkpoint" in err
+
+
+def test_grow_rules_from_the_cli(dirs, capsys, tmp_path):
+    """--decider-rule grow / --confidence-rule grow size the tree from the checkpoint's cost
+    model; the output is ar's; a checkpoint without a cost model is one clear error."""
+    t, d, _ = dirs
+    base = ["--prompt", "w1 w2", "--target", t, "--draft", d, "--strategy", "ti-mcsd", "--max-new-tokens", "12",
+            "--json", "--width", "3", "--depth", "4", "--max-nodes", "16"]
+    cost = {"sizes": [1, 16], "target_ms": [10.0, 11.0], "draft_ms": [1.0, 1.5]}
+    dec = _decider_for(tmp_path, t, d, cost_model=cost)
+    rc, out, _ = run(capsys, "--prompt", "w1 w2", "--target", t, "--strategy", "ar", "--max-new-tokens", "12", "--json")
+    want = json.loads(out)["text"]
+    for rule in (["--stop", "decider", "--decider-rule", "grow"], ["--stop", "confidence", "--confidence-rule", "grow"]):
+        rc, out, err = run(capsys, *base, *rule, "--decider", dec)
+        assert rc == 0, err
+        res = json.loads(out)
+        assert res["text"] == want and res["stats"]["lossless"] and res["stats"]["drafted"] > 0
+    bare = _decider_for(tmp_path, t, d, name="bare")
+    rc, out, err = run(capsys, *base, "--stop", "confidence", "--confidence-rule", "grow", "--decider", bare)
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "no usable cost model" in err

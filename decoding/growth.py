@@ -1,0 +1,184 @@
+"""Cost-aware tree growth: the policy decides which frontier nodes get children, how many, and
+when the round stops, from a per-node acceptance estimate and the machine's cost curve.
+
+Level by level (EAGLE-2's frontier expansion, with SpecDec++'s cost ratio instead of a fixed
+budget): every frontier node offers its top-W draft tokens as candidate children; a candidate's
+value is the estimated probability that the whole path down to it is accepted (a node's
+expected contribution to the committed length). The level takes the k best candidates that
+maximise the round's expected tokens per millisecond,
+
+    rate(k) = (1 + sum of values in the tree + top-k values) / (round cost with k more nodes),
+
+and the round stops when no k beats the current rate (the marginal tokens per extra ms fall
+below the rate already reached). The estimate is the draft's own q (the baseline) or a decider.
+
+Exactness: a parent's child count is fixed from its q and what was drawn above it, BEFORE its
+children are drawn; under sampling the children are then drawn without replacement as in every
+other tree, so the multi-candidate rule stays exact. (Keeping or dropping a sampled child by its
+own value would bias the walk: the count may not look at the children it counts.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from .stopping import DraftLevel, Frontier, StopPolicy
+from .tree import MAX_TREE_NODES
+
+
+@dataclass
+class CostCurve:
+    """Milliseconds per forward by number of tokens fed (the `cost_model` `training.fit`
+    measures and stores with a decider: training.replay.CostModel's fields)."""
+
+    sizes: list[int]
+    target_ms: list[float]
+    draft_ms: list[float]
+    overhead_ms: float = 0.0
+    policy_ms: float = 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostCurve:
+        keys = ("sizes", "target_ms", "draft_ms")
+        if not isinstance(d, dict) or any(not d.get(k) for k in keys) \
+                or not len(d["sizes"]) == len(d["target_ms"]) == len(d["draft_ms"]):
+            raise ValueError("a cost model needs equal-length sizes, target_ms and draft_ms "
+                             f"(got {sorted(d) if isinstance(d, dict) else d!r})")
+        return cls(list(d["sizes"]), [float(x) for x in d["target_ms"]], [float(x) for x in d["draft_ms"]],
+                   float(d.get("overhead_ms", 0.0)), float(d.get("policy_ms", 0.0)))
+
+    def target(self, n: int) -> float:
+        return float(np.interp(n, self.sizes, self.target_ms))
+
+    def draft(self, n: int) -> float:
+        return float(np.interp(n, self.sizes, self.draft_ms))
+
+
+def candidate_level(fr: Frontier, width: int) -> DraftLevel:
+    """The top-`width` tokens of every frontier node's q as a hypothetical level (what greedy
+    would draw), so decider features are computed by the one feature module."""
+    w = min(width, fr.q.shape[-1])
+    top = fr.q.topk(w, dim=-1)
+    P = len(fr.nodes)
+    parent_of = [r for r in range(P) for _ in range(w)]
+    q_tok = top.values.reshape(-1)
+    base = torch.tensor(fr.path_logq, dtype=torch.float32, device=q_tok.device)[parent_of]
+    return DraftLevel(
+        depth=fr.depth, nodes=list(range(P * w)), tokens=top.indices.reshape(-1).tolist(),
+        valid=[fr.valid[r] and bool(q_tok[i] > 0) for i, r in enumerate(parent_of)],
+        q_token=q_tok, parent_q=fr.q, parent_of=parent_of,
+        parent_nodes=[fr.nodes[r] for r in parent_of], branch=[b for _ in range(P) for b in range(w)],
+        path_logq=base + torch.log(q_tok.float().clamp_min(1e-30)),
+        parent_hidden=fr.hidden, position=fr.position,
+    )
+
+
+def child_values(parent_value: list[float], level: DraftLevel, scores: torch.Tensor) -> list[float]:
+    """Path values of a level's nodes: parent's value x the node's acceptance estimate, with
+    siblings capped so their sum never exceeds the parent's (at most one sibling is accepted),
+    and non-increasing in draw order (a later sibling is tried only after the earlier fail)."""
+    out, used, last = [], {}, {}
+    for i, (r, ok) in enumerate(zip(level.parent_of, level.valid)):
+        pv = parent_value[r]
+        v = min(pv * float(scores[i]), pv - used.get(r, 0.0), last.get(r, pv)) if ok else 0.0
+        v = max(v, 0.0)
+        used[r] = used.get(r, 0.0) + v
+        last[r] = v
+        out.append(v)
+    return out
+
+
+@dataclass
+class GrowPolicy(StopPolicy):
+    """Grow the draft tree node by node where the expected tokens per ms say it pays."""
+
+    scorer: Callable[[DraftLevel], torch.Tensor]
+    """[k] estimated acceptance probability of each node of a level (q, or a decider's)."""
+    cost: CostCurve
+    max_width: int = 4
+    """Most children a node may get."""
+    max_nodes: int = 64
+    """Cap on the tree size (no other budget: the cost curve decides)."""
+    label: str = "q"
+    name: str = "grow"
+    needs_hidden: bool = False
+    sizes_children = True
+    _round: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if not 1 <= self.max_width <= 64:
+            raise ValueError(f"grow max width must be in 1..64 (got {self.max_width})")
+        if not 1 <= self.max_nodes <= MAX_TREE_NODES:
+            raise ValueError(f"--max-nodes must be in 1..{MAX_TREE_NODES} (got {self.max_nodes})")
+
+    def _rate(self, value: float, nodes: int, feeds: float) -> float:
+        c = self.cost
+        return value / (c.target(nodes + 1) + feeds + c.overhead_ms)
+
+    def widths(self, fr: Frontier) -> list[int]:
+        if fr.depth == 1:  # a new round: only the pending token is sure to be committed
+            self._round = {"value": {-1: 1.0}, "E": 1.0, "N": 0,
+                           "feeds": self.cost.draft(2) + self.cost.policy_ms}
+        st = self._round
+        cand = candidate_level(fr, self.max_width)
+        scores = self.scorer(cand)
+        st["seen"] = {(p, t, b): float(x) for p, t, b, x in
+                      zip(cand.parent_nodes, cand.tokens, cand.branch, scores.tolist())}
+        vals = child_values([st["value"].get(n, 0.0) for n in fr.nodes], cand, scores)
+        # best k over the candidates in value order (per parent, values fall with draw order,
+        # so the k best are a prefix of every parent's draws)
+        order = sorted(range(len(vals)), key=lambda i: (-vals[i], cand.branch[i]))
+        room = min(self.max_nodes, MAX_TREE_NODES) - st["N"]
+        best_k, best_rate, gained = 0, self._rate(st["E"], st["N"], st["feeds"]), 0.0
+        feeds = st["feeds"] + self.cost.policy_ms
+        for k, i in enumerate(order[:max(room, 0)], start=1):
+            if vals[i] <= 0.0:
+                break
+            gained += vals[i]
+            r = self._rate(st["E"] + gained, st["N"] + k, feeds)
+            if r > best_rate:
+                best_k, best_rate = k, r
+        counts = [0] * len(fr.nodes)
+        for i in order[:best_k]:
+            counts[cand.parent_of[i]] += 1
+        st["feeds"] = feeds
+        st["N"] += best_k
+        return counts
+
+    def expand(self, level: DraftLevel) -> list[bool]:
+        """After drawing: record the drawn nodes' values; go one level deeper only if a level
+        whose nodes are worth this level's values times their own scores would raise the rate
+        after paying the draft forward that feeds this level."""
+        st = self._round
+        pv = {r: st["value"].get(p, 0.0) for r, p in zip(level.parent_of, level.parent_nodes)}
+        scores = self._scores(level)
+        vals = child_values([pv.get(r, 0.0) for r in range(len(level.parent_q))], level, scores)
+        st["value"].update(zip(level.nodes, vals))
+        st["E"] += sum(vals)
+        guess = sorted((v * float(s) for v, s in zip(vals, scores)), reverse=True)
+        next_feeds = st["feeds"] + self.cost.draft(max(len(level.nodes), 1))
+        now = self._rate(st["E"], st["N"], st["feeds"])
+        gained, best = 0.0, 0.0
+        for k, g in enumerate(guess[: max(self.max_nodes - st["N"], 0)], start=1):
+            gained += g
+            best = max(best, self._rate(st["E"] + gained, st["N"] + k, next_feeds))
+        go = best > now
+        return [go and ok and v > 0.0 for ok, v in zip(level.valid, vals)]
+
+    def _scores(self, level: DraftLevel) -> torch.Tensor:
+        """A drawn node with the token and draw order of a scored candidate has the same
+        features: reuse its score (always the case under greedy) instead of a second pass."""
+        seen = self._round.get("seen", {})
+        keys = [(p, t, b) for p, t, b in zip(level.parent_nodes, level.tokens, level.branch)]
+        if all(k in seen for k in keys):
+            return torch.tensor([seen[k] for k in keys])
+        return self.scorer(level)
+
+
+def q_scores(level: DraftLevel) -> torch.Tensor:
+    """The baseline estimate: the draft's own probability of each node's token."""
+    return level.q_token.float().cpu()

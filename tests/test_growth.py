@@ -1,0 +1,176 @@
+"""Cost-aware tree growth (decoding.growth): the level rule on closed-form cost curves, the
+value bookkeeping, greedy equality with ar, and shapes that really vary."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from conftest import noisy_copy, tiny_llama
+from test_engine_greedy import random_decider
+from decoding.growth import CostCurve, GrowPolicy, candidate_level, child_values, q_scores
+from decoding.sampling import SamplingConfig
+from decoding.stopping import DraftLevel, Frontier
+from decoding.strategies import StrategyConfig, build_engine
+
+
+def flat(ms=10.0, draft=1.0):
+    """Verification costs the same for any tree: every node with value > 0 pays."""
+    return CostCurve([1, 1024], [ms, ms], [draft, draft])
+
+
+def frontier(q_rows, depth=1, nodes=None, path_logq=None):
+    q = torch.tensor(q_rows, dtype=torch.float32)
+    n = len(q_rows)
+    return Frontier(depth=depth, nodes=nodes or ([-1] if depth == 1 else list(range(n))), q=q,
+                    path_logq=path_logq or [0.0] * n, valid=[True] * n, size=0)
+
+
+def test_cost_curve_interpolates_and_refuses_a_broken_model():
+    c = CostCurve.from_dict({"sizes": [1, 5, 16], "target_ms": [36.6, 41.0, 42.0], "draft_ms": [3, 3, 4]})
+    assert c.target(1) == pytest.approx(36.6) and c.target(3) == pytest.approx(38.8)
+    assert c.target(100) == pytest.approx(42.0)  # flat past the last measured size
+    for bad in ({}, {"sizes": [1, 2], "target_ms": [1.0], "draft_ms": [1.0, 2.0]}, None):
+        with pytest.raises(ValueError, match="cost model"):
+            CostCurve.from_dict(bad)
+
+
+def test_candidate_level_is_what_greedy_would_draw():
+    fr = frontier([[0.1, 0.6, 0.3, 0.0]])
+    lv = candidate_level(fr, 3)
+    assert lv.tokens == [1, 2, 0] and lv.branch == [0, 1, 2] and lv.parent_of == [0, 0, 0]
+    assert torch.allclose(lv.q_token, torch.tensor([0.6, 0.3, 0.1]))
+    assert torch.allclose(lv.path_logq, torch.log(torch.tensor([0.6, 0.3, 0.1])))
+    assert candidate_level(fr, 4).valid == [True, True, True, False]  # a token without mass
+
+
+def test_child_values_never_exceed_the_parent():
+    # one parent worth 0.5; scores 0.9, 0.8, 0.1: siblings can share at most 0.5 in total,
+    # and a later sibling is never worth more than an earlier one
+    lv = candidate_level(frontier([[0.5, 0.3, 0.2]], depth=2, nodes=[7]), 3)
+    vals = child_values([0.5], lv, torch.tensor([0.9, 0.8, 0.1]))
+    assert vals == pytest.approx([0.45, 0.05, 0.0])
+    assert child_values([0.5], lv, torch.tensor([0.2, 0.6, 0.1])) == pytest.approx([0.1, 0.1, 0.05])
+
+
+def test_flat_cost_takes_every_candidate_up_to_the_caps():
+    pol = GrowPolicy(q_scores, flat(), max_width=3, max_nodes=64)
+    assert pol.widths(frontier([[0.5, 0.3, 0.2, 0.0]])) == [3]  # the zero-mass 4th is never taken
+    pol = GrowPolicy(q_scores, flat(), max_width=3, max_nodes=2)
+    assert pol.widths(frontier([[0.5, 0.3, 0.2, 0.0]])) == [2]
+
+
+def test_steep_cost_takes_only_what_beats_the_current_rate():
+    # rate with no tree: 1 token / 10 ms. Candidates 0.6, 0.3, 0.1: the first gives 1.6 / 12 ms;
+    # the second 1.9 / 20 < 1.6 / 12: the level takes exactly one.
+    steep = CostCurve([1, 2, 3, 4], [10.0, 12.0, 20.0, 40.0], [0.0] * 4)
+    pol = GrowPolicy(q_scores, steep, max_width=3)
+    assert pol.widths(frontier([[0.6, 0.3, 0.1]])) == [1]
+    # a draft too unsure to pay for any node: nothing is drafted
+    pol = GrowPolicy(q_scores, steep, max_width=3)
+    assert pol.widths(frontier([[0.05] * 20])) == [0]
+
+
+def test_widths_follow_the_values_across_parents():
+    # two frontier nodes at depth 2 worth 0.9 and 0.1: the confident one gets the children.
+    # Rate now 2 / 11 ms; 0.63 -> 2.63 / 11.5; 0.18 -> 2.81 / 12; 0.09 -> 2.90 / 40: stop.
+    cost = CostCurve([1, 2, 3, 4, 5, 6], [10, 10.5, 11, 11.5, 12, 40], [0.0] * 6)
+    pol = GrowPolicy(q_scores, cost, max_width=3)
+    pol._round = {"value": {-1: 1.0, 0: 0.9, 1: 0.1}, "E": 2.0, "N": 2, "feeds": 0.0}
+    assert pol.widths(frontier([[0.7, 0.2, 0.1], [0.7, 0.2, 0.1]], depth=2, nodes=[0, 1])) == [2, 0]
+
+
+def test_expand_stops_when_the_next_draft_forward_cannot_pay():
+    lv = DraftLevel(depth=1, nodes=[0], tokens=[3], valid=[True], q_token=torch.tensor([0.9]),
+                    parent_q=torch.full((1, 4), 0.25), parent_of=[0], parent_nodes=[-1], branch=[0],
+                    path_logq=torch.log(torch.tensor([0.9])))
+    cheap = GrowPolicy(q_scores, flat(10.0, draft=1.0))
+    cheap._round = {"value": {-1: 1.0}, "E": 1.0, "N": 1, "feeds": 0.0}
+    assert cheap.expand(lv) == [True]
+    costly = GrowPolicy(q_scores, flat(10.0, draft=500.0))
+    costly._round = {"value": {-1: 1.0}, "E": 1.0, "N": 1, "feeds": 0.0}
+    assert costly.expand(lv) == [False]
+
+
+def test_caps_are_validated():
+    with pytest.raises(ValueError, match="max-nodes"):
+        GrowPolicy(q_scores, flat(), max_nodes=0)
+    with pytest.raises(ValueError, match="max_nodes"):
+        StrategyConfig(strategy="ti-mcsd", stop="confidence", confidence_rule="grow", max_nodes=5000)
+
+
+# a cost curve shaped like the CPU's (cheap up to ~16 nodes, then not), with a draft forward
+# that is not free: trees then vary from one round to the next
+CPU_LIKE = CostCurve([1, 5, 16, 45, 64], [36.6, 41.0, 42.0, 55.0, 59.0], [4.0, 4.0, 5.0, 6.0, 7.0])
+
+
+@pytest.fixture(scope="module")
+def sharp_pair():
+    """Sharp next-token distributions and a draft that mostly agrees: trees of every shape."""
+    target = tiny_llama(0, scale=40)
+    return target, noisy_copy(target, 0.005)
+
+
+def grow_engine(target, draft, sampling, scorer="q", width=3, depth=4, max_nodes=24):
+    cfg = StrategyConfig(strategy="ti-mcsd", width=width, depth=depth, stop="confidence",
+                         confidence_rule="grow", max_nodes=max_nodes)
+    score = q_scores if scorer == "q" else random_decider("tree", 0.0, cut=0.3).scores
+    pol = GrowPolicy(score, CPU_LIKE, max_width=width, max_nodes=max_nodes, label=scorer)
+    return build_engine(target, draft, cfg, sampling, stop=pol)
+
+
+@pytest.mark.parametrize("scorer", ["q", "decider"])
+def test_grow_greedy_equals_ar_and_varies_the_tree(sharp_pair, scorer):
+    target, draft = sharp_pair
+    greedy = SamplingConfig()
+    ar = build_engine(target, None, StrategyConfig(strategy="ar"), greedy)
+    eng = grow_engine(target, draft, greedy, scorer)
+    sizes, depths = Counter(), Counter()
+    for prompt in ([1, 2, 3], [5, 9], [7, 7, 7, 1]):
+        want, _ = ar.generate(prompt, 40)
+        got, stats = eng.generate(prompt, 40)
+        assert got == want
+        assert stats.block_efficiency > 1.0  # it does speculate
+        sizes.update(stats.tree_sizes)
+        depths.update(stats.drafted_depths)
+    assert len(sizes) >= 3 and len(depths) >= 2, (sizes, depths)
+
+
+def test_grow_gives_nodes_different_child_counts(sharp_pair):
+    target, draft = sharp_pair
+    eng = grow_engine(target, draft, SamplingConfig(), "q")
+    seen = Counter()
+    eng.observer = lambda tree, *_: seen.update(len(c) for c in tree.layout.children[1:] if c)
+    eng.generate([1, 2, 3], 40)
+    assert len(seen) >= 2, seen  # some nodes got one child, others several
+
+
+def test_grow_runs_through_session_config(pair):
+    # the names the CLIs and the bench use
+    cfg = StrategyConfig(strategy="ti-mcsd", width=4, depth=8, stop="confidence", confidence_rule="grow")
+    assert cfg.name == "ti-mcsd[W=4,D=8]+confidence(grow)"
+    with pytest.raises(ValueError, match="cost model"):
+        build_engine(*pair, cfg, SamplingConfig())  # no cost model without a Session / decider
+
+
+@pytest.mark.parametrize("scorer", ["q", "decider"])
+def test_grow_sampling_is_exact_while_shapes_vary(scorer):
+    """Continuations under grow follow the target's exact distribution (chi-square over a tiny
+    vocabulary), with the policy really choosing different trees and child counts."""
+    from test_sampling_exact import LENGTH, PROMPT, VOCAB, chi2_pvalue, exact_distribution
+
+    samples = 6000  # a lossless check; test_sampling_exact shows this size catches ~0.1 TV of bias
+    target = tiny_llama(0, vocab=VOCAB, layers=1, hidden=16, scale=10)
+    draft = tiny_llama(1, vocab=VOCAB, layers=1, hidden=16, scale=10)
+    sampling = SamplingConfig(temperature=1.0)
+    eng = grow_engine(target, draft, sampling, scorer, width=3, depth=3, max_nodes=12)
+    eng.stop.cost = CostCurve([1, 3, 6, 12], [10.0, 10.5, 11.5, 14.0], [0.5] * 4)  # varied trees here
+    counts, sizes, kids = Counter(), Counter(), Counter()
+    eng.observer = lambda tree, *_: kids.update(len(c) for c in tree.layout.children)
+    for seed in range(samples):
+        out, stats = eng.generate(PROMPT, LENGTH, seed=seed)
+        counts[tuple(out)] += 1
+        sizes.update(stats.tree_sizes)
+    assert len(sizes) >= 3 and len([k for k in kids if k > 0]) >= 2, (sizes, kids)
+    p = chi2_pvalue(counts, exact_distribution(target, sampling), samples)
+    assert p > 1e-3, f"grow({scorer}) sampling: chi-square p = {p:.2e}"
