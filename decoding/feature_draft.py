@@ -1,6 +1,6 @@
 """EAGLE-3 feature draft head: one decoder layer that reads the target's own hidden states.
 
-Layout (the names vLLM / SGLang load, see DESIGN.md section 7): `fc` fuses the target's
+Layout (the weight names vLLM / SGLang load for an EAGLE-3 head): `fc` fuses the target's
 residual stream at the INPUT of three layers (3 * target_hidden -> hidden, no bias);
 `midlayer` attends over `cat(input_layernorm(embed(token)), hidden_norm(h))` (2H wide q/k/v)
 with a residual on h, then the usual SwiGLU MLP; `norm` + `lm_head` over a reduced draft

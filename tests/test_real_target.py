@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from decoding import models
 from decoding.agreement import check_greedy
+from decoding.growth import CostCurve, GrowPolicy, q_scores
 from decoding.sampling import SamplingConfig
 from decoding.session import Session
 from decoding.strategies import StrategyConfig, build_engine
@@ -27,6 +28,12 @@ def layer_skip_draft(target, layers=4):
     return draft.eval()
 
 
+def grow_policy(cfg):
+    """The cost-aware tree over q, with the CPU's measured cost shape (decoding.growth)."""
+    cost = CostCurve([1, 5, 16, 45, 64], [36.6, 41.0, 42.0, 55.0, 59.0], [4.0, 4.2, 5.0, 6.0, 7.0])
+    return GrowPolicy(q_scores, cost, max_width=cfg.width, max_nodes=cfg.max_nodes)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_strategies_agree_with_ar(dtype):
     sess = Session.open(None, None, dtype)
@@ -34,13 +41,15 @@ def test_strategies_agree_with_ar(dtype):
     greedy = SamplingConfig()
     configs = [StrategyConfig(strategy="sd", gamma=4), StrategyConfig(strategy="mcsd", k_config="4,2,2,1"),
                StrategyConfig(strategy="ti-mcsd", width=4, depth=6),
-               StrategyConfig(strategy="ti-mcsd", width=3, depth=8, stop="confidence")]
+               StrategyConfig(strategy="ti-mcsd", width=3, depth=8, stop="confidence"),
+               StrategyConfig(strategy="ti-mcsd", width=4, depth=8, stop="confidence", confidence_rule="grow")]
     ar = build_engine(sess.target, None, StrategyConfig(strategy="ar"), greedy)
     for text in PROMPTS:
         ids = sess.encode(text, chat=True)
         ref, _ = ar.generate(ids, N)
         for cfg in configs:
-            out, stats = build_engine(sess.target, draft, cfg, greedy).generate(ids, N)
+            stop = grow_policy(cfg) if cfg.confidence_rule == "grow" else None
+            out, stats = build_engine(sess.target, draft, cfg, greedy, stop).generate(ids, N)
             if dtype == "float32":
                 assert out == ref, cfg.name
             else:  # which near-ties a batched bf16 verification flips depends on the CPU

@@ -167,27 +167,37 @@ class ThreadsFromFile(Callback):
                 print(f"distill: now {n} threads", file=sys.stderr, flush=True)
 
 
-def fit(argv: list[str] | None = None) -> None:
+def usage_error(msg: str) -> None:
+    """A config the trainer cannot run: one line, exit 2."""
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def lightning_cli(module_cls, data_cls, run_cls, argv: list[str] | None):
+    """LightningCLI with a `run:` section (`run_cls`), torch threads set before anything is
+    built. Returns run, trainer, module, datamodule, checkpoint callback and its last.ckpt."""
     from lightning.pytorch.cli import LightningCLI
 
     class CLI(LightningCLI):
         def add_arguments_to_parser(self, parser):
-            parser.add_class_arguments(RunConfig, "run")
+            parser.add_class_arguments(run_cls, "run")
 
     threads = _peek_threads(argv if argv is not None else sys.argv[1:])
     if threads:
         torch.set_num_threads(threads)
-    cli = CLI(DistillModule, CorpusDataModule, run=False, args=argv,
-              save_config_kwargs={"overwrite": True})
-    run: RunConfig = RunConfig(**vars(cli.config["run"]) if not isinstance(cli.config["run"], dict)
-                               else cli.config["run"])
-    trainer, module, data = cli.trainer, cli.model, cli.datamodule
+    cli = CLI(module_cls, data_cls, run=False, args=argv, save_config_kwargs={"overwrite": True})
+    run = cli.config["run"]
+    run = run_cls(**(run if isinstance(run, dict) else vars(run)))
+    cb = cli.trainer.checkpoint_callback
+    if cb is None or not cb.dirpath:
+        usage_error("the config needs a ModelCheckpoint callback with a dirpath")
+    return run, cli.trainer, cli.model, cli.datamodule, cb, Path(cb.dirpath) / "last.ckpt"
+
+
+def fit(argv: list[str] | None = None) -> None:
+    run, trainer, module, data, cb, last = lightning_cli(DistillModule, CorpusDataModule, RunConfig, argv)
     if run.threads_file:
         trainer.callbacks.append(ThreadsFromFile(run.threads_file))
-    cb = trainer.checkpoint_callback
-    if cb is None or not cb.dirpath:
-        raise SystemExit("error: the config needs a ModelCheckpoint callback with a dirpath")
-    last = Path(cb.dirpath) / "last.ckpt"
     trainer.fit(module, datamodule=data, ckpt_path=str(last) if run.resume and last.exists() else None)
     if not run.export or trainer.global_rank != 0:
         return

@@ -37,7 +37,7 @@ class DraftConfig:
     head_size: int | None = 16384
     """Token ids the new draft's output layer scores (most frequent first); None = all."""
     embed_init: str = "svd"
-    """svd = project the target's embedding to `hidden` dims (DESIGN.md section 6) | random."""
+    """svd = project the target's embedding to `hidden` dims (its top singular directions: a warm start that keeps the target's token geometry) | random."""
     lora: bool = False
     """Fine-tune an existing draft (init = DIR) with a peft LoRA adapter instead of fully."""
     lora_r: int = 16

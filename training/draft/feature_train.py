@@ -60,39 +60,17 @@ def export(module: FeatureDistillModule, out: Path, meta: dict) -> Path:
     return feature_io.save_feature_draft(module.head.float().eval(), out, module.target(), meta)
 
 
-def _usage(msg: str) -> None:
-    print(f"error: {msg}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def fit(argv: list[str] | None) -> None:
-    from lightning.pytorch.cli import LightningCLI
+    from ..distill import _ckpt_metrics, _relative, lightning_cli, target_fingerprint, usage_error
 
-    from ..distill import _ckpt_metrics, _peek_threads, _relative, target_fingerprint
-
-    class CLI(LightningCLI):
-        def add_arguments_to_parser(self, parser):
-            parser.add_class_arguments(RunConfig, "run")
-
-    threads = _peek_threads(argv if argv is not None else sys.argv[1:])
-    if threads:
-        torch.set_num_threads(threads)
-    cli = CLI(FeatureDistillModule, FeatureDataModule, run=False, args=argv,
-              save_config_kwargs={"overwrite": True})
-    run = cli.config["run"]
-    run = RunConfig(**(run if isinstance(run, dict) else vars(run)))
-    trainer, module, data = cli.trainer, cli.model, cli.datamodule
+    run, trainer, module, data, cb, last = lightning_cli(FeatureDistillModule, FeatureDataModule, RunConfig, argv)
     if data.target != module.hp["target"]:
-        _usage("data.target and model.target must name the same target")
-    cb = trainer.checkpoint_callback
-    if cb is None or not cb.dirpath:
-        _usage("the config needs a ModelCheckpoint callback with a dirpath")
-    last = Path(cb.dirpath) / "last.ckpt"
+        usage_error("data.target and model.target must name the same target")
     try:
         trainer.fit(module, datamodule=data,
                     ckpt_path=str(last) if run.resume and last.exists() else None)
     except ValueError as e:  # wrong target, nothing cached, bad settings: a config error
-        _usage(str(e))
+        usage_error(str(e))
     if not run.export or trainer.global_rank != 0:
         return
     best = cb.best_model_path or str(last)
