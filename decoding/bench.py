@@ -95,8 +95,25 @@ def run_sweep(sess, cfg: BenchConfig, prompts: list[list[int]]) -> dict:
             "points": points}
 
 
+def resolve_dtype(dtype: str, device: str) -> tuple[str, str]:
+    """`auto`: bfloat16 on CUDA or a CPU with native bf16 (AVX512-BF16 / AMX), else float32:
+    without them a bf16 matmul of more than two rows is several times slower than fp32, so a
+    bf16 benchmark would measure the dtype, not the strategies."""
+    if dtype != "auto":
+        return dtype, "config"
+    from .defaults import cpu_has_native_bf16
+
+    if device.startswith("cuda"):
+        return "bfloat16", "auto: cuda"
+    if cpu_has_native_bf16():
+        return "bfloat16", "auto: the CPU has native bf16"
+    return "float32", "auto: the CPU has no native bf16 (bf16 matmuls are emulated)"
+
+
 def run_compare(cfg: BenchConfig, command: str) -> dict:
     t0 = time.perf_counter()
+    cfg.dtype, dtype_source = resolve_dtype(cfg.dtype, cfg.device)
+    _log(f"dtype {cfg.dtype} ({dtype_source})")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     sets = {k: load_prompts(v, cfg.prompts_per_set) for k, v in cfg.prompt_sets.items()}
@@ -138,6 +155,7 @@ def run_compare(cfg: BenchConfig, command: str) -> dict:
     results = {
         "meta": {"date": time.strftime("%Y-%m-%d"), "command": command, "target": sess.target_dir.name,
                  "draft": str(sess.draft_dir) if sess.draft_dir else None, "dtype": cfg.dtype,
+                 "dtype_source": dtype_source,
                  "device": cfg.device, "threads": torch.get_num_threads(), "prompts_per_set": cfg.prompts_per_set,
                  "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "decider": _decider_name(cfg),
                  "ci": {"level": 0.95, "method": "percentile bootstrap over prompts, paired by repeat",

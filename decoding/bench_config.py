@@ -42,6 +42,8 @@ class StrategySpec:
     """Decider stop rule (paper | specdecpp | tree | grow); null = the checkpoint's."""
     max_nodes: int = 64
     """grow rules: cap on the draft tree's nodes."""
+    grow_cost: str = "decider"
+    """grow rules: decider (its stored cost model) | measure (this machine, timed at start)."""
     threshold: float | None = None
     """Decider threshold; null = the one validated for `rule` at fit time."""
     prompt_lookup_num_tokens: int = 10
@@ -72,7 +74,7 @@ class StrategySpec:
         return StrategyConfig(strategy=self.strategy, gamma=self.gamma, k_config=self.k_config,
                               width=self.width, depth=self.depth, mode=self.mode, stop=self.stop,
                               confidence_threshold=t, confidence_rule=self.confidence_rule,
-                              max_nodes=self.max_nodes)
+                              max_nodes=self.max_nodes, grow_cost=self.grow_cost)
 
     def shape_config(self) -> StrategyConfig:
         """The engine config for its tree shape (a tuned threshold does not change the shape)."""
@@ -154,7 +156,8 @@ class BenchConfig:
     """Target model dir; null = the embedded SmolLM2-135M-Instruct."""
     draft: str | None = None
     """Draft model dir; null = the shipped default draft."""
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
+    """float32 | bfloat16 | auto (bf16 only where the device computes it natively)."""
     device: str = "cpu"
     threads: int | None = 2
     """torch threads; null = torch's default."""
@@ -200,6 +203,8 @@ class BenchConfig:
         if needs and self.decider is None:
             raise ValueError(f"decider is null but row(s) {', '.join(needs)} need a decider checkpoint "
                              "(set decider: latest or a dir, or remove the rows)")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16 (got {self.dtype!r})")
         if any(t < 0 for t in self.temperatures) or not self.temperatures:
             raise ValueError("temperatures must be a non-empty list of values >= 0")
         if self.sweep.enabled and self.sweep.prompt_set not in self.prompt_sets:

@@ -99,7 +99,7 @@ def quick_config(root: Path, oracle_traces: str | None = None) -> BenchConfig:
                     S("ti-mcsd+decider(paper)", "ti-mcsd", width=3, depth=4, stop="decider", rule="paper"),
                     S("ti-mcsd+decider(tree)", "ti-mcsd", width=3, depth=4, stop="decider"),
                     S("ti-mcsd+confidence(grow)", "ti-mcsd", width=3, depth=4, max_nodes=12, stop="confidence",
-                      confidence_rule="grow"),
+                      confidence_rule="grow", grow_cost="measure"),
                     S("ti-mcsd+decider(grow)", "ti-mcsd", width=3, depth=4, max_nodes=12, stop="decider", rule="grow"),
                     S("ti-mcsd longest-branch (LOSSY)", "ti-mcsd", width=3, depth=4, mode="longest-branch")],
         sweep=SweepConfig(prompts=1, max_new_tokens=8, ti_mcsd=[[2, 3], [3, 4]], mcsd=["2,1", "3,2,1"]),

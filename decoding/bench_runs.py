@@ -143,7 +143,8 @@ def _setting(spec: StrategySpec, stop) -> dict | None:
     """What the row's stop policy really ran with (read back from the built policy)."""
     if getattr(stop, "sizes_children", False):  # decoding.growth: no threshold, a cost model
         return {"rule": "grow", "scores": stop.label, "max_width": stop.max_width, "max_nodes": stop.max_nodes,
-                "source": "cost model measured by the decider's fit"}
+                "source": "cost model " + ("timed on this machine at the start of the run"
+                                           if spec.grow_cost == "measure" else "measured by the decider's fit")}
     if spec.stop == "decider":
         return {"rule": stop.cfg.rule, "threshold": stop.cfg.threshold,
                 "source": "config" if spec.threshold is not None else f"validated for the {stop.cfg.rule} rule"}

@@ -66,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
                          "once P(a drafted token is rejected) exceeds it; tree: extend each node whose "
                          "predicted path acceptance is >= the threshold; grow: size the tree (children per node, "
                          "depth) from the scores and the checkpoint's cost model (default: the checkpoint's, or (*))")
+    ap.add_argument("--grow-cost", choices=("decider", "measure"), default=None,
+                    help="grow rules: the cost model stored with --decider (default), or measure this "
+                         "machine's forwards at start (~10-30 s)")
     ap.add_argument("--max-nodes", type=int, default=None,
                     help="grow rules: cap on draft tree nodes (default 64; --width caps children per node, "
                          "--depth the levels)")
@@ -105,7 +108,8 @@ def main(argv=None) -> int:
                            k_config=args.k_config, width=args.width, depth=args.depth, mode=args.mode,
                            replacement=args.replacement or None, stop=args.stop,
                            confidence_threshold=args.confidence_threshold,
-                           confidence_rule=args.confidence_rule, max_nodes=args.max_nodes)
+                           confidence_rule=args.confidence_rule, max_nodes=args.max_nodes,
+                           grow_cost=args.grow_cost)
         on_text = None if args.json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
         res = dec.generate(args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,
                            chat=args.chat, on_text=on_text)

@@ -20,8 +20,9 @@ own value would bias the walk: the count may not look at the children it counts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -56,6 +57,45 @@ class CostCurve:
 
     def draft(self, n: int) -> float:
         return float(np.interp(n, self.sizes, self.draft_ms))
+
+
+def monotone(ms: list[float]) -> list[float]:
+    """Non-decreasing in the number of tokens: a forward of more tokens never costs less, so a
+    smaller size's time is capped by every larger size's (a noise burst on a shared machine
+    inflates one size's median; a larger size's time is an upper bound for it)."""
+    out = list(ms)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return out
+
+
+@torch.inference_mode()
+def time_forwards(model, sizes, repeats: int = 3, context: int = 256) -> list[float]:
+    """Median ms of one CachedModel.feed of n tree nodes after `context` tokens, for each n
+    (sizes interleaved within each repeat, so a burst of load hits several sizes once; the
+    first pass warms up and is dropped), made non-decreasing in n."""
+    from .cache import CachedModel
+    from .tree import layout_from_k_config
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+    prompt = [(10 + i) % vocab for i in range(context)]
+    m = CachedModel(model)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats + 1):
+        for n in sizes:
+            lay = layout_from_k_config([n])  # n siblings: the mask / positions of a real tree
+            m.reset()
+            m.feed(prompt[:-1], lay, [], 0, 0)
+            t = time.perf_counter()
+            m.feed(prompt, lay, [(1 + i) % vocab for i in range(n)], 0, n)
+            times[n].append(1000 * (time.perf_counter() - t))
+    return monotone([float(np.median(times[n][1:])) for n in sizes])
+
+
+def measure_cost(target, draft, sizes=(1, 2, 4, 8, 16, 32, 64), repeats: int = 3) -> CostCurve:
+    """This machine's cost curve, in the dtype the models are in (~10-30 s on a CPU)."""
+    sizes = list(sizes)
+    return CostCurve(sizes, time_forwards(target, sizes, repeats), time_forwards(draft, sizes, repeats))
 
 
 def candidate_level(fr: Frontier, width: int) -> DraftLevel:

@@ -10,7 +10,7 @@ import torch
 from . import models
 from .feature_io import draft_kind, load_feature_draft
 from .decider import DeciderConfig, DeciderStop, load_decider, resolve_decider_dir
-from .growth import CostCurve, GrowPolicy, q_scores
+from .growth import CostCurve, GrowPolicy, measure_cost, q_scores
 from .sampling import SamplingConfig
 from .stopping import GROW, make_stop_policy
 from .strategies import StrategyConfig, build_engine
@@ -94,15 +94,22 @@ class Session:
 
     def grow_policy(self, cfg: StrategyConfig, decider=None, scorer: DeciderStop | None = None) -> GrowPolicy:
         """The cost-aware growth policy over the decider's scores, or over the draft's own q
-        (scorer None); either way with the cost model the decider's fit measured for this pair."""
+        (scorer None), with the cost model the decider's fit measured for this pair, or this
+        machine's, timed now (cfg.grow_cost)."""
         if cfg.mode != "lossless":
             raise ValueError("the grow rule sizes lossless trees only (not the longest-branch mode)")
-        where = resolve_decider_dir(decider or "latest")
-        dcfg = scorer.cfg if scorer is not None else load_decider(decider or "latest", self.target, self.draft)[1]
-        try:
-            cost = CostCurve.from_dict(dcfg.cost_model)
-        except ValueError as e:
-            raise models.ModelError(f"decider {where} has no usable cost model for the grow rule: {e}") from None
+        if cfg.grow_cost == "measure":
+            if not hasattr(self, "_measured_cost"):  # once per loaded pair
+                self._measured_cost = measure_cost(self.target, self.draft)
+            cost = self._measured_cost
+        else:
+            where = resolve_decider_dir(decider or "latest")
+            dcfg = scorer.cfg if scorer is not None else load_decider(decider or "latest", self.target, self.draft)[1]
+            try:
+                cost = CostCurve.from_dict(dcfg.cost_model)
+            except ValueError as e:
+                raise models.ModelError(f"decider {where} has no usable cost model for the grow rule: {e} "
+                                        f"(or use grow_cost measure)") from None
         return GrowPolicy(q_scores if scorer is None else scorer.scores, cost, max_width=cfg.width,
                           max_nodes=cfg.max_nodes, label="q" if scorer is None else "decider",
                           needs_hidden=scorer is not None and scorer.needs_hidden)

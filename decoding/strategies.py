@@ -42,6 +42,9 @@ class StrategyConfig:
     grow (the cost-aware tree of decoding.growth)."""
     max_nodes: int = 64
     """grow rules only: cap on the draft tree's nodes (width caps children per node, depth levels)."""
+    grow_cost: str = "decider"
+    """grow rules only: decider (the cost model stored with the decider checkpoint) or measure
+    (time this machine's forwards once, in the dtype loaded: ~10-30 s on a CPU)."""
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -55,6 +58,8 @@ class StrategyConfig:
         self.k_config = ",".join(map(str, parse_k_config(self.k_config)))
         tree_size(self.k_levels)  # width / depth / k-config / gamma: fail before any model loads
         check_threshold("confidence threshold", self.confidence_threshold)
+        if self.grow_cost not in ("decider", "measure"):
+            raise ValueError(f"grow_cost must be decider or measure (got {self.grow_cost!r})")
         if not 1 <= self.max_nodes <= MAX_TREE_NODES:
             raise ValueError(f"max_nodes must be in 1..{MAX_TREE_NODES} (got {self.max_nodes})")
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from decoding.features import FEATURE_NAMES
+from decoding.growth import monotone  # noqa: F401  (re-exported: the cost model made monotone)
 
 Q_TOKEN = FEATURE_NAMES.index("q_token")
 PATH_LOGQ = FEATURE_NAMES.index("path_logq")
@@ -49,40 +50,19 @@ class CostModel:
         return np.interp(n, self.sizes, self.draft_ms)
 
 
-def monotone(ms: list[float]) -> list[float]:
-    """Non-decreasing in the number of tokens: a forward of more tokens never costs less, so a
-    smaller size's time is capped by every larger size's (a noise burst on a shared machine
-    inflates one size's median; a larger size's time is an upper bound for it)."""
-    out = list(ms)
-    for i in range(len(out) - 2, -1, -1):
-        out[i] = min(out[i], out[i + 1])
-    return out
-
-
 @torch.inference_mode()
 def calibrate(target, draft, context: int = 256, repeats: int = 5, sizes=None,
               collect: dict | None = None, overhead_tokens: int = 32) -> CostModel:
     """Measure this machine: forward times for each tree size (sizes interleaved within each
     repeat, so a burst of load hits several sizes once, not one size every time; median of
     `repeats`, then made monotone), and the engine's per-round bookkeeping (`overhead_ms`)."""
-    from decoding.cache import CachedModel
-    from decoding.tree import layout_from_k_config
+    from decoding.growth import time_forwards
 
     cm = CostModel(**({"sizes": sizes} if sizes else {}))
     vocab = target.get_output_embeddings().weight.shape[0]
     prompt = [(10 + i) % vocab for i in range(context)]
-    for model, out in ((target, cm.target_ms), (draft, cm.draft_ms)):
-        m = CachedModel(model)
-        times: dict[int, list[float]] = {n: [] for n in cm.sizes}
-        for _ in range(repeats + 1):  # the first pass warms up and is dropped
-            for n in cm.sizes:
-                lay = layout_from_k_config([n])  # n siblings: the mask/positions of a real tree
-                m.reset()
-                m.feed(prompt[:-1], lay, [], 0, 0)
-                t = time.perf_counter()
-                m.feed(prompt, lay, [(1 + i) % vocab for i in range(n)], 0, n)
-                times[n].append(1000 * (time.perf_counter() - t))
-        out.extend(monotone([float(np.median(times[n][1:])) for n in cm.sizes]))
+    cm.target_ms = time_forwards(target, cm.sizes, repeats, context)
+    cm.draft_ms = time_forwards(draft, cm.sizes, repeats, context)
     cm.overhead_ms, how = bookkeeping_ms(target, draft, prompt, repeats, collect, overhead_tokens)
     where = f"measured on {platform.node() or 'this machine'} ({torch.get_num_threads()} threads)"
     cm.source = {"target_ms": f"{where}: median CachedModel.feed of {context} + n tokens, "
