@@ -23,7 +23,9 @@ from .models import ModelError, fingerprint, same_model, stale_fingerprint
 from .stopping import CONFIDENCE_RULES, GROW, DraftLevel, StopPolicy, check_threshold
 
 KINDS = ("mlp11", "hidden", "logistic", "mlp")
-RULES = ("paper", "specdecpp", "tree", "grow")
+THRESHOLD_RULES = ("paper", "specdecpp", "tree")
+"""Rules with a threshold (chosen by replaying traces: training.threshold)."""
+RULES = (*THRESHOLD_RULES, GROW)
 DECIDERS_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "deciders"
 
 

@@ -289,10 +289,10 @@ def test_checkpoint_records_every_rules_val_threshold(fitted):
     _, run = fitted
     val = json.loads((run / "metrics.json").read_text())["replay"]["val"]
     cfg = json.loads((run / "config.json").read_text())
-    assert cfg["thresholds"] == {r: val[f"decider-{r}"]["threshold"] for r in D.RULES}
+    assert cfg["thresholds"] == {r: val[f"decider-{r}"]["threshold"] for r in D.THRESHOLD_RULES}
     assert cfg["thresholds"][cfg["rule"]] == cfg["threshold"]
     assert cfg["confidence_thresholds"] == {"level": val["confidence"]["threshold"],
                                             "tree": val["confidence-tree"]["threshold"]}
     _, dcfg = D.load_decider(run)
-    for r in D.RULES:
+    for r in D.THRESHOLD_RULES:
         assert rule_threshold(dcfg, r) == val[f"decider-{r}"]["threshold"]

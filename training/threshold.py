@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decoding.decider import RULES
+from decoding.decider import THRESHOLD_RULES as RULES  # grow has no threshold to choose
 
 from .datamodule import Split
 from .replay import (
