@@ -15,8 +15,8 @@ output `h` is the hidden input of the next draft step (position t + 1).
 API for training (h8):
 - `with capture_aux(target, cfg.aux_layers) as cap: target(input_ids=ids)`; then
   `aux = cap.aux()` is [B, T, 3 * target_hidden] (pre-layer residuals, target dtype).
-- `draft.unroll(input_ids, aux, steps, attention_mask=None) -> list[(logits, h)]`, one pair
-  per step j = 0 .. steps-1. input_ids [B, T] is the sequence x_0..x_{T-1}, aux [B, T, 3Ht]
+- `draft.unroll(input_ids, aux, steps, attention_mask=None, skip=0, logits=True) ->
+  list[(logits, h)]`, one pair per step j = 0 .. steps-1 (steps >= 1 cover t >= skip only). input_ids [B, T] is the sequence x_0..x_{T-1}, aux [B, T, 3Ht]
   the target's features at the same positions, attention_mask [B, T] (1 = real token; right
   padding). Step j at index t reads token x_{t+1+j} at position t+j, with hidden fc(aux_t)
   (j = 0) or step j-1's h at t; it attends to step 0's entries 0..t and to its own entries
@@ -257,15 +257,22 @@ class FeatureDraft(nn.Module):
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
     @torch.no_grad()
+    def init_output(self, target, used_ids) -> FeatureDraft:
+        """Vocabulary, embeddings, lm_head = the target's output rows at `used_ids` and norm =
+        its final norm; fc and the midlayer keep their fresh initialisation."""
+        self.set_vocab(used_ids)
+        self.attach_embeddings(target.get_input_embeddings().weight)
+        self.lm_head.weight.copy_(target.get_output_embeddings().weight[self.used_ids.cpu()].float())
+        self.norm.weight.copy_(target.model.norm.weight.float())
+        return self
+
+    @torch.no_grad()
     def init_from_target(self, target, used_ids) -> FeatureDraft:
         """lm_head = the target's output rows at `used_ids`, norm = its final norm, midlayer
         from the target's last layer (q/k/v: the target's weight on both halves of the 2H
         input, halved), fc passes the highest captured layer through (when widths match)."""
         c = self.config
-        self.set_vocab(used_ids)
-        self.attach_embeddings(target.get_input_embeddings().weight)
-        self.lm_head.weight.copy_(target.get_output_embeddings().weight[self.used_ids.cpu()].float())
-        self.norm.weight.copy_(target.model.norm.weight.float())
+        self.init_output(target, used_ids)
         src = target.model.layers[-1]
         if c.target_hidden_size == c.hidden_size:
             self.fc.weight.zero_()
@@ -319,8 +326,14 @@ class FeatureDraft(nn.Module):
         h = m.finish(hidden, a)
         return self.head(h), h
 
-    def unroll(self, input_ids, aux, steps: int, attention_mask=None):
-        """Training-time test (see the module docstring). Returns [(logits, h)] per step."""
+    def unroll(self, input_ids, aux, steps: int, attention_mask=None, skip: int = 0,
+               logits: bool = True):
+        """Training-time test (see the module docstring). Returns [(logits, h)] per step.
+
+        Steps j >= 1 are computed only at indices t >= `skip` (their outputs cover skip..T-1):
+        a training batch needs them only where a label exists, and a prompt has none, so this
+        saves the prompt's share of every later step. `logits=False` returns (None, h) and
+        leaves the output layer to the caller (applied to the labelled rows only)."""
         b, t = input_ids.shape
         dev = input_ids.device
         m, att = self.midlayer, self.midlayer.self_attn
@@ -333,20 +346,26 @@ class FeatureDraft(nn.Module):
         scale = 1.0 / math.sqrt(self.config.head_dim)
         hidden, keys, vals, outs = self.fuse(aux), [], [], []
         for j in range(steps):
-            tok = ids[:, 1 + j: 1 + j + t]
-            q, k, v = att.qkv(m.attn_input(self.embed(tok), hidden), pos + j)
+            a0 = 0 if j == 0 else skip  # first index computed at this step
+            if j == 1 and skip:
+                hidden = hidden[:, skip:]
+            tok = ids[:, a0 + 1 + j: 1 + j + t]
+            q, k, v = att.qkv(m.attn_input(self.embed(tok), hidden), pos[:, a0:] + j)
             k, v = att.expand(k), att.expand(v)
-            keys.append(k)
-            vals.append(v)
-            s0 = (q @ keys[0].transpose(-1, -2)) * scale
-            s0 = s0.masked_fill(~keep, torch.finfo(s0.dtype).min)
-            diag = [(q * kk).sum(-1, keepdim=True) * scale for kk in keys[1:]]
+            if j == 0:
+                k0, v0 = k, v
+            else:  # later steps see only their own entry at t: keep the rows t >= skip
+                keys.append(k)
+                vals.append(v)
+            s0 = (q @ k0.transpose(-1, -2)) * scale
+            s0 = s0.masked_fill(~keep[:, :, a0:], torch.finfo(s0.dtype).min)
+            diag = [(q * kk).sum(-1, keepdim=True) * scale for kk in keys]
             w = torch.softmax(torch.cat([s0, *diag], dim=-1).float(), dim=-1).to(q.dtype)
-            a = w[..., :t] @ vals[0]
-            for i, vv in enumerate(vals[1:]):
+            a = w[..., :t] @ v0
+            for i, vv in enumerate(vals):
                 a = a + w[..., t + i: t + i + 1] * vv
             hidden = m.finish(hidden, a)
-            outs.append((self.head(hidden), hidden))
+            outs.append((self.head(hidden) if logits else None, hidden))
         return outs
 
 

@@ -138,3 +138,18 @@ def test_unroll_padding_does_not_leak(target):
         b = d.unroll(ids2, aux2, 2, mask)
     torch.testing.assert_close(a[0][0][1, :3], b[0][0][1, :3])
     torch.testing.assert_close(a[1][0][1, :2], b[1][0][1, :2])
+
+
+def test_unroll_skip_computes_only_later_rows_and_changes_nothing(target):
+    """Steps >= 1 restricted to t >= skip give the same outputs there as the full unroll."""
+    d = tiny_feature_draft(target)
+    ids, aux = torch.randint(0, 40, (2, 10)), torch.randn(2, 10, 96)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, 8:] = 0
+    with torch.no_grad():
+        full = d.unroll(ids, aux, 3, mask)
+        part = d.unroll(ids, aux, 3, mask, skip=4, logits=False)
+    torch.testing.assert_close(part[0][1], full[0][1])
+    assert part[0][0] is None and part[1][1].shape == (2, 6, 32)
+    for j in (1, 2):
+        torch.testing.assert_close(part[j][1], full[j][1][:, 4:], rtol=1e-5, atol=1e-6)

@@ -212,3 +212,40 @@ def test_distill_dispatches_eagle3_configs_and_exports(tiny, tmp_path, monkeypat
     with pytest.raises(SystemExit) as e:
         main(["--config", str(path), "--data.target", str(other), "--model.target", str(other)])
     assert e.value.code == 2
+
+
+def test_skipped_prompt_rows_leave_the_loss_unchanged(tiny, monkeypatch):
+    """The loss with later steps cut to the labelled rows equals the loss over every row."""
+    import training.draft.feature_module as fm
+
+    dm = data(tiny)
+    dm.prepare_data()
+    dm.setup("fit")
+    from training.draft.feature_data import collate
+
+    rows = [r for r in map(dm._load, dm.train_rows) if r["label_start"] >= 4][:4]
+    batch = collate(rows)
+    assert fm.unroll_skip(batch, 2) > 0  # the longest tiny prompts leave rows to skip
+    module = FeatureDistillModule(target=dm.target, steps=2)
+    module.build_head(dm.layers, dm.vocab.used)
+    with torch.no_grad():
+        cut, per_cut = module._step(batch)
+        monkeypatch.setattr(fm, "unroll_skip", lambda b, s: 0)
+        full, per_full = module._step(batch)
+    torch.testing.assert_close(cut, full, rtol=1e-5, atol=1e-5)
+    for (lc, ac, _), (lf, af, _) in zip(per_cut, per_full):
+        torch.testing.assert_close(lc, lf, rtol=1e-5, atol=1e-5)
+        assert torch.equal(ac, af)
+
+
+def test_freeze_output_trains_only_fc_and_midlayer(tiny):
+    dm = data(tiny)
+    dm.setup("fit")
+    module = FeatureDistillModule(target=dm.target, steps=2, init="output", freeze_output=True)
+    head = module.build_head(dm.layers, dm.vocab.used)
+    t = module.target()
+    assert torch.equal(head.lm_head.weight, t.get_output_embeddings().weight[head.used_ids].float())
+    trained = {n for n, p in head.named_parameters() if p.requires_grad}
+    assert trained and all(n.startswith(("fc.", "midlayer.")) for n in trained)
+    with pytest.raises(ValueError, match="init must be"):
+        FeatureDistillModule(init="bogus")

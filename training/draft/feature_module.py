@@ -27,25 +27,36 @@ def shift(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-def step_loss(logits: torch.Tensor, batch: dict, j: int, t2d: torch.Tensor,
-              used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(soft CE mean, per-position agreement [n], their mask over the batch) for step j."""
+def step_loss(head, h: torch.Tensor, batch: dict, j: int, skip: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(soft CE mean, per-position agreement [n], their mask over the batch) for step j, whose
+    pre-norm outputs `h` cover indices skip.. (0 for step 0). The output layer runs on the
+    labelled rows only."""
     m = shift(batch["lab_mask"], 1 + j, False)
+    if j:
+        m[:, :skip] = False
     top1 = shift(batch["top1"], 1 + j, 0)[m]
-    lq = F.log_softmax(logits[m].float(), -1)
+    lq = F.log_softmax(head.head(h[m[:, skip if j else 0:]]).float(), -1)
     ids, lp = shift(batch["lab_ids"], 1 + j, 0)[m], shift(batch["lab_logp"], 1 + j, float("-inf"))[m]
-    inside = t2d[top1]
+    inside = head.t2d[top1]
     ce = -(lp.exp() * lq.gather(1, ids)).sum(-1)
     loss = (ce * inside).sum() / inside.sum().clamp_min(1)
-    agree = (used[lq.argmax(-1)] == top1).float()
+    agree = (head.used_ids[lq.argmax(-1)] == top1).float()
     return loss, agree, m
+
+
+def unroll_skip(batch: dict, steps: int) -> int:
+    """Leading indices no step >= 1 needs: step j's label at t is the token t + 2 + j, and no
+    row labels a token before its label_start + 1."""
+    return max(0, int(batch["label_start"].min()) - steps)
 
 
 class FeatureDistillModule(L.LightningModule):
     def __init__(self, target: str | None = None, steps: int = 5, step_decay: float = 0.8,
                  lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.95),
                  weight_decay: float = 0.0, warmup_ratio: float = 0.015, min_lr_ratio: float = 0.1,
-                 schedule: str = "time", rope_theta: float | None = None):
+                 schedule: str = "time", rope_theta: float | None = None, init: str = "target",
+                 freeze_output: bool = False):
         """Args:
             target: target model dir (None = embedded SmolLM2): the head's shapes, frozen
                 embedding, initial weights and (source online) the prefill.
@@ -57,15 +68,25 @@ class FeatureDistillModule(L.LightningModule):
             schedule: time (cosine over the share of trainer.max_time spent: a time-boxed run
                 ends at the floor, also after a resume) | steps (over the estimated steps).
             rope_theta: RoPE base of the head (None: the target's own); recorded on export.
+            init: target (every layer from the target: fc passes the highest captured layer
+                through, the midlayer copies the target's last layer) | output (only the
+                output layer and final norm from the target, fc and midlayer freshly
+                initialised: the passthrough predicts the NEXT token, not the one after it,
+                so it starts confidently wrong).
+            freeze_output: keep lm_head and the final norm at the target's values (the head
+                then learns to produce the target's own output features; fewer parameters).
         """
         super().__init__()
         if not 1 <= steps <= 16:
             raise ValueError(f"steps must be in 1..16 (got {steps})")
+        if init not in ("target", "output"):
+            raise ValueError(f"init must be target or output (got {init!r})")
         if schedule not in ("time", "steps"):
             raise ValueError(f"schedule must be time or steps (got {schedule!r})")
         self.hp = {"target": target, "steps": steps, "step_decay": step_decay, "lr": lr,
                    "betas": list(betas), "weight_decay": weight_decay, "warmup_ratio": warmup_ratio,
-                   "min_lr_ratio": min_lr_ratio, "schedule": schedule, "rope_theta": rope_theta}
+                   "min_lr_ratio": min_lr_ratio, "schedule": schedule, "rope_theta": rope_theta,
+                   "init": init, "freeze_output": freeze_output}
         self.head = None  # built in setup(): its vocabulary comes from the data
         self._target: list = []  # out of the module tree: never saved, never trained
         self._progress, self.t_start = 0.0, None
@@ -89,10 +110,17 @@ class FeatureDistillModule(L.LightningModule):
             cfg.rope_theta = float(self.hp["rope_theta"])
         head = FeatureDraft(cfg, t.get_input_embeddings().weight)
         if init:
-            head.init_from_target(t, used)
+            (head.init_from_target if self.hp["init"] == "target" else head.init_output)(t, used)
         self.head = head
         self.hp["head"] = cfg.to_dict()
+        self.freeze()
         return head
+
+    def freeze(self) -> None:
+        """freeze_output: lm_head and the final norm stay the target's (not trained)."""
+        frozen = self.hp.get("freeze_output", False)
+        for p in (*self.head.lm_head.parameters(), *self.head.norm.parameters()):
+            p.requires_grad_(not frozen)
 
     def setup(self, stage: str) -> None:
         if self.head is None:
@@ -116,12 +144,12 @@ class FeatureDistillModule(L.LightningModule):
     def _step(self, batch: dict):
         if "feats" not in batch:
             batch = self._online(batch)
+        skip = unroll_skip(batch, self.hp["steps"])
         outs = self.head.unroll(batch["input_ids"], batch["feats"], self.hp["steps"],
-                                batch["attention_mask"])
-        t2d, used = self.head.t2d, self.head.used_ids
+                                batch["attention_mask"], skip=skip, logits=False)
         total, per = 0.0, []
-        for j, (lg, _) in enumerate(outs):
-            loss, agree, m = step_loss(lg, batch, j, t2d, used)
+        for j, (_, h) in enumerate(outs):
+            loss, agree, m = step_loss(self.head, h, batch, j, skip)
             total = total + self.hp["step_decay"] ** j * loss
             per.append((loss, agree, batch["code"][:, None].expand_as(m)[m]))
         return total, per

@@ -50,6 +50,7 @@ def load_feature_module(ckpt) -> FeatureDistillModule:
     module.head = FeatureDraft(cfg, module.target().get_input_embeddings().weight)
     module.hp["head"], module.layers = head_cfg, list(cfg.aux_layers)
     module.load_state_dict(state["state_dict"])
+    module.freeze()
     return module
 
 
