@@ -154,7 +154,7 @@ def run_compare(cfg: BenchConfig, command: str) -> dict:
                                                   tree_depth=depth) for p in sw_prompts])
     results = {
         "meta": {"date": time.strftime("%Y-%m-%d"), "command": command, "target": sess.target_dir.name,
-                 "draft": str(sess.draft_dir) if sess.draft_dir else None, "dtype": cfg.dtype,
+                 "draft": _shown(sess.draft_dir), "dtype": cfg.dtype,
                  "dtype_source": dtype_source,
                  "device": cfg.device, "threads": torch.get_num_threads(), "prompts_per_set": cfg.prompts_per_set,
                  "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "decider": _decider_name(cfg),
@@ -284,5 +284,17 @@ def main(argv=None) -> int:
     return 0
 
 
+def _shown(path) -> str | None:
+    """A path as a report shows it: relative to the working directory when inside it (no
+    machine-specific absolute paths in committed reports)."""
+    if path is None:
+        return None
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 if __name__ == "__main__":
     sys.exit(main())
+
