@@ -75,8 +75,11 @@ def time_forwards(model, sizes, repeats: int = 3, context: int = 256) -> list[fl
     (sizes interleaved within each repeat, so a burst of load hits several sizes once; the
     first pass warms up and is dropped), made non-decreasing in n."""
     from .cache import CachedModel
+    from .feature_draft import FeatureDraft
     from .tree import layout_from_k_config
 
+    if isinstance(model, FeatureDraft):
+        return _time_feature_head(model, sizes, repeats, context)
     vocab = model.get_output_embeddings().weight.shape[0]
     prompt = [(10 + i) % vocab for i in range(context)]
     m = CachedModel(model)
@@ -89,6 +92,36 @@ def time_forwards(model, sizes, repeats: int = 3, context: int = 256) -> list[fl
             t = time.perf_counter()
             m.feed(prompt, lay, [(1 + i) % vocab for i in range(n)], 0, n)
             times[n].append(1000 * (time.perf_counter() - t))
+    return monotone([float(np.median(times[n][1:])) for n in sizes])
+
+
+@torch.inference_mode()
+def _time_feature_head(head, sizes, repeats: int, context: int) -> list[float]:
+    """time_forwards for a feature (EAGLE-3) head: one tree level of n nodes after `context`
+    committed entries, as FeatureCache.feed runs it (head step with the tree mask, q scattered
+    to the target vocabulary). The features are random: the cost does not depend on them."""
+    from .feature_draft import DraftKV
+    from .models import MASKED_LOGIT
+    from .tree import layout_from_k_config
+
+    c, dev, dt = head.config, head.fc.weight.device, head.fc.weight.dtype
+    g = torch.Generator(device="cpu").manual_seed(0)
+    cache = DraftKV()
+    toks = (torch.arange(context + max(sizes)) % c.draft_vocab_size).to(dev)[None]
+    aux = torch.randn(1, context, 3 * c.target_hidden_size, generator=g).to(device=dev, dtype=dt)
+    head.step(toks[:, :context], head.fuse(aux), torch.arange(context, device=dev)[None], cache)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats + 1):
+        for n in sizes:
+            lay = layout_from_k_config([n])
+            mask = torch.cat((torch.ones(n, context, dtype=torch.bool), lay.mask[:n, :n]), 1)
+            hid = torch.randn(1, n, c.hidden_size, generator=g).to(device=dev, dtype=dt)
+            pos = torch.full((1, n), context, device=dev)
+            t = time.perf_counter()
+            logits, _ = head.step(toks[:, context: context + n], hid, pos, cache, mask)
+            head.to_target(logits[0].float(), MASKED_LOGIT)
+            times[n].append(1000 * (time.perf_counter() - t))
+            cache.crop(context)
     return monotone([float(np.median(times[n][1:])) for n in sizes])
 
 

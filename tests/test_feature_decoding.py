@@ -170,3 +170,29 @@ def test_checkpoint_roundtrip_and_refusal(feature_pair, tmp_path):
     (out / "specstop_draft.json").write_text(json.dumps({**marker, "draft_kind": "medusa"}))
     with pytest.raises(ModelError, match="unknown draft_kind"):
         draft_kind(out)
+
+
+def test_grow_with_a_feature_head_equals_ar_and_varies_the_tree(feature_pair):
+    """The cost-aware grown tree works with the feature draft too (issue 13: every draft kind)."""
+    from decoding.growth import CostCurve, GrowPolicy, q_scores
+
+    target, draft = feature_pair
+    cost = CostCurve([1, 5, 16, 45, 64], [36.6, 41.0, 42.0, 55.0, 59.0], [1.5, 1.6, 1.8, 2.5, 3.0])
+    pol = GrowPolicy(q_scores, cost, max_width=3, max_nodes=24)
+    eng = build_engine(target, draft, StrategyConfig(strategy="ti-mcsd", width=3, depth=5), GREEDY, stop=pol)
+    sizes, accepted = set(), 0
+    for prompt in PROMPTS:
+        out, stats = eng.generate(prompt, N)
+        assert out == ar_output(target, prompt)
+        sizes |= set(stats.tree_sizes)
+        accepted += stats.accepted
+    assert accepted > 0 and len(sizes - {0}) >= 2, sizes
+
+
+def test_time_forwards_times_a_feature_head(feature_pair):
+    """Cost models (training.replay.calibrate, grow's measured curve) can time a feature head."""
+    from decoding.growth import time_forwards
+
+    _, draft = feature_pair
+    ms = time_forwards(draft, [1, 4, 16], repeats=1, context=12)
+    assert len(ms) == 3 and all(m > 0 for m in ms) and ms == sorted(ms)

@@ -207,6 +207,15 @@ def test_distill_dispatches_eagle3_configs_and_exports(tiny, tmp_path, monkeypat
 
     head = load_feature_draft(out, load_model(target))  # loads back for its own target
     assert head.config.aux_layers == tuple(LAYERS) and head.config.draft_vocab_size == 40
+    assert meta["dtype"] == "bfloat16"  # the committed head is 16-bit
+
+    # a later run warm-starts from the exported head (runs/ does not travel between machines)
+    warm = FeatureDistillModule(target=str(target), warm_start=str(out))
+    again = warm.build_head(LAYERS, head.used_ids)
+    assert torch.equal(again.fc.weight, head.fc.weight.float())
+    other = torch.arange(40) if not torch.equal(head.used_ids, torch.arange(40)) else torch.arange(1, 41)
+    with pytest.raises(ValueError, match="vocabulary"):
+        warm.build_head(LAYERS, other)
 
     other = make_target(tmp_path / "other", seed=5)
     with pytest.raises(SystemExit) as e:

@@ -56,7 +56,7 @@ class FeatureDistillModule(L.LightningModule):
                  lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.95),
                  weight_decay: float = 0.0, warmup_ratio: float = 0.015, min_lr_ratio: float = 0.1,
                  schedule: str = "time", rope_theta: float | None = None, init: str = "target",
-                 freeze_output: bool = False):
+                 freeze_output: bool = False, warm_start: str | None = None):
         """Args:
             target: target model dir (None = embedded SmolLM2): the head's shapes, frozen
                 embedding, initial weights and (source online) the prefill.
@@ -75,6 +75,10 @@ class FeatureDistillModule(L.LightningModule):
                 so it starts confidently wrong).
             freeze_output: keep lm_head and the final norm at the target's values (the head
                 then learns to produce the target's own output features; fewer parameters).
+            warm_start: an exported feature-head directory to start from instead of `init`
+                (how a run continues on another machine or in a later session: runs/ is
+                git-ignored, the exported head is committed). Its vocabulary and aux layers
+                must be the data's; optimiser and schedule start afresh.
         """
         super().__init__()
         if not 1 <= steps <= 16:
@@ -86,7 +90,7 @@ class FeatureDistillModule(L.LightningModule):
         self.hp = {"target": target, "steps": steps, "step_decay": step_decay, "lr": lr,
                    "betas": list(betas), "weight_decay": weight_decay, "warmup_ratio": warmup_ratio,
                    "min_lr_ratio": min_lr_ratio, "schedule": schedule, "rope_theta": rope_theta,
-                   "init": init, "freeze_output": freeze_output}
+                   "init": init, "freeze_output": freeze_output, "warm_start": warm_start}
         self.head = None  # built in setup(): its vocabulary comes from the data
         self._target: list = []  # out of the module tree: never saved, never trained
         self._progress, self.t_start = 0.0, None
@@ -109,12 +113,26 @@ class FeatureDistillModule(L.LightningModule):
         if self.hp["rope_theta"] is not None:
             cfg.rope_theta = float(self.hp["rope_theta"])
         head = FeatureDraft(cfg, t.get_input_embeddings().weight)
-        if init:
+        if init and self.hp.get("warm_start"):
+            head = self._warm_start(cfg, used)
+        elif init:
             (head.init_from_target if self.hp["init"] == "target" else head.init_output)(t, used)
         self.head = head
         self.hp["head"] = cfg.to_dict()
         self.freeze()
         return head
+
+    def _warm_start(self, cfg, used: torch.Tensor):
+        from decoding.feature_io import load_feature_draft
+
+        head = load_feature_draft(self.hp["warm_start"], self.target())  # refuses another target
+        if head.config.aux_layers != cfg.aux_layers or not torch.equal(head.used_ids.cpu(), used.cpu()):
+            raise ValueError(f"warm_start {self.hp['warm_start']}: its aux layers or draft vocabulary "
+                             "differ from the data's (same cache settings and corpora needed)")
+        if head.config.rope_theta != cfg.rope_theta:
+            raise ValueError(f"warm_start {self.hp['warm_start']}: rope_theta {head.config.rope_theta} "
+                             f"!= {cfg.rope_theta}")
+        return head.float().train()
 
     def freeze(self) -> None:
         """freeze_output: lm_head and the final norm stay the target's (not trained)."""

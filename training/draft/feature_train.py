@@ -35,6 +35,9 @@ class RunConfig:
     """Continue from <checkpoint dirpath>/last.ckpt when it exists."""
     threads: int | None = None
     """torch intra-op threads (None = torch's default)."""
+    dtype: str = "bfloat16"
+    """Dtype of the exported weights: bfloat16 | float16 | float32 (16-bit halves the size of
+    the committed head; decoding casts to the run's dtype)."""
 
 
 def load_feature_module(ckpt) -> FeatureDistillModule:
@@ -54,11 +57,13 @@ def load_feature_module(ckpt) -> FeatureDistillModule:
     return module
 
 
-def export(module: FeatureDistillModule, out: Path, meta: dict) -> Path:
+def export(module: FeatureDistillModule, out: Path, meta: dict, dtype: str = "float32") -> Path:
     """specstop's own feature-draft checkpoint (decoding.feature_io: atomic, target-pinned)."""
     from decoding import feature_io
+    from decoding.models import DTYPES
 
-    return feature_io.save_feature_draft(module.head.float().eval(), out, module.target(), meta)
+    head = module.head.to(DTYPES[dtype]).eval()
+    return feature_io.save_feature_draft(head, out, module.target(), meta | {"dtype": dtype})
 
 
 def fit(argv: list[str] | None) -> None:
@@ -67,6 +72,8 @@ def fit(argv: list[str] | None) -> None:
     run, trainer, module, data, cb, last = lightning_cli(FeatureDistillModule, FeatureDataModule, RunConfig, argv)
     if data.target != module.hp["target"]:
         usage_error("data.target and model.target must name the same target")
+    if run.dtype not in ("bfloat16", "float16", "float32"):
+        usage_error(f"run.dtype must be bfloat16, float16 or float32 (got {run.dtype!r})")
     try:
         trainer.fit(module, datamodule=data,
                     ckpt_path=str(last) if run.resume and last.exists() else None)
@@ -81,5 +88,5 @@ def fit(argv: list[str] | None) -> None:
                      "vocab_sha256": data.vocab.sha256(), "vocab_coverage": data.vocab.coverage},
             "training": module.hp | {"checkpoint": _relative(best)},
             "metrics": {"validation": _ckpt_metrics(best)}}
-    out = export(load_feature_module(best), Path(run.drafts) / run.name, meta)
+    out = export(load_feature_module(best), Path(run.drafts) / run.name, meta, run.dtype)
     print(f"distill: exported {best} -> {out}", file=sys.stderr)
