@@ -150,6 +150,24 @@ def load_head(a, target):
     return m.build_head(layers, vocab.used).float().eval(), layers
 
 
+def step_cost(target, head, rounds: int = 5, context: int = 256) -> dict:
+    """The head's step (1 node, and a 4-node level) as a share of the target's 1-token step,
+    both timed in this process, alternating (decoding.growth.time_forwards), medians."""
+    import numpy as np
+
+    from decoding.growth import time_forwards
+
+    t, h1, h4 = [], [], []
+    for _ in range(rounds):
+        t += time_forwards(target, [1], repeats=3, context=context)
+        a, b = time_forwards(head, [1, 4], repeats=3, context=context)
+        h1.append(a)
+        h4.append(b)
+    tm, m1, m4 = (float(np.median(x)) for x in (t, h1, h4))
+    return {"context": context, "target_step_ms": tm, "head_step_ms": m1, "head_level4_ms": m4,
+            "head_step_share": m1 / tm, "head_level4_share": m4 / tm}
+
+
 def _write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
@@ -206,6 +224,9 @@ def main(argv: list[str] | None = None) -> None:
         rows = eval_corpus(kind, a.prompts, Path(a.eval_cache), "bfloat16")
         res["teacher_forced"][kind] = {"prompts": len(rows)} | agreement(target, head, rows, layers)
         print(f"{kind}: {json.dumps(res['teacher_forced'][kind])}", file=sys.stderr, flush=True)
+    if not a.untrained:
+        res["cost"] = step_cost(target, head)
+        print(f"cost: {json.dumps(res['cost'])}", file=sys.stderr, flush=True)
     if a.metrics_csv:
         res["learning_curve"] = learning_curve(Path(a.metrics_csv), out / "learning_curve.png")
     _write(out / f"{a.name}.json", json.dumps(res, indent=1) + "\n")
