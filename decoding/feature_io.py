@@ -16,6 +16,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+
 from .feature_draft import FeatureDraft, FeatureDraftConfig
 from .models import DTYPES, ModelError, fingerprint, same_model
 
@@ -98,6 +100,22 @@ def load_feature_draft(path, target, dtype: str = "float32", device: str = "cpu"
     draft = draft.to(device=device, dtype=DTYPES[dtype]).eval()
     draft.attach_embeddings(target.get_input_embeddings().weight)
     return draft
+
+
+def head_vocab(path) -> torch.Tensor:
+    """The target ids of a saved head's draft vocabulary (`arange + d2t`), read without loading
+    a target: what re-distilling the head keeps its cache and labels over."""
+    from safetensors import SafetensorError, safe_open
+
+    p = Path(path)
+    if draft_kind(p) != KIND:
+        raise ModelError(f"{p} is not a feature-draft checkpoint (no {MARKER})")
+    try:
+        with safe_open(str(p / "model.safetensors"), framework="pt") as f:
+            d2t = f.get_tensor("d2t").long()
+    except (OSError, SafetensorError) as e:
+        raise ModelError(f"cannot read the vocabulary of feature draft {p}: {str(e).splitlines()[0]}") from e
+    return torch.arange(d2t.numel()) + d2t
 
 
 def is_feature_draft(model) -> bool:

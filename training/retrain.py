@@ -15,6 +15,15 @@ registry lock (refused if `latest` moved meanwhile, e.g. a concurrent training.f
 the record is renamed to decision.json. A re-run that finds a pending record completes it;
 it never re-compares (after a crash past the swap the challenger would face itself).
 
+Re-distilling the draft is recommended when acceptance on the held-out traces falls below
+`redistill_below`. With `redistill: <training.draft.redistill config>` and a feature (EAGLE-3)
+head as the draft, the head is then re-distilled on the same logged prompts behind its own
+gate (promoted only when it beats the head on held-out prompts; its new_prompts, target and
+draft are this run's); otherwise `redistill_command` runs, if set. Its exit code and run go
+into decision.json. A decider fit for the head a promoted head was re-distilled from (the
+head's marker records it) cannot serve the new head: the next run judges its challenger
+against no champion and replaces it (until then `--decider latest` refuses the new head).
+
 Exit codes: 0 challenger promoted | 10 champion kept | 11 up to date (nothing to do) |
 2 bad input (one `error:` line) | 75 another retrain holds the lock, or `latest` moved since
 the comparison (run again) | 1 unexpected failure (e.g. a full disk); the registry is
@@ -35,7 +44,8 @@ from pathlib import Path
 
 
 from decoding.decider import DECIDERS_DIR, load_decider
-from decoding.models import ModelError, fingerprint
+from decoding.feature_io import is_feature_draft
+from decoding.models import ModelError, fingerprint, same_model
 
 from .cli import parse_config
 from .collect import CollectConfig, collect
@@ -83,6 +93,9 @@ class RetrainConfig:
     """Recommend re-distilling the draft when acceptance on the new prompts falls below this."""
     redistill_command: list[str] = field(default_factory=list)
     """Run this command (e.g. python -m training.distill --config ...) when recommended."""
+    redistill: str | None = None
+    """A training.draft.redistill config (configs/redistill_eagle3.yaml): when recommended and
+    the draft is a feature head, re-distil it behind its gate instead of redistill_command."""
     threads: int | None = None
 
 
@@ -146,6 +159,31 @@ def live_tokens_per_s(session, decider_dir: Path, prompts: list[Prompt], cfg: Re
     return tokens / secs if secs else 0.0
 
 
+def comparable_champion(decider_dir: Path, session, draft_dir) -> bool:
+    """Whether the champion decider fits this pair. False for one fit for the head the current
+    feature head was re-distilled from (its marker's `redistilled_from`): it can neither serve
+    nor judge this pair, so the challenger replaces it. Corrupt, or for another model: raises."""
+    try:
+        load_decider(decider_dir, session.target, session.draft)
+        return True
+    except ModelError:
+        _, dcfg = load_decider(decider_dir, session.target)  # corrupt or another target: raises
+        marker = Path(draft_dir or "") / "specstop_draft.json"
+        prev = json.loads(marker.read_text()).get("redistilled_from") if marker.is_file() else None
+        if prev is None or not same_model(dcfg.model_pair.get("draft") or {}, prev):
+            raise
+        return False
+
+
+def run_redistill(rd_cfg, cfg: RetrainConfig, session, log) -> dict:
+    """The head's re-distillation (training.draft.redistill) on this run's prompts and pair."""
+    from .draft import redistill as RD
+
+    rd_cfg = replace(rd_cfg, new_prompts=cfg.new_prompts, target=cfg.target,
+                     draft=str(getattr(session, "draft_dir", None) or cfg.draft))
+    return {"config": cfg.redistill, "exit_code": RD.execute(rd_cfg, log=log)}
+
+
 def decide(champ: dict | None, chall: dict, cfg: RetrainConfig) -> tuple[bool, str]:
     if champ is None:
         return True, "no champion yet"
@@ -165,6 +203,11 @@ def run(cfg: RetrainConfig, session=None, log=print) -> int:
 
     root = Path(cfg.deciders) if cfg.deciders else DECIDERS_DIR
     prompts = read_logged(Path(cfg.new_prompts))
+    rd_cfg = None
+    if cfg.redistill:  # a bad config fails now, not after the night's work
+        from .draft.redistill import load_config
+
+        rd_cfg = load_config(cfg.redistill)
     work = Path(cfg.work)
     work.mkdir(parents=True, exist_ok=True)
     with open(work / ".lock", "w") as lock:
@@ -182,8 +225,9 @@ def run(cfg: RetrainConfig, session=None, log=print) -> int:
         if (run_dir / PENDING).exists():  # a promotion cut short: finish it, never re-compare
             return finish_promotion(root, run_dir, json.loads((run_dir / PENDING).read_text()), log)
         champion_id = read_registry(root).get("latest")
-        if champion_id:  # fail before any work on a corrupt or foreign champion
-            load_decider(root / champion_id, session.target, session.draft)
+        draft_dir = getattr(session, "draft_dir", None) or cfg.draft
+        # fail before any work on a corrupt or foreign champion
+        comparable = champion_id is None or comparable_champion(root / champion_id, session, draft_dir)
         run_dir.mkdir(exist_ok=True)
         write_json(run_dir / "config.json", {"config": asdict(cfg), "prompts": len(prompts),
                                              "champion": champion_id})
@@ -212,7 +256,7 @@ def run(cfg: RetrainConfig, session=None, log=print) -> int:
         hidden = chall_cfg["kind"] == "hidden"
         chall = assess(root / challenger_id, run_dir / "traces_heldout", cost, hidden)
         champ = None
-        if champion_id:
+        if champion_id and comparable:
             champ_hidden = json.loads((root / champion_id / "config.json").read_text())["kind"] == "hidden"
             champ = assess(root / champion_id, run_dir / "traces_heldout", cost, champ_hidden)
         if champ is not None and cfg.live_prompts > 0:
@@ -220,10 +264,14 @@ def run(cfg: RetrainConfig, session=None, log=print) -> int:
             champ["live_tokens_per_s"] = live_tokens_per_s(session, root / champion_id, live, cfg)
             chall["live_tokens_per_s"] = live_tokens_per_s(session, root / challenger_id, live, cfg)
         promote, reason = decide(champ, chall, cfg)
+        if not comparable:
+            reason = f"the champion {champion_id} was fit for the head this draft was re-distilled from"
         acceptance = stats["traces_heldout"]["acceptance_rate"]
         redistill = {"acceptance": acceptance, "below": cfg.redistill_below,
                      "recommended": cfg.redistill_below is not None and acceptance < cfg.redistill_below}
-        if redistill["recommended"] and cfg.redistill_command:
+        if redistill["recommended"] and rd_cfg is not None and is_feature_draft(session.draft):
+            redistill |= run_redistill(rd_cfg, cfg, session, log)
+        elif redistill["recommended"] and cfg.redistill_command:
             redistill["exit_code"] = subprocess.run(cfg.redistill_command).returncode
         decision = {"promoted": promote, "reason": reason, "champion": champion_id,
                     "challenger": challenger_id, "champion_metrics": champ, "challenger_metrics": chall,

@@ -30,12 +30,17 @@ STEPS = 4
 @torch.inference_mode()
 def agreement(target, head, rows: list[dict], layers: list[int], steps: int = STEPS,
               max_tokens: int = 2048) -> dict:
-    """Per-step top-1 agreement over every completion token of the rows."""
+    """Per-step top-1 agreement over every completion token of the rows (agree_stepJ), and
+    chain_stepJ: the share of positions where steps 1..J ALL agree. A greedy chain of depth
+    `steps` started there accepts exactly its leading run of agreeing steps (each step reads
+    the true tokens, which are its own proposals once they were accepted), so the mean
+    accepted length is sum_J chain_stepJ (`accepted_length`, no independence assumption;
+    exact when the continuations are the target's greedy ones)."""
     from .feature_cache import _batches, pad_batch, target_batch
     from .feature_module import shift
 
     used, t2d = head.used_ids, head.t2d
-    hits, n, inside = torch.zeros(steps), torch.zeros(steps), 0.0
+    hits, chain, n, inside = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps), 0.0
     seqs = [r["prompt_ids"] + r["completion_ids"] for r in rows]
     starts = [len(r["prompt_ids"]) - 1 for r in rows]
     for idx in _batches([len(s) for s in seqs], max_tokens):
@@ -43,13 +48,19 @@ def agreement(target, head, rows: list[dict], layers: list[int], steps: int = ST
         b = target_batch(target, ids, mask, torch.tensor([starts[i] for i in idx]), layers, used, 1)
         outs = head.unroll(ids, b["feats"], steps, mask)
         inside += float(t2d[b["top1"][b["lab_mask"]]].sum())
+        run = None
         for j, (lg, _) in enumerate(outs):
             m = shift(b["lab_mask"], 1 + j, False)
-            top1 = shift(b["top1"], 1 + j, 0)[m]
-            hits[j] += float((used[lg[m].argmax(-1)] == top1).sum())
+            hit = (used[lg.argmax(-1)] == shift(b["top1"], 1 + j, 0)) & m
+            run = hit if run is None else run & hit  # position t's chain: steps 1..j+1 all right
+            hits[j] += float(hit.sum())
+            chain[j] += float(run.sum())
             n[j] += int(m.sum())
+    per = chain / n.clamp_min(1)
     return {"positions": int(n[0]), "target_top1_in_draft_vocab": inside / max(1, int(n[0])),
-            **{f"agree_step{j + 1}": float(hits[j] / n[j].clamp_min(1)) for j in range(steps)}}
+            **{f"agree_step{j + 1}": float(hits[j] / n[j].clamp_min(1)) for j in range(steps)},
+            **{f"chain_step{j + 1}": float(per[j]) for j in range(steps)},
+            "accepted_length": float(per.sum())}
 
 
 def learning_curve(csv: Path, png: Path, steps: int = STEPS) -> list[dict]:

@@ -15,9 +15,11 @@ vocabulary). Layout, git-ignored:
         <corpus dir>-<generation hash>/shard-NNNNN.safetensors   (one per corpus shard)
 
 The vocabulary is chosen once, at the first build, and kept as the corpora grow (labels stay
-valid); corpus shards never change once listed, so a shard already cached is skipped
-(incremental, resumable). Every file is written to a temp name and renamed. A fresh machine
-rebuilds all of it from the committed corpora (about 3.5 kB per position).
+valid); re-distilling a head passes its own vocabulary instead (`vocab`: the same folder when
+it matches, else a sibling `<folder>-v<vocab hash>`). Corpus shards never change once listed,
+so a shard already cached is skipped (incremental, resumable). Every file is written to a
+temp name and renamed. A fresh machine rebuilds all of it from the committed corpora (about
+3.5 kB per position).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..teacher_cache import _batches  # rows grouped by length, padded batches <= max_tokens
-from .vocab import DraftVocab, build_vocab
+from .vocab import DraftVocab, build_vocab, fixed_vocab
 
 CACHE_VERSION = 1
 MANIFEST_KIND = "specstop-feature-cache"
@@ -174,17 +176,35 @@ def _atomic(path: Path, write) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _stored_vocab(folder: Path) -> torch.Tensor | None:
+    f = folder / "vocab.safetensors"
+    return load_file(str(f))["used"].long() if f.exists() else None
+
+
 def open_cache(root, target: dict, settings: CacheSettings, corpora: list[str],
-               always: set[int] = frozenset()) -> tuple[Path, DraftVocab]:
-    """The cache folder for (target, settings), with its vocabulary (chosen on first use)."""
+               always: set[int] = frozenset(), vocab: torch.Tensor | None = None
+               ) -> tuple[Path, DraftVocab]:
+    """The cache folder for (target, settings) with its vocabulary: chosen from the corpora on
+    first use, or `vocab` (fixed target ids, e.g. the head's own when it is re-distilled).
+    Labels are valid for one vocabulary only, so a fixed one that differs from the folder's
+    gets a sibling folder named by its hash (a head trained on this cache finds it here)."""
     folder = cache_root(root, target, settings)
+    fixed = None
+    if vocab is not None:
+        fixed = fixed_vocab(vocab, int(target["vocab_size"]), settings.draft_vocab_size)
+        held = _stored_vocab(folder)
+        if held is not None and not torch.equal(held, fixed.used):
+            folder = folder.with_name(f"{folder.name}-v{fixed.sha256()}")
     vfile, man = folder / "vocab.safetensors", folder / "manifest.json"
     if vfile.exists():
-        used = load_file(str(vfile))["used"].long()
+        used = _stored_vocab(folder)
+        if fixed is not None and not torch.equal(used, fixed.used):
+            raise ValueError(f"{folder}: holds another vocabulary than the fixed one; delete it")
         cover = json.loads(man.read_text()).get("vocab_coverage") if man.exists() else None
         vocab = DraftVocab(used, int(target["vocab_size"]), cover)
     else:
-        vocab = build_vocab(corpora, settings.draft_vocab_size, always)
+        vocab = (build_vocab(corpora, settings.draft_vocab_size, always) if fixed is None else
+                 fixed_vocab(fixed.used, fixed.target_vocab, settings.draft_vocab_size, corpora))
         folder.mkdir(parents=True, exist_ok=True)
         _atomic(vfile, lambda p: save_file({"used": vocab.used}, str(p)))
     if not man.exists():
@@ -200,8 +220,10 @@ def open_cache(root, target: dict, settings: CacheSettings, corpora: list[str],
 
 
 def build(corpora: list[str], root, settings: CacheSettings, teacher, max_tokens: int = 4096,
-          max_minutes: float | None = None, progress: bool = True) -> tuple[Path, DraftVocab]:
-    """Cache every corpus shard not cached yet (up to max_minutes); returns (folder, vocab)."""
+          max_minutes: float | None = None, progress: bool = True,
+          vocab: torch.Tensor | None = None) -> tuple[Path, DraftVocab]:
+    """Cache every corpus shard not cached yet (up to max_minutes); returns (folder, vocab).
+    `vocab`: fixed draft-vocabulary ids (see open_cache)."""
     import pyarrow.parquet as pq
     from tqdm import tqdm
 
@@ -217,7 +239,8 @@ def build(corpora: list[str], root, settings: CacheSettings, teacher, max_tokens
             raise ValueError(f"{c} was written for target {m['target'].get('name')} "
                              f"({m['target']}), not the loaded one ({teacher.info})")
         mans[c] = m
-    folder, vocab = open_cache(root, teacher.info, settings, corpora, special_ids(teacher.model))
+    folder, vocab = open_cache(root, teacher.info, settings, corpora, special_ids(teacher.model),
+                               vocab)
     todo = [(c, s) for c in corpora for s in mans[c]["shards"]
             if not (shard_dir(folder, c, mans[c]) / _file(s)).exists()]
     t0, pos = time.time(), 0

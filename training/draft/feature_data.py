@@ -92,7 +92,7 @@ class FeatureDataModule(L.LightningDataModule):
                  draft_vocab_size: int = 8192, k: int = 32, layers: list[int] | None = None,
                  max_prompt_tokens: int = 256, max_tokens: int = 4096, val_percent: float = 5.0,
                  max_val_rows: int = 128, max_rows: int | None = None, build_cache: bool = True,
-                 cache_max_tokens: int = 4096, seed: int = 0):
+                 cache_max_tokens: int = 4096, seed: int = 0, vocab_from: str | None = None):
         """Args:
             corpora: corpus directories of one target; the first gives the validation slice.
             target: target model dir (None = embedded SmolLM2); the corpora must be its own.
@@ -109,6 +109,9 @@ class FeatureDataModule(L.LightningDataModule):
                 what is cached so far, e.g. while a cache job runs beside).
             cache_max_tokens: padded positions per prefill batch when building the cache.
             seed: batch shuffling seed (epoch e uses seed + e).
+            vocab_from: an exported feature head whose draft vocabulary the cache and labels
+                use instead of one chosen from the corpora (re-distilling that head, e.g.
+                warm-started from it); its size replaces draft_vocab_size.
         """
         super().__init__()
         if source not in ("cached", "online"):
@@ -119,6 +122,8 @@ class FeatureDataModule(L.LightningDataModule):
         self.max_prompt_tokens, self.max_tokens = max_prompt_tokens, max_tokens
         self.val_percent, self.max_val_rows, self.max_rows = val_percent, max_val_rows, max_rows
         self.build_cache, self.cache_max_tokens, self.seed = build_cache, cache_max_tokens, seed
+        self.vocab_from = vocab_from
+        self._fixed = None
         self.vocab: DraftVocab | None = None
         self.target_info: dict | None = None
         self.train_rows: list = []
@@ -126,6 +131,14 @@ class FeatureDataModule(L.LightningDataModule):
         self._readers: dict[str, ShardReader] = {}
 
     # --- identity -----------------------------------------------------------------------
+    def fixed_vocab(self):
+        """The vocab_from head's target ids (None: the cache chooses them from the corpora)."""
+        if self.vocab_from is not None and self._fixed is None:
+            from decoding.feature_io import head_vocab
+
+            self._fixed = head_vocab(self.vocab_from)
+        return self._fixed
+
     def settings(self) -> CacheSettings:
         from transformers import AutoConfig
 
@@ -133,7 +146,9 @@ class FeatureDataModule(L.LightningDataModule):
 
         layers = self.layers or default_layers(
             AutoConfig.from_pretrained(resolve_model_dir(self.target)).num_hidden_layers)
-        return CacheSettings(list(layers), self.vocab_size, self.k, self.max_prompt_tokens)
+        fixed = self.fixed_vocab()
+        size = self.vocab_size if fixed is None else len(fixed)
+        return CacheSettings(list(layers), size, self.k, self.max_prompt_tokens)
 
     def _manifests(self) -> dict[str, dict]:
         from ..corpus import read_manifest
@@ -161,7 +176,7 @@ class FeatureDataModule(L.LightningDataModule):
             self._manifests()
             teacher = load_teacher(CorpusConfig(target=self.target, dtype="float32"))
             build(self.corpora, self.root, self.settings(), replace(teacher, info=self.target_info),
-                  self.cache_max_tokens)
+                  self.cache_max_tokens, vocab=self.fixed_vocab())
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows:
@@ -174,13 +189,20 @@ class FeatureDataModule(L.LightningDataModule):
         settings = self.settings()
         self.layers = settings.layers
         if self.source == "cached":
-            folder, self.vocab = open_cache(self.root, self.target_info, settings, self.corpora)
+            folder, self.vocab = open_cache(self.root, self.target_info, settings, self.corpora,
+                                            vocab=self.fixed_vocab())
+        elif self.fixed_vocab() is not None:
+            from .vocab import fixed_vocab
+
+            folder = None
+            self.vocab = fixed_vocab(self.fixed_vocab(), int(self.target_info["vocab_size"]),
+                                     settings.draft_vocab_size, self.corpora)
         else:
             from .vocab import build_vocab, special_ids
 
             folder = None
             always = special_ids(load_model(self.target))
-            self.vocab = build_vocab(self.corpora, self.vocab_size, always)
+            self.vocab = build_vocab(self.corpora, settings.draft_vocab_size, always)
         seen = 0
         for n, c in enumerate(self.corpora):
             shards = (cached(folder, c, mans[c]) if folder else

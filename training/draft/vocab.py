@@ -82,6 +82,22 @@ def select_vocab(counts: Counter, target_vocab: int, size: int,
     return DraftVocab(used, target_vocab, cover)
 
 
+def fixed_vocab(used, target_vocab: int, size: int, corpora: list[str] = ()) -> DraftVocab:
+    """A given vocabulary (e.g. a head's own when it is re-distilled) instead of a chosen one;
+    its coverage is counted over `corpora` (None without them)."""
+    used = torch.as_tensor(used, dtype=torch.long).cpu()
+    if used.numel() != size:
+        raise ValueError(f"the fixed draft vocabulary has {used.numel()} ids, not {size}")
+    if used.numel() and (not torch.equal(used, used.unique(sorted=True))
+                         or int(used[0]) < 0 or int(used[-1]) >= target_vocab):
+        raise ValueError(f"a fixed draft vocabulary must be distinct ascending ids < {target_vocab}")
+    cover = None
+    if corpora:
+        counts, _ = count_tokens(list(corpora))
+        cover = sum(counts.get(int(i), 0) for i in used) / max(1, sum(counts.values()))
+    return DraftVocab(used, target_vocab, cover)
+
+
 def build_vocab(corpora: list[str], size: int, always: set[int] = frozenset()) -> DraftVocab:
     counts, vocab = count_tokens(corpora)
     return select_vocab(counts, vocab, size, always)
