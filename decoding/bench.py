@@ -26,6 +26,7 @@ from .bench_quick import quick_config
 from .bench_plots import plots
 from .bench_report import add_bound_rows, compute_goals, markdown, write_atomic, write_json
 from .bench_runs import LogLik, make_runner, measure, row_of
+from .defaults import resolve_dtype
 from .sampling import SamplingConfig
 from .session import Session
 
@@ -93,21 +94,6 @@ def run_sweep(sess, cfg: BenchConfig, prompts: list[list[int]]) -> dict:
     return {"prompt_set": sw.prompt_set, "prompts": min(sw.prompts, len(prompts)),
             "max_new_tokens": sw.max_new_tokens, "repeats": sw.repeats, "ar_tokens_per_s": ar_tps,
             "points": points}
-
-
-def resolve_dtype(dtype: str, device: str) -> tuple[str, str]:
-    """`auto`: bfloat16 on CUDA or a CPU with native bf16 (AVX512-BF16 / AMX), else float32:
-    without them a bf16 matmul of more than two rows is several times slower than fp32, so a
-    bf16 benchmark would measure the dtype, not the strategies."""
-    if dtype != "auto":
-        return dtype, "config"
-    from .defaults import cpu_has_native_bf16
-
-    if device.startswith("cuda"):
-        return "bfloat16", "auto: cuda"
-    if cpu_has_native_bf16():
-        return "bfloat16", "auto: the CPU has native bf16"
-    return "float32", "auto: the CPU has no native bf16 (bf16 matmuls are emulated)"
 
 
 def run_compare(cfg: BenchConfig, command: str) -> dict:

@@ -92,6 +92,19 @@ def _cpuinfo_bf16() -> bool:
         return False
 
 
+def resolve_dtype(dtype: str, device: str) -> tuple[str, str]:
+    """`auto`: bfloat16 on CUDA or a CPU with native bf16 (AVX512-BF16 / AMX), else float32:
+    without them a bf16 matmul of more than two rows is several times slower than fp32, so a
+    bf16 benchmark would measure the dtype, not the strategies."""
+    if dtype != "auto":
+        return dtype, "config"
+    if device.startswith("cuda"):
+        return "bfloat16", "auto: cuda"
+    if cpu_has_native_bf16():
+        return "bfloat16", "auto: the CPU has native bf16"
+    return "float32", "auto: the CPU has no native bf16 (bf16 matmuls are emulated)"
+
+
 def device_kind(device: str = "cpu") -> str:
     if str(device).startswith("cuda"):
         return "cuda"

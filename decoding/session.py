@@ -10,6 +10,7 @@ import torch
 from . import models
 from .feature_io import draft_kind, load_feature_draft
 from .decider import DeciderConfig, DeciderStop, load_decider, resolve_decider_dir
+from .defaults import resolve_dtype
 from .growth import CostCurve, GrowPolicy, measure_cost, q_scores
 from .sampling import SamplingConfig
 from .stopping import GROW, make_stop_policy
@@ -43,6 +44,7 @@ class Session:
     def open(cls, target=None, draft=None, dtype="float32", device="cpu", need_draft=False) -> Session:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise models.ModelError("--device cuda was asked for but no CUDA device is available")
+        dtype = resolve_dtype(dtype, device)[0]  # auto: bf16 only where it is native
         tdir = models.resolve_model_dir(target)
         if draft is None and target in (None, models.DEFAULT_TARGET) and (DEFAULT_DRAFT / "config.json").exists():
             draft = DEFAULT_DRAFT

@@ -39,7 +39,8 @@ class CollectConfig:
     """Target model dir; None = the embedded SmolLM2-135M-Instruct."""
     draft: str | None = None
     """Draft model dir; None = the shipped default draft."""
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
+    """auto: bfloat16 only where the CPU or GPU computes it natively, else float32."""
     strategy: str = "ti-mcsd"
     """Tree drafted every round, always to full depth (stop decisions are replayed later)."""
     k_config: str = "4,2,2,1"
@@ -83,7 +84,8 @@ def collect(cfg: CollectConfig, session, prompts, progress: bool = True) -> dict
     engine.observer = rec
     settings = {k: v for k, v in asdict(cfg).items()
                 if k in ("strategy", "k_config", "width", "depth", "gamma", "temperature", "top_p",
-                         "max_new_tokens", "hidden", "seed", "dtype")}
+                         "max_new_tokens", "hidden", "seed")}
+    settings["dtype"] = str(next(session.target.parameters()).dtype).removeprefix("torch.")  # auto resolved
     identity = {"feature_schema": FEATURE_SCHEMA_VERSION, "feature_names": list(FEATURE_NAMES),
                 "model_pair": {"target": fingerprint(session.target), "draft": fingerprint(session.draft)},
                 "collect": settings}

@@ -81,7 +81,8 @@ class RetrainConfig:
     """The challenger may be at most this much slower live (noisy shared machines)."""
     target: str | None = None
     draft: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
+    """auto: bfloat16 only where the CPU or GPU computes it natively, else float32."""
     strategy: str = "ti-mcsd"
     width: int = 4
     depth: int = 6

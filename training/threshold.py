@@ -44,7 +44,8 @@ class ReplayConfig:
     """Target model dir for `measure` (None = the default target); must match the traces."""
     draft: str | None = None
     """Draft model dir for `measure` (None = the shipped default draft)."""
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
+    """Dtype of the timed models (auto: bfloat16 only where the CPU or GPU computes it natively)."""
     rule: str = "auto"
     """auto: the rule (paper, specdecpp or tree) with the best val tokens/s; or force one."""
     grid: list[float] = field(default_factory=_grid)
