@@ -20,6 +20,12 @@ FEATURE_NAMES = (
 )
 PAPER_FEATURES = slice(0, 1 + TOP_K)
 NUM_FEATURES = len(FEATURE_NAMES)
+# named groups of columns, for the fit's ablation (which features carry signal)
+FEATURE_GROUPS = {
+    "paper: entropy + top-10 of the parent's q": list(range(PAPER_FEATURES.start, PAPER_FEATURES.stop)),
+    **{name: [FEATURE_NAMES.index(name)] for name in ("q_token", "token_rank", "path_logq", "log_position")},
+    "tree position: depth, branch": [FEATURE_NAMES.index("depth"), FEATURE_NAMES.index("branch")],
+}
 
 
 def node_features(level: DraftLevel) -> torch.Tensor:

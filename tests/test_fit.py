@@ -296,3 +296,15 @@ def test_checkpoint_records_every_rules_val_threshold(fitted):
     _, dcfg = D.load_decider(run)
     for r in D.THRESHOLD_RULES:
         assert rule_threshold(dcfg, r) == val[f"decider-{r}"]["threshold"]
+
+
+def test_feature_ablation_finds_the_group_that_carries_the_signal(fitted):
+    """The synthetic label depends on q and on the parent's entropy (in the paper's group):
+    that group alone beats q alone, and removing it costs ROC-AUC."""
+    tmp, run = fitted
+    ab = json.loads((run / "metrics.json").read_text())["feature_ablation"]
+    paper = next(k for k in ab if k.startswith("paper"))
+    assert ab["all"]["roc_auc"] > 0.9
+    assert ab[paper]["without"] < ab["all"]["roc_auc"] - 0.1
+    assert ab["q_token"]["alone"] < ab["all"]["roc_auc"] - 0.1
+    assert "Which features carry signal" in (tmp / "deciders" / "run-a" / "summary.md").read_text()

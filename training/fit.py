@@ -27,7 +27,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 
 from decoding.decider import DECIDERS_DIR, DeciderConfig, DeciderNet, save_decider
-from decoding.features import FEATURE_SCHEMA_VERSION, NUM_FEATURES
+from decoding.features import FEATURE_GROUPS, FEATURE_SCHEMA_VERSION, NUM_FEATURES
 
 from . import metrics as M
 from .datamodule import Split, TraceDataModule
@@ -107,6 +107,9 @@ def evaluate(net: DeciderNet, dm: TraceDataModule, rcfg: ReplayConfig, ecfg: Exp
     for s in ("val", "test"):
         for name, clf in baselines.items():
             scores[s][name] = M.predict(clf, sp[s].features)
+    te = sp["test"].valid & (sp["test"].target >= 0)
+    ablation = M.feature_ablation(tr.features[tr.rows], tr.label[tr.rows], sp["test"].features[te],
+                                  sp["test"].target[te], FEATURE_GROUPS, ecfg.baseline_max_rows)
     classification, path_classification, curves = {}, {}, {}
     for s in ("val", "test"):
         keep = sp[s].valid & (sp[s].target >= 0)
@@ -129,7 +132,7 @@ def evaluate(net: DeciderNet, dm: TraceDataModule, rcfg: ReplayConfig, ecfg: Exp
     rep = select_and_report(sp["val"], sp["test"], replay_scores["val"], replay_scores["test"],
                             cost, rcfg, dms)
     return {"classification": classification, "path_classification": path_classification,
-            "replay": {**rep, "cost_model": cost_dict(cost)}}, curves
+            "feature_ablation": ablation, "replay": {**rep, "cost_model": cost_dict(cost)}}, curves
 
 
 def _num(v, fmt: str = ".3f") -> str:
@@ -159,6 +162,11 @@ def summary_md(run_id: str, metrics: dict) -> str:
          "threshold) against whether the round accepted that node"),
         M.markdown_table(metrics.get("path_classification", {}).get("test", {}),
                          ["roc_auc", "pr_auc", "brier", "ece", "n", "positive_rate"]),
+        ("## Which features carry signal (test prompts): ROC-AUC of a logistic regression on "
+         "each group alone and on every feature but the group (`all`: every feature; the "
+         "decider above adds the draft's hidden state when it is a hidden-state decider)"),
+        M.markdown_table({k: v if "alone" in v else {"alone": v["roc_auc"]}
+                          for k, v in metrics.get("feature_ablation", {}).items()}, ["alone", "without"]),
         ("## Replay (test prompts; thresholds chosen on val; best fixed depth and "
          "confidence-test-tuned are hindsight choices on test)"),
         M.markdown_table(rows, ["tokens_per_s", "tokens_per_round", "mean_depth", "mean_nodes", "threshold",
