@@ -176,7 +176,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help="output dir (default: the config's out; engine: reports/engine)")
     ap.add_argument("--target", default=None, help="override the config's target model dir")
     ap.add_argument("--draft", default=None, help="override the config's draft model dir")
-    ap.add_argument("--decider", default=None, help="override the config's decider (dir or 'latest')")
+    ap.add_argument("--decider", default=None, help="override the config's decider (dir, 'latest' or 'none')")
+    ap.add_argument("--row", action="append", default=None, metavar="NAME",
+                    help="run only this row of the config (repeatable; ar always runs)")
     ap.add_argument("--oracle-traces", default=None, help="trace dir for the oracle-stop bound")
     ap.add_argument("--prompts", type=int, default=None, help="override prompts_per_set")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="override max_new_tokens")
@@ -209,12 +211,26 @@ def _write_defaults(results: dict, cfg: BenchConfig, out: Path, path: str) -> No
     _log(f"defaults for {kind} in {written}: {entry['strategy']} ({entry['source']})")
 
 
+def _select_rows(specs: list[StrategySpec], want: list[str]) -> list[StrategySpec]:
+    """The config's rows named in `want`, in config order (ar, the reference, always kept)."""
+    known = {s.name for s in specs}
+    unknown = [n for n in want if n not in known]
+    if unknown:
+        raise ValueError(f"--row: no row named {', '.join(map(repr, unknown))} in the config "
+                         f"(rows: {', '.join(s.name for s in specs)})")
+    return [s for s in specs if s.strategy == "ar" or s.name in want]
+
+
 def _apply_overrides(cfg: BenchConfig, a) -> BenchConfig:
     for key, val in (("target", a.target), ("draft", a.draft), ("decider", a.decider),
                      ("prompts_per_set", a.prompts), ("max_new_tokens", a.max_new_tokens),
                      ("repeats", a.repeats), ("threads", a.threads)):
         if val is not None:
             setattr(cfg, key, val)
+    if a.decider == "none":
+        cfg.decider = None
+    if a.row:
+        cfg.strategies = _select_rows(cfg.strategies, a.row)
     if a.oracle_traces:
         cfg.oracle.traces = a.oracle_traces
     if a.temperatures:

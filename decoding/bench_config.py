@@ -199,7 +199,8 @@ class BenchConfig:
             raise ValueError("strategy names must be unique")
         for s in self.strategies:
             s.validate()
-        needs = [s.name for s in self.strategies if s.stop == "decider" or s.tuned or s.grows]
+        needs = [s.name for s in self.strategies
+                 if s.stop == "decider" or s.tuned or (s.grows and s.grow_cost == "decider")]
         if needs and self.decider is None:
             raise ValueError(f"decider is null but row(s) {', '.join(needs)} need a decider checkpoint "
                              "(set decider: latest or a dir, or remove the rows)")

@@ -49,6 +49,8 @@ def atomic_dir(out: Path, write) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
         write(tmp)
+        for f in [tmp, *tmp.rglob("*")]:  # mkdtemp makes 0700 (some writers 0600): a shared artifact
+            os.chmod(f, 0o755 if f.is_dir() else 0o644)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -268,6 +268,24 @@ def test_decider_rows_without_a_decider_are_a_config_error(tmp_path, capsys, row
     assert err.count("\n") == 1 and err.startswith("error: decider is null but row(s) d need a decider")
 
 
+def test_row_selection_and_no_decider():
+    from decoding.bench import _apply_overrides, parser
+
+    path = Path(__file__).resolve().parent.parent / "configs" / "bench_feature.yaml"
+    cfg = load_config(path)
+    a = parser().parse_args(["--decider", "none", "--row", "sd g4", "--row", "mcsd 4,2,2,1",
+                             "--row", "grow(q)"])
+    got = _apply_overrides(cfg, a)
+    # ar kept first; a grown tree timed on this machine needs no decider
+    assert [s.name for s in got.strategies] == ["ar", "sd g4", "mcsd 4,2,2,1", "grow(q)"]
+    assert got.decider is None
+    with pytest.raises(ValueError, match="need a decider"):  # a decider row without a decider
+        _apply_overrides(load_config(path),
+                         parser().parse_args(["--decider", "none", "--row", "W4 D8 decider(tree)"]))
+    with pytest.raises(ValueError, match="no row named 'sd g9'"):
+        _apply_overrides(cfg, parser().parse_args(["--row", "sd g9"]))
+
+
 def test_confidence_threshold_values_are_checked(tmp_path):
     p = tmp_path / "b.yaml"
     for bad, msg in (("tunned", "must be in"), ("1.5", "must be in"), ("tuned", "belongs to stop: confidence")):
@@ -277,7 +295,7 @@ def test_confidence_threshold_values_are_checked(tmp_path):
             load_config(p)
 
 
-@pytest.mark.parametrize("name", ["bench.yaml", "bench_decider.yaml"])
+@pytest.mark.parametrize("name", ["bench.yaml", "bench_decider.yaml", "bench_feature.yaml"])
 def test_shipped_configs_measure_enough_and_tune_the_baselines(name):
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / name)
     assert cfg.prompts_per_set >= 6 and cfg.repeats >= 3 and cfg.bootstrap_resamples >= 1000

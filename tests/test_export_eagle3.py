@@ -85,3 +85,9 @@ def test_refusals(saved, tmp_path, capsys):
     assert "not a feature draft" in capsys.readouterr().err and not (tmp_path / "y").exists()
     with pytest.raises(ModelError, match="not an EAGLE-3 draft"):
         from_eagle3(root / "target", target)
+
+
+def test_saved_head_is_readable_by_others(saved):
+    root, _, _ = saved  # mkdtemp's 0700 must not leak into a shared checkpoint
+    assert (root / "head").stat().st_mode & 0o777 == 0o755
+    assert {f.stat().st_mode & 0o777 for f in (root / "head").iterdir()} == {0o644}
