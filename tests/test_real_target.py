@@ -43,8 +43,15 @@ def test_strategies_agree_with_ar(dtype):
                StrategyConfig(strategy="ti-mcsd", width=4, depth=6),
                StrategyConfig(strategy="ti-mcsd", width=3, depth=8, stop="confidence"),
                StrategyConfig(strategy="ti-mcsd", width=4, depth=8, stop="confidence", confidence_rule="grow")]
+    prompts = PROMPTS
+    if dtype == "bfloat16":
+        # fp32 proves every strategy bit for bit; bf16 asks only whether batched verification's
+        # differences are all near-ties, which a chain and a tree answer. Emulated bf16 (a CPU
+        # without AVX512-BF16 / AMX) runs several times slower than fp32, so one prompt.
+        prompts, configs = PROMPTS[:1], [c for c in configs if c.name in ("sd[g=4]", "ti-mcsd[W=4,D=6]")]
+        assert len(configs) == 2
     ar = build_engine(sess.target, None, StrategyConfig(strategy="ar"), greedy)
-    for text in PROMPTS:
+    for text in prompts:
         ids = sess.encode(text, chat=True)
         ref, _ = ar.generate(ids, N)
         for cfg in configs:
