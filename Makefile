@@ -35,9 +35,9 @@ lock:
 	mv $(LOCK).tmp $(LOCK)
 	rm -rf $(VENV)-lock
 
-# two workers: the exact-sampling tests are long single-threaded loops
+# two workers: the exact-sampling tests are long single-threaded loops; the 20 slowest are listed
 test: venv
-	$(BIN)/python -m pytest -n 2 tests
+	$(BIN)/python -m pytest -n 2 tests --durations=20
 
 # no multi-process tests (DDP, scale-out, kill/resume) and no real-target tests
 test-quick: venv
