@@ -8,6 +8,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 torch.set_num_threads(1)
 
+# The minute-long modules first: xdist hands work out in collection order, a worker holding up
+# to 3 queued tests, so long tests met at the end of the run leave the other worker idle.
+LONG_FIRST = ("test_sampling_exact.py", "test_growth.py", "test_feature_decoding.py",
+              "test_real_target.py", "test_retrain.py", "test_failures.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # stable otherwise
+
 
 def tiny_llama(seed=0, vocab=32, layers=2, hidden=32, scale=1.0, max_pos=256):
     """A random Llama; `scale` sharpens its next-token distributions."""

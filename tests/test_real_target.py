@@ -4,7 +4,6 @@ target's logits flipped by rounding (decoding.agreement), never a real mismatch.
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from decoding import models
 from decoding.agreement import check_greedy
@@ -18,16 +17,6 @@ PROMPTS = ["Write a Python function that adds two numbers.", "Name three colors 
 N = 32
 
 
-def layer_skip_draft(target, layers=4):
-    """The target's first layers + its head: a draft that shares the tokenizer and is often
-    right, so deep tree paths are really exercised (a random draft is never accepted)."""
-    cfg = target.config.__class__.from_dict(target.config.to_dict())
-    cfg.num_hidden_layers = layers
-    draft = AutoModelForCausalLM.from_config(cfg).to(target.dtype)
-    draft.load_state_dict(target.state_dict(), strict=False)
-    return draft.eval()
-
-
 def grow_policy(cfg):
     """The cost-aware tree over q, with the CPU's measured cost shape (decoding.growth)."""
     cost = CostCurve([1, 5, 16, 45, 64], [36.6, 41.0, 42.0, 55.0, 59.0], [4.0, 4.2, 5.0, 6.0, 7.0])
@@ -37,7 +26,10 @@ def grow_policy(cfg):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_strategies_agree_with_ar(dtype):
     sess = Session.open(None, None, dtype)
-    draft = layer_skip_draft(sess.target)
+    # the shipped default draft: accepted on ~2/3 of these tokens, so deep tree paths are really
+    # exercised (a 4-layer cut of the target was accepted 1-2 times in 32 tokens and ran 4x slower)
+    draft = sess.draft
+    assert draft is not None, "the default draft is missing from checkpoints/drafts"
     greedy = SamplingConfig()
     configs = [StrategyConfig(strategy="sd", gamma=4), StrategyConfig(strategy="mcsd", k_config="4,2,2,1"),
                StrategyConfig(strategy="ti-mcsd", width=4, depth=6),
@@ -62,7 +54,7 @@ def test_strategies_agree_with_ar(dtype):
             else:  # which near-ties a batched bf16 verification flips depends on the CPU
                 check = check_greedy(sess.target, ids, ref, out, dtype)
                 assert check.kind != "mismatch", (cfg.name, check)
-            assert stats.accepted > 0  # the layer-skip draft is really accepted sometimes
+            assert stats.accepted >= N // 4, (cfg.name, stats.accepted)  # deep paths were taken
 
 
 def test_default_target_conversion_is_cached():
