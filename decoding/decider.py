@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from . import features as F
-from .models import ModelError, fingerprint, same_model, stale_fingerprint
+from .models import ModelError, fingerprint, make_shareable, same_model, stale_fingerprint
 from .stopping import CONFIDENCE_RULES, GROW, DraftLevel, StopPolicy, check_threshold
 
 KINDS = ("mlp11", "hidden", "logistic", "mlp")
@@ -153,7 +153,7 @@ def _write_once_dir(out: Path, write) -> None:
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
         write(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp makes 0700: a shareable artifact
+        make_shareable(tmp)
         try:
             os.rename(tmp, out)  # fails on a non-empty `out` made by a concurrent writer
         except OSError as e:

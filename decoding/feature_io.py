@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .feature_draft import FeatureDraft, FeatureDraftConfig
-from .models import DTYPES, ModelError, fingerprint, same_model
+from .models import DTYPES, ModelError, fingerprint, make_shareable, same_model
 
 MARKER = "specstop_draft.json"
 KIND = "eagle3"
@@ -49,8 +49,7 @@ def atomic_dir(out: Path, write) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
         write(tmp)
-        for f in [tmp, *tmp.rglob("*")]:  # mkdtemp makes 0700 (some writers 0600): a shared artifact
-            os.chmod(f, 0o755 if f.is_dir() else 0o644)
+        make_shareable(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -99,6 +99,13 @@ def _convert_smollm2(out: Path) -> None:
         raise
 
 
+def make_shareable(root: Path) -> None:
+    """0755 directories and 0644 files under `root` (itself included): mkdtemp makes 0700 and
+    some writers 0600, which would leak into an artifact other users load."""
+    for f in [root, *Path(root).rglob("*")]:
+        os.chmod(f, 0o755 if f.is_dir() else 0o644)
+
+
 def resolve_model_dir(path: str | os.PathLike | None) -> Path:
     if path is None or str(path) == DEFAULT_TARGET:
         return default_target_dir()

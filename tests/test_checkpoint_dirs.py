@@ -25,6 +25,16 @@ def test_decider_dirs_are_write_once(tmp_path):
     assert D.load_decider(out)[1].threshold == 0.4
 
 
+def test_decider_dir_is_readable_by_others_under_a_strict_umask(tmp_path):
+    old = os.umask(0o077)  # a user's strict umask must not make a shared checkpoint private
+    try:
+        out = _save(tmp_path)
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert {p.stat().st_mode & 0o777 for p in out.iterdir()} == {0o644}
+
+
 def test_concurrent_writer_is_refused_not_merged(tmp_path, monkeypatch):
     """A writer that finds the name free but loses the rename race gets FileExistsError."""
     other = tmp_path / "run1"

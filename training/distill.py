@@ -79,6 +79,7 @@ def write_draft(model, out: Path, meta: dict, tokenizer_dir: Path, dtype: str = 
     our metadata + the kept head ids), written to a temp dir and swapped in: readers see the
     old draft or the new one."""
     from decoding.draft_format import DRAFT_SCHEMA, dumps_meta, save_draft_weights
+    from decoding.models import make_shareable
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
@@ -93,9 +94,7 @@ def write_draft(model, out: Path, meta: dict, tokenizer_dir: Path, dtype: str = 
                 shutil.copy2(tokenizer_dir / f, tmp / f)
         meta = {k: v for k, v in meta.items() if k != "head_ids"} | {"schema_version": DRAFT_SCHEMA}
         (tmp / METADATA).write_text(dumps_meta(meta | ({"head_ids": head_ids} if head_ids else {})))
-        os.chmod(tmp, 0o755)  # mkdtemp makes 0700 (and some writers 0600): a shareable artifact
-        for f in tmp.rglob("*"):
-            os.chmod(f, 0o755 if f.is_dir() else 0o644)
+        make_shareable(tmp)
         replace_dir(tmp, out)  # one atomic swap: a reader never finds the path empty
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
