@@ -25,7 +25,8 @@ from pathlib import Path
 from . import defaults as dflt
 from . import models
 from .sampling import SamplingConfig
-from .session import DEFAULT_DRAFT, Session
+from .defaults import is_shipped_pair  # noqa: F401 (re-exported)
+from .session import Session
 from .stopping import GROW
 from .strategies import StrategyConfig, build_engine
 
@@ -42,13 +43,6 @@ class GenerationResult:
     """RunStats.to_dict(): tokens/s, block efficiency, acceptance, time split, ..."""
     prompt_ids: list[int]
     """The prompt as the target saw it (chat template applied)."""
-
-
-def is_shipped_pair(target, draft) -> bool:
-    """The pair the defaults were measured on: the embedded target with the shipped draft."""
-    if target not in (None, models.DEFAULT_TARGET):
-        return False
-    return draft is None or (isinstance(draft, (str, Path)) and Path(draft).resolve() == DEFAULT_DRAFT.resolve())
 
 
 def _as_text(x) -> str:
@@ -89,7 +83,7 @@ class Decoder:
             raise TypeError(f"unknown option(s): {', '.join(sorted(bad))}")
         d = dflt.defaults_for(device, is_shipped_pair(target, draft), defaults_file)
         given_strategy = strategy
-        cfg = cls._config(d, strategy, options)  # validated before the (slow) model load
+        cfg = dflt.strategy_config(d, strategy, options)  # validated before the (slow) model load
         if isinstance(target, (str, Path)) or target is None:
             sess = Session.open(target, draft, dtype or d.dtype, device,
                                 need_draft=given_strategy not in (None, "ar"))
@@ -103,13 +97,6 @@ class Decoder:
         if d.decider_rule and decider_rule is None and cfg.stop == "decider":
             decider_rule = d.decider_rule
         return cls(sess, cfg, decider, decider_rule, decider_threshold, d)
-
-    @staticmethod
-    def _config(d: dflt.Defaults, strategy, options) -> StrategyConfig:
-        base = {k: getattr(d, k) for k in ("gamma", "k_config", "width", "depth", "stop",
-                                           "confidence_threshold", "confidence_rule")}
-        base.update({k: v for k, v in options.items() if v is not None})
-        return StrategyConfig(strategy=strategy or d.strategy, **base)
 
     def variant(self, strategy: str | None = None, **options) -> Decoder:
         """Another strategy / stop policy on the same loaded models (decider options included)."""

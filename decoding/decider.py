@@ -20,12 +20,10 @@ from torch import nn
 
 from . import features as F
 from .models import ModelError, fingerprint, make_shareable, same_model, stale_fingerprint
+from .options import RULES, THRESHOLD_RULES  # noqa: F401 (re-exported)
 from .stopping import CONFIDENCE_RULES, GROW, DraftLevel, StopPolicy, check_threshold
 
 KINDS = ("mlp11", "hidden", "logistic", "mlp")
-THRESHOLD_RULES = ("paper", "specdecpp", "tree")
-"""Rules with a threshold (chosen by replaying traces: training.threshold)."""
-RULES = (*THRESHOLD_RULES, GROW)
 DECIDERS_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "deciders"
 
 

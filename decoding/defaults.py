@@ -18,6 +18,12 @@ from pathlib import Path
 
 import yaml
 
+from .options import StrategyConfig
+
+DEFAULT_TARGET = "smollm2"
+"""Name of the embedded target (SmolLM2-135M-Instruct, converted once by decoding.models)."""
+DEFAULT_DRAFT = Path(__file__).resolve().parent.parent / "checkpoints" / "drafts" / "smollm2-135m-draft"
+"""The shipped stand-alone draft, used when no draft is named and the target is the embedded one."""
 DEFAULTS_PATH = Path(__file__).with_name("defaults.yaml")
 KINDS = ("cpu", "cpu-bf16", "cuda")
 OTHER = "other-pairs"
@@ -135,6 +141,22 @@ def defaults_for(device: str = "cpu", shipped: bool = True, path=None) -> Defaul
     if entry is None and kind == "cpu-bf16":
         entry = data.get("cpu")
     return Defaults(**(entry or {"source": "built-in (no entry in the defaults file)"}))
+
+
+def is_shipped_pair(target, draft) -> bool:
+    """The pair the defaults were measured on: the embedded target with the shipped draft."""
+    if target not in (None, DEFAULT_TARGET):
+        return False
+    return draft is None or (isinstance(draft, (str, Path)) and Path(draft).resolve() == DEFAULT_DRAFT.resolve())
+
+
+def strategy_config(d: Defaults, strategy: str | None, options: dict) -> StrategyConfig:
+    """The StrategyConfig of the given options over the entry's (None = unset); raises
+    ValueError on a bad value. Torch-free, so a CLI checks its options before heavy imports."""
+    base = {k: getattr(d, k) for k in ("gamma", "k_config", "width", "depth", "stop",
+                                       "confidence_threshold", "confidence_rule")}
+    base.update({k: v for k, v in options.items() if v is not None})
+    return StrategyConfig(strategy=strategy or d.strategy, **base)
 
 
 def _spec_entry(spec: dict, row: dict) -> dict | None:

@@ -14,11 +14,7 @@ import json
 import sys
 
 from . import defaults as dflt
-from .decider import RULES
-from .models import ModelError
-from .sampling import SamplingConfig
-from .stopping import CONFIDENCE_RULES, check_threshold
-from .strategies import MODES, STRATEGIES
+from .options import CONFIDENCE_RULES, MODES, RULES, STRATEGIES, SamplingConfig, check_threshold
 
 
 def defaults_help() -> str:
@@ -88,28 +84,43 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def strategy_options(args) -> dict:
+    return dict(gamma=args.gamma, k_config=args.k_config, width=args.width, depth=args.depth, mode=args.mode,
+                replacement=args.replacement or None, stop=args.stop,
+                confidence_threshold=args.confidence_threshold, confidence_rule=args.confidence_rule,
+                max_nodes=args.max_nodes, grow_cost=args.grow_cost)
+
+
+def check_options(args) -> None:
+    """Every option value, checked before torch and transformers are imported (those take
+    seconds; a typo should not)."""
+    SamplingConfig(args.temperature, args.top_p)
+    if args.decider_threshold is not None:
+        check_threshold("--decider-threshold", args.decider_threshold)
+    if args.max_new_tokens < 1:
+        raise ValueError("--max-new-tokens must be >= 1")
+    d = dflt.defaults_for(args.device, dflt.is_shipped_pair(args.target, args.draft))
+    dflt.strategy_config(d, args.strategy, strategy_options(args))
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    if args.threads:
-        import torch
+    try:
+        check_options(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import torch
 
+    from .api import Decoder
+    from .models import ModelError
+
+    if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        from .api import Decoder
-
-        SamplingConfig(args.temperature, args.top_p)  # validated before the (slow) model load
-        if args.decider_threshold is not None:
-            check_threshold("--decider-threshold", args.decider_threshold)
-        if args.max_new_tokens < 1:
-            raise ValueError("--max-new-tokens must be >= 1")
         dec = Decoder.load(args.target, args.draft, args.decider, dtype=args.dtype, device=args.device,
                            strategy=args.strategy, decider_rule=args.decider_rule,
-                           decider_threshold=args.decider_threshold, gamma=args.gamma,
-                           k_config=args.k_config, width=args.width, depth=args.depth, mode=args.mode,
-                           replacement=args.replacement or None, stop=args.stop,
-                           confidence_threshold=args.confidence_threshold,
-                           confidence_rule=args.confidence_rule, max_nodes=args.max_nodes,
-                           grow_cost=args.grow_cost)
+                           decider_threshold=args.decider_threshold, **strategy_options(args))
         on_text = None if args.json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
         res = dec.generate(args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,
                            chat=args.chat, on_text=on_text)

@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
+from .defaults import DEFAULT_TARGET  # noqa: F401 (re-exported)
+
 hf_logging.disable_progress_bar()  # per-tensor loading bars drown the CLI's own output
 
-DEFAULT_TARGET = "smollm2"
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 CACHE_ENV = "SPECSTOP_CACHE"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

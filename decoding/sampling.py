@@ -6,35 +6,10 @@ acceptance rule: the rule then reproduces the warped target distribution exactly
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 
 import torch
 
-MIN_TEMPERATURE = 1e-4
-"""Below this, logits / temperature can overflow float32 (nan probabilities); such a
-temperature is greedy in all but name: use 0."""
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    temperature: float = 0.0
-    """0 means greedy decoding; > 0 samples from softmax(logits / temperature)."""
-    top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of tokens whose mass reaches top_p."""
-
-    def __post_init__(self):
-        t = self.temperature
-        if not math.isfinite(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
-            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE} "
-                             f"(got {t}; smaller values overflow logits / temperature)")
-        if not 0 < self.top_p <= 1:  # also refuses nan
-            raise ValueError(f"top-p must be in (0, 1] (got {self.top_p})")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
+from .options import MIN_TEMPERATURE, SamplingConfig  # noqa: F401 (re-exported)
 
 def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """Float32 probabilities over the last dim after temperature and top-p.

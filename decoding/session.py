@@ -10,14 +10,11 @@ import torch
 from . import models
 from .feature_io import draft_kind, load_feature_draft
 from .decider import DeciderConfig, DeciderStop, load_decider, resolve_decider_dir
-from .defaults import resolve_dtype
+from .defaults import DEFAULT_DRAFT, resolve_dtype  # noqa: F401 (DEFAULT_DRAFT re-exported)
 from .growth import CostCurve, GrowPolicy, measure_cost, q_scores
 from .sampling import SamplingConfig
 from .stopping import GROW, make_stop_policy
 from .strategies import StrategyConfig, build_engine
-
-# The draft shipped for the default target (see training.distill); used when --draft is absent.
-DEFAULT_DRAFT = Path(__file__).resolve().parent.parent / "checkpoints" / "drafts" / "smollm2-135m-draft"
 
 
 def rule_threshold(dcfg: DeciderConfig, rule: str, where: Path | str = "the decider") -> float:

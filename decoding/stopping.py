@@ -12,11 +12,12 @@ itself, and every drafted node is verified, so sampling stays exact.
 
 from __future__ import annotations
 
-import math
 
 from dataclasses import dataclass
 
 import torch
+
+from .options import CONFIDENCE_RULES, GROW, check_threshold  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -116,22 +117,6 @@ class DraftConfidence(StopPolicy):
             return super().expand(level)
         keep = level.path_logq.exp() >= self.threshold
         return [bool(k) and v for k, v in zip(keep, level.valid)]
-
-
-GROW = "grow"
-"""The cost-aware growth rule (decoding.growth): sizes the tree from the cost curve, no threshold."""
-CONFIDENCE_RULES = ("level", "tree", GROW)
-
-
-def check_threshold(name: str, value) -> float:
-    """A stop threshold must be a finite number (nan would silently never / always stop)."""
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number (got {value!r})") from None
-    if not math.isfinite(v):
-        raise ValueError(f"{name} must be a finite number (got {value})")
-    return v
 
 
 def make_stop_policy(name: str, threshold: float | None = None, rule: str = "level") -> StopPolicy:

@@ -105,6 +105,19 @@ def test_unknown_strategy_exits_nonzero(dirs, capsys):
     assert e.value.code == 2
 
 
+def test_option_values_are_checked_before_torch_is_imported():
+    """A typo in an option is refused in a fraction of a second: generate checks every value
+    before importing torch / transformers (the fault table's option rows rely on it)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from decoding.generate import main; rc = main(['--prompt', 'x', '--width', '0']); "
+            "print(rc, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.stdout.split() == ["2", "False", "False"], p.stdout + p.stderr
+    assert p.stderr.startswith("error: fork tree needs width >= 1") and p.stderr.count("\n") == 1
+
+
 def _decider_for(tmp_path, target_dir, draft_dir, name="dec", **cfg_kw):
     from decoding.decider import DeciderConfig, DeciderNet, save_decider
     from decoding.models import fingerprint, load_model
