@@ -10,7 +10,7 @@ import torch
 from . import models
 from .feature_io import draft_kind, load_feature_draft
 from .decider import DeciderConfig, DeciderStop, load_decider, resolve_decider_dir
-from .defaults import DEFAULT_DRAFT, resolve_dtype  # noqa: F401 (DEFAULT_DRAFT re-exported)
+from .defaults import DEFAULT_DRAFT, resolve_dtype
 from .growth import CostCurve, GrowPolicy, measure_cost, q_scores
 from .sampling import SamplingConfig
 from .stopping import GROW, make_stop_policy
