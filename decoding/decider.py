@@ -23,7 +23,12 @@ from .models import ModelError, fingerprint, make_shareable, same_model, stale_f
 from .options import RULES, THRESHOLD_RULES  # noqa: F401 (re-exported)
 from .stopping import CONFIDENCE_RULES, GROW, DraftLevel, StopPolicy, check_threshold
 
-KINDS = ("mlp11", "hidden", "logistic", "mlp")
+KINDS = ("mlp11", "hidden", "logistic", "mlp", "hybrid")
+HIDDEN_KINDS = ("hidden", "hybrid")  # kinds that read the draft's hidden state
+
+
+def uses_hidden(kind: str) -> bool:
+    return kind in HIDDEN_KINDS
 DECIDERS_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "deciders"
 
 
@@ -31,10 +36,12 @@ DECIDERS_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "decider
 class DeciderConfig:
     kind: str = "mlp11"
     """mlp11: the paper's 11-feature MLP (11->44->1); hidden: draft hidden state MLP
-    (H->512->256->1); logistic: all features -> 1; mlp: all features -> 64 -> 1."""
+    (H->512->256->1); logistic: all features -> 1; mlp: all features -> 64 -> 1; hybrid: all
+    features AND the hidden state (F+H->256->64->1: a feature draft's h is computed from the
+    target's own states)."""
     num_features: int = F.NUM_FEATURES
     hidden_size: int = 0
-    """Draft hidden size (kind=hidden only)."""
+    """Draft hidden size (kinds hidden and hybrid)."""
     feature_schema: int = F.FEATURE_SCHEMA_VERSION
     threshold: float = 0.4
     """Stop threshold, chosen by replaying traces with the cost model."""
@@ -70,12 +77,14 @@ class DeciderNet(nn.Module):
     def __init__(self, cfg: DeciderConfig):
         super().__init__()
         self.kind = cfg.kind
-        n_in = {"mlp11": 1 + F.TOP_K, "hidden": cfg.hidden_size}.get(cfg.kind, cfg.num_features)
+        n_in = {"mlp11": 1 + F.TOP_K, "hidden": cfg.hidden_size,
+                "hybrid": cfg.num_features + cfg.hidden_size}.get(cfg.kind, cfg.num_features)
         layers = {
             "mlp11": [nn.Linear(n_in, 44), nn.ReLU(), nn.Linear(44, 1)],
             "hidden": [nn.Linear(n_in, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 1)],
             "logistic": [nn.Linear(n_in, 1)],
             "mlp": [nn.Linear(n_in, 64), nn.ReLU(), nn.Linear(64, 1)],
+            "hybrid": [nn.Linear(n_in, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 1)],
         }[cfg.kind]
         self.net = nn.Sequential(*layers)
         # input standardisation, fitted on training traces and saved with the weights
@@ -83,10 +92,10 @@ class DeciderNet(nn.Module):
         self.register_buffer("std", torch.ones(n_in))
 
     def select(self, feats: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
-        if self.kind == "hidden":
+        if uses_hidden(self.kind):
             if hidden is None:
-                raise ValueError("the hidden-state decider needs draft hidden states")
-            return hidden.float()
+                raise ValueError(f"the {self.kind} decider needs draft hidden states")
+            return hidden.float() if self.kind == "hidden" else torch.cat([feats, hidden.float()], -1)
         return feats[..., F.PAPER_FEATURES] if self.kind == "mlp11" else feats
 
     def forward(self, feats: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,7 +112,7 @@ class DeciderStop(StopPolicy):
     def __init__(self, net: DeciderNet, cfg: DeciderConfig):
         self.net = net.eval()
         self.cfg = cfg
-        self.needs_hidden = cfg.kind == "hidden"
+        self.needs_hidden = uses_hidden(cfg.kind)
         self._path: dict[int, float] = {}
 
     @torch.inference_mode()

@@ -100,6 +100,7 @@ def load_feature_draft(path, target, dtype: str = "float32", device: str = "cpu"
         raise ModelError(f"feature draft {p}: missing weights {missing[:3]}, unexpected {unexpected[:3]}")
     draft = draft.to(device=device, dtype=DTYPES[dtype]).eval()
     draft.attach_embeddings(target.get_input_embeddings().weight)
+    draft.config._name_or_path = str(p)  # as transformers does: fingerprints name the folder
     return draft
 
 

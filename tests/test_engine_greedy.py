@@ -114,8 +114,9 @@ def random_decider(rule, threshold, seed=0, kind="logistic", hidden_size=0, cut=
     """A decider whose stops vary from round to round (any stop must stay lossless).
 
     logistic: score = sigmoid(40 * (q_token - cut)); hidden: sigmoid(100 * relu(h . v) - 1)
-    for a random direction v, so scores swing with the draft's hidden state."""
-    from decoding.features import FEATURE_NAMES
+    for a random direction v, so scores swing with the draft's hidden state; hybrid: the same
+    over the hidden part of its input (the features come first)."""
+    from decoding.features import FEATURE_NAMES, NUM_FEATURES
 
     torch.manual_seed(seed)
     cfg = DeciderConfig(kind=kind, rule=rule, threshold=threshold, hidden_size=hidden_size)
@@ -128,7 +129,8 @@ def random_decider(rule, threshold, seed=0, kind="logistic", hidden_size=0, cut=
             last.weight[0, FEATURE_NAMES.index("q_token")] = 40.0
             last.bias.fill_(-40.0 * cut)
         else:
-            first.weight[0] = torch.nn.functional.normalize(torch.randn(hidden_size), dim=0)
+            skip = NUM_FEATURES if kind == "hybrid" else 0
+            first.weight[0, skip:] = torch.nn.functional.normalize(torch.randn(hidden_size), dim=0)
             net.net[2].weight[0, 0] = 1.0
             last.weight[0, 0] = 100.0
             last.bias.fill_(-1.0)
@@ -136,7 +138,7 @@ def random_decider(rule, threshold, seed=0, kind="logistic", hidden_size=0, cut=
 
 
 @pytest.mark.parametrize("rule,threshold", [("paper", 0.5), ("specdecpp", 0.5), ("tree", 0.3)])
-@pytest.mark.parametrize("kind", ["logistic", "hidden"])
+@pytest.mark.parametrize("kind", ["logistic", "hidden", "hybrid"])
 def test_decider_stop_is_lossless(pair, rule, threshold, kind):
     target, draft = pair
     cfg = StrategyConfig(strategy="ti-mcsd", width=3, depth=6, stop="decider")

@@ -12,7 +12,7 @@ from test_feature_draft import tiny_feature_draft
 from test_sampling_exact import chi2_pvalue, exact_distribution, speculative_counts
 from decoding.feature_draft import DraftKV, capture_aux
 from decoding.feature_io import draft_kind, load_feature_draft, save_feature_draft
-from decoding.models import ModelError
+from decoding.models import ModelError, fingerprint, same_model
 from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine
 
@@ -160,6 +160,8 @@ def test_checkpoint_roundtrip_and_refusal(feature_pair, tmp_path):
     out = save_feature_draft(draft, tmp_path / "head", target, {"note": "test"})
     assert draft_kind(out) == "eagle3" and draft_kind(tmp_path) == "model"
     back = load_feature_draft(out, target)
+    assert fingerprint(back)["name"] == "head"  # deciders and traces name the pair by folder
+    assert same_model(fingerprint(back), fingerprint(draft))
     ids, aux = torch.randint(0, 40, (1, 5)), torch.randn(1, 5, 96)
     with torch.no_grad():
         torch.testing.assert_close(back.unroll(ids, aux, 2)[1][0], draft.unroll(ids, aux, 2)[1][0], rtol=0, atol=0)

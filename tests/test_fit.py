@@ -150,9 +150,10 @@ def test_registry_is_atomic_and_latest_resolves(tmp_path, fitted, monkeypatch):
         registry.read_registry(root)
 
 
-def test_hidden_kind_soft_labels_and_balancing(tmp_path):
+@pytest.mark.parametrize("kind", ["hidden", "hybrid"])
+def test_hidden_kind_soft_labels_and_balancing(tmp_path, kind):
     tr = write_traces(tmp_path / "th", n_prompts=40, hidden=8)
-    cfg = config(tmp_path, tr, model={"kind": "hidden", "lr": 0.003},
+    cfg = config(tmp_path, tr, model={"kind": kind, "lr": 0.003},
                  data={"label": "soft", "balance": "pos_weight"},
                  trainer={"max_epochs": 4}, replay={"baselines": False, "rule": "paper"})
     assert fit.main(["--config", str(cfg), "--export.run_id", "h"]) == 0
@@ -163,7 +164,7 @@ def test_hidden_kind_soft_labels_and_balancing(tmp_path):
     assert auc["decider"]["roc_auc"] > 0.9 and auc["decider"]["roc_auc"] > auc["confidence_q_token"]["roc_auc"] + 0.1
     assert m["replay"]["chosen"]["rule"] == "paper" and "logistic_regression-paper" not in m["replay"]["test"]
     _, cfg = D.load_decider(run)
-    assert cfg.kind == "hidden" and cfg.hidden_size == 8 and cfg.label == "soft"
+    assert cfg.kind == kind and cfg.hidden_size == 8 and cfg.label == "soft"
 
 
 def test_balancing_is_undone_at_export():
@@ -216,7 +217,7 @@ def test_cost_model_sources(tmp_path, monkeypatch, pair):
     monkeypatch.setattr(T, "calibrate", lambda t, d, collect=None: ("timed", t, d))
     assert load_cost(ReplayConfig(cost_model="measure"),
                      {"target": fingerprint(target), "draft": fingerprint(draft)}) == ("timed", target, draft)
-    for kind in ("mlp", "hidden"):
+    for kind in ("mlp", "hidden", "hybrid"):
         net = D.DeciderNet(D.DeciderConfig(kind=kind, hidden_size=8))
         assert policy_ms(net, vocab=64, width=3, repeats=3) > 0
 

@@ -102,7 +102,7 @@ class TraceDataModule(L.LightningDataModule):
             batch_size: 50..512.
             balance: none; pos_weight (BCE pos_weight = neg/pos); sampler (class-balanced
                 sampling). Both are undone at export by a logit shift so scores stay calibrated.
-            with_hidden: also load the draft hidden states (linked to model.kind == hidden).
+            with_hidden: also load the draft hidden states (linked to the hidden-state kinds).
             num_workers: DataLoader workers.
         """
         super().__init__()

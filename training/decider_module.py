@@ -23,7 +23,8 @@ class DeciderModule(L.LightningModule):
         """
         Args:
             kind: mlp11 (paper's 11 features, 11->44->1), hidden (draft hidden state,
-                H->512->256->1), logistic (all features -> 1), mlp (all features -> 64 -> 1).
+                H->512->256->1), logistic (all features -> 1), mlp (all features -> 64 -> 1),
+                hybrid (all features and the hidden state, F+H->256->64->1).
             lr: Adam learning rate.
             weight_decay: Adam weight decay.
         """

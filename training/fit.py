@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 
-from decoding.decider import DECIDERS_DIR, DeciderConfig, DeciderNet, save_decider
+from decoding.decider import DECIDERS_DIR, DeciderConfig, DeciderNet, save_decider, uses_hidden
 from decoding.features import FEATURE_GROUPS, FEATURE_SCHEMA_VERSION, NUM_FEATURES
 
 from . import metrics as M
@@ -62,8 +62,8 @@ class FitCLI(LightningCLI):
         parser.add_class_arguments(ReplayConfig, "replay")
         parser.add_class_arguments(ExportConfig, "export")
         parser.add_argument("--threads", type=int | None, default=None, help="torch CPU threads")
-        # the hidden-state decider is the only one that needs the (large) hidden column
-        parser.link_arguments("model.kind", "data.with_hidden", compute_fn=lambda k: k == "hidden")
+        # only the hidden-state kinds need the (large) hidden column
+        parser.link_arguments("model.kind", "data.with_hidden", compute_fn=uses_hidden)
 
 
 def make_cli(argv) -> FitCLI:

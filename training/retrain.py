@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 
-from decoding.decider import DECIDERS_DIR, load_decider
+from decoding.decider import DECIDERS_DIR, load_decider, uses_hidden
 from decoding.feature_io import is_feature_draft
 from decoding.models import ModelError, fingerprint, same_model
 
@@ -254,11 +254,11 @@ def run(cfg: RetrainConfig, session=None, log=print) -> int:
                 return rc
         chall_cfg = json.loads((root / challenger_id / "config.json").read_text())
         cost = CostModel(**chall_cfg["cost_model"])  # one cost model judges both deciders
-        hidden = chall_cfg["kind"] == "hidden"
+        hidden = uses_hidden(chall_cfg["kind"])
         chall = assess(root / challenger_id, run_dir / "traces_heldout", cost, hidden)
         champ = None
         if champion_id and comparable:
-            champ_hidden = json.loads((root / champion_id / "config.json").read_text())["kind"] == "hidden"
+            champ_hidden = uses_hidden(json.loads((root / champion_id / "config.json").read_text())["kind"])
             champ = assess(root / champion_id, run_dir / "traces_heldout", cost, champ_hidden)
         if champ is not None and cfg.live_prompts > 0:
             live = held[: cfg.live_prompts]

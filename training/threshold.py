@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from decoding.decider import THRESHOLD_RULES as RULES  # grow has no threshold to choose
+from decoding.decider import uses_hidden
 
 from .datamodule import Split
 from .replay import (
@@ -110,7 +111,8 @@ def policy_ms(net, vocab: int, width: int, repeats: int = 50) -> float:
     from decoding.stopping import DraftLevel
 
     q = torch.softmax(torch.randn(width, vocab), -1)
-    h = torch.randn(width, net.mean.numel()) if net.kind == "hidden" else None
+    hid = net.mean.numel() - (F.NUM_FEATURES if net.kind == "hybrid" else 0)
+    h = torch.randn(width, hid) if uses_hidden(net.kind) else None
     level = DraftLevel(depth=2, nodes=list(range(width)), tokens=[0] * width, valid=[True] * width,
                        q_token=q[:, 0], parent_q=q, parent_of=list(range(width)),
                        parent_nodes=list(range(width)), branch=[0] * width,
