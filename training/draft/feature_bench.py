@@ -9,8 +9,11 @@ written once with the corpus settings and cached under .cache/eval_corpus/, as
 training.distill_eval does): step j's top-1 at position t (true tokens, the head's own
 features from step 2 on, as in training-time test) against the target's full-vocabulary
 argmax for token t+1+j. Also the share of those argmaxes inside the draft vocabulary (the
-ceiling). fp32 target and head. Writes <out>/eval.json and, with --metrics-csv (the run's
-CSVLogger file), <out>/learning_curve.png (validation agreement per step vs minutes).
+ceiling). fp32 target and head. Step-1 agreement and accepted length come with 95% intervals
+(bootstrap over prompts); --baseline EVAL_JSON (another head on the same prompts) adds their
+paired differences, which is how two heads are compared. Writes <out>/eval.json and, with
+--metrics-csv (the run's CSVLogger file), <out>/learning_curve.png (validation agreement per
+step vs minutes).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 STEPS = 4
@@ -35,12 +39,14 @@ def agreement(target, head, rows: list[dict], layers: list[int], steps: int = ST
     `steps` started there accepts exactly its leading run of agreeing steps (each step reads
     the true tokens, which are its own proposals once they were accepted), so the mean
     accepted length is sum_J chain_stepJ (`accepted_length`, no independence assumption;
-    exact when the continuations are the target's greedy ones)."""
+    exact when the continuations are the target's greedy ones). `per_prompt` keeps each row's
+    counts (hits, chain, n per step) for confidence intervals and paired comparisons."""
     from .feature_cache import _batches, pad_batch, target_batch
     from .feature_module import shift
 
     used, t2d = head.used_ids, head.t2d
-    hits, chain, n, inside = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps), 0.0
+    hits, chain, n = (torch.zeros(len(rows), steps) for _ in range(3))
+    inside = 0.0
     seqs = [r["prompt_ids"] + r["completion_ids"] for r in rows]
     starts = [len(r["prompt_ids"]) - 1 for r in rows]
     for idx in _batches([len(s) for s in seqs], max_tokens):
@@ -53,14 +59,62 @@ def agreement(target, head, rows: list[dict], layers: list[int], steps: int = ST
             m = shift(b["lab_mask"], 1 + j, False)
             hit = (used[lg.argmax(-1)] == shift(b["top1"], 1 + j, 0)) & m
             run = hit if run is None else run & hit  # position t's chain: steps 1..j+1 all right
-            hits[j] += float(hit.sum())
-            chain[j] += float(run.sum())
-            n[j] += int(m.sum())
+            hits[idx, j], chain[idx, j], n[idx, j] = hit.sum(-1).float(), run.sum(-1).float(), m.sum(-1).float()
+    total = int(n[:, 0].sum())
+    return {"positions": total, "target_top1_in_draft_vocab": inside / max(1, total),
+            **summary(hits.sum(0), chain.sum(0), n.sum(0)),
+            "per_prompt": {"prompt_ids": [r.get("prompt_id") for r in rows], "hits": hits.tolist(),
+                           "chain": chain.tolist(), "n": n.tolist()}}
+
+
+def summary(hits, chain, n) -> dict:
+    """agree_stepJ, chain_stepJ and accepted_length from summed counts (one value per step)."""
+    hits, chain, n = (torch.as_tensor(x, dtype=torch.float64) for x in (hits, chain, n))
     per = chain / n.clamp_min(1)
-    return {"positions": int(n[0]), "target_top1_in_draft_vocab": inside / max(1, int(n[0])),
-            **{f"agree_step{j + 1}": float(hits[j] / n[j].clamp_min(1)) for j in range(steps)},
-            **{f"chain_step{j + 1}": float(per[j]) for j in range(steps)},
+    return {**{f"agree_step{j + 1}": float(hits[j] / n[j].clamp_min(1)) for j in range(len(n))},
+            **{f"chain_step{j + 1}": float(per[j]) for j in range(len(n))},
             "accepted_length": float(per.sum())}
+
+
+HEADLINE = ("agree_step1", "accepted_length")
+
+
+def _counts(res: dict) -> np.ndarray:
+    """[prompts, 3 * steps]: hits, chain and n per step of each prompt."""
+    pp = res["per_prompt"]
+    return np.concatenate([np.asarray(pp[k], dtype=np.float64) for k in ("hits", "chain", "n")], 1)
+
+
+def _headline(c: np.ndarray) -> np.ndarray:
+    """[draws, 2]: step-1 agreement and accepted length from summed counts [draws, 3 * steps]."""
+    s = c.shape[1] // 3
+    hits, chain, n = c[:, :s], c[:, s: 2 * s], np.maximum(c[:, 2 * s:], 1)
+    return np.stack([hits[:, 0] / n[:, 0], (chain / n).sum(1)], 1)
+
+
+def bootstrap(res: dict, base: dict | None = None, resamples: int = 2000, seed: int = 0) -> dict:
+    """95% intervals by a bootstrap over prompts: of this head's headline figures, or (base
+    given, measured on the same prompts) of their differences from the base head's, paired
+    (the same draw for both heads)."""
+    c = _counts(res)
+    if base is not None:
+        if base["per_prompt"]["prompt_ids"] != res["per_prompt"]["prompt_ids"]:
+            raise ValueError("the baseline was measured on other prompts: compare on the same ones")
+        c = np.concatenate([c, _counts(base)], 1)
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, len(c), size=(resamples, len(c)))
+    w = np.zeros((resamples, len(c)))
+    np.add.at(w, (np.repeat(np.arange(resamples), len(c)), draws.ravel()), 1.0)
+
+    def stat(x):
+        if base is None:
+            return _headline(x)
+        half = x.shape[1] // 2
+        return _headline(x[:, :half]) - _headline(x[:, half:])
+
+    point, vals = stat(c.sum(0, keepdims=True))[0], stat(w @ c)
+    lo, hi = np.quantile(vals, [0.025, 0.975], axis=0)
+    return {k: [float(point[i]), float(lo[i]), float(hi[i])] for i, k in enumerate(HEADLINE)}
 
 
 def learning_curve(csv: Path, png: Path, steps: int = STEPS) -> list[dict]:
@@ -205,7 +259,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cache-root", default=".cache/features")
     p.add_argument("--out", default="reports/draft/feature")
     p.add_argument("--name", default="eval", help="writes <out>/<name>.json")
-    p.add_argument("--prompts", type=int, default=16, help="held-out prompts per kind")
+    p.add_argument("--prompts", type=int, default=40,
+                   help="held-out prompts per kind (40 = every held-out code prompt)")
+    p.add_argument("--baseline", default=None,
+                   help="an earlier eval json on the same prompts: paired differences with 95%% CIs")
     p.add_argument("--metrics-csv", default=None, help="the run's metrics.csv (learning curve)")
     p.add_argument("--eval-cache", default=".cache/eval_corpus")
     p.add_argument("--threads", type=int, default=None)
@@ -218,13 +275,16 @@ def main(argv: list[str] | None = None) -> None:
         res = speed(a) | {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         _write(out / "throughput.json", json.dumps(res, indent=1) + "\n")
         return print(out / "throughput.json")
-    for f in (a.ckpt, a.metrics_csv):
+    for f in (a.ckpt, a.metrics_csv, a.baseline):
         if f and not Path(f).is_file():
             raise SystemExit(f"error: file not found: {f}")
     try:
+        base = json.loads(Path(a.baseline).read_text())["teacher_forced"] if a.baseline else None
+        if base is not None and any("per_prompt" not in base.get(k, {}) for k in KINDS):
+            raise ValueError(f"{a.baseline}: no per-prompt counts (measured before they were kept)")
         target = load_model(None, "float32")
         head, layers = load_head(a, target)
-    except (ModelError, ValueError) as e:
+    except (ModelError, ValueError, KeyError, json.JSONDecodeError) as e:
         raise SystemExit(f"error: {e}") from None
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -233,8 +293,15 @@ def main(argv: list[str] | None = None) -> None:
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "teacher_forced": {}}
     for kind in KINDS:
         rows = eval_corpus(kind, a.prompts, Path(a.eval_cache), "bfloat16")
-        res["teacher_forced"][kind] = {"prompts": len(rows)} | agreement(target, head, rows, layers)
-        print(f"{kind}: {json.dumps(res['teacher_forced'][kind])}", file=sys.stderr, flush=True)
+        r = res["teacher_forced"][kind] = {"prompts": len(rows)} | agreement(target, head, rows, layers)
+        r["ci95"] = bootstrap(r)
+        if base is not None:
+            try:
+                r["vs_baseline"] = {"baseline": a.baseline} | bootstrap(r, base[kind])
+            except ValueError as e:
+                raise SystemExit(f"error: {a.baseline}: {e}") from None
+        shown = {k: v for k, v in r.items() if k != "per_prompt"}
+        print(f"{kind}: {json.dumps(shown)}", file=sys.stderr, flush=True)
     if not a.untrained:
         res["cost"] = step_cost(target, head)
         print(f"cost: {json.dumps(res['cost'])}", file=sys.stderr, flush=True)
