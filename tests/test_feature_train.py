@@ -258,3 +258,40 @@ def test_freeze_output_trains_only_fc_and_midlayer(tiny):
     assert trained and all(n.startswith(("fc.", "midlayer.")) for n in trained)
     with pytest.raises(ValueError, match="init must be"):
         FeatureDistillModule(init="bogus")
+
+
+def test_shipped_eagle3_configs_train_then_continue_on_a_tiny_target(tiny, tmp_path, monkeypatch):
+    """configs/distill_eagle3.yaml, then the same with configs/distill_eagle3_continue.yaml laid
+    over it (online source, warm start from the exported head, its vocabulary), only the models,
+    data and sizes overridden; relative paths land in the test's working directory."""
+    import hashlib
+    import json
+
+    from distill_fixtures import ROOT
+
+    from training.distill import main
+
+    monkeypatch.chdir(tmp_path)
+    target, corpus, cache = tiny
+    tiny_args = ["--model.target", str(target), "--model.steps", "2", "--model.schedule", "steps",
+                 "--data.target", str(target), "--data.corpora", json.dumps([str(corpus)]),
+                 "--data.cache_root", str(cache), "--data.draft_vocab_size", "40", "--data.k", "8",
+                 "--data.layers", json.dumps(LAYERS), "--data.max_prompt_tokens", "16",
+                 "--data.max_tokens", "256", "--data.val_percent", "20", "--data.max_val_rows", "16",
+                 "--run.threads", "1", "--trainer.max_time", "null", "--trainer.max_steps", "3",
+                 "--trainer.val_check_interval", "3", "--trainer.enable_progress_bar", "false"]
+    base = ["--config", str(ROOT / "configs/distill_eagle3.yaml")]
+    main(base + tiny_args)
+    shipped = tmp_path / "checkpoints" / "drafts" / "smollm2-135m-eagle3"
+    digest = hashlib.sha256((shipped / "model.safetensors").read_bytes()).hexdigest()
+
+    # no cache to read: the continuation runs the target's prefill itself (source online)
+    main(base + ["--config", str(ROOT / "configs/distill_eagle3_continue.yaml")] + tiny_args
+         + ["--data.cache_root", str(tmp_path / "no-cache"), "--data.build_cache", "false"])
+    out = tmp_path / "runs" / "drafts" / "smollm2-135m-eagle3"
+    meta, first = (json.loads((d / "specstop_draft.json").read_text()) for d in (out, shipped))
+    assert meta["training"]["warm_start"] == "checkpoints/drafts/smollm2-135m-eagle3"
+    assert meta["data"]["vocab_sha256"] == first["data"]["vocab_sha256"]
+    assert (tmp_path / "runs" / "distill" / "smollm2-135m-eagle3-continue" / "checkpoints" / "last.ckpt").is_file()
+    # the continuation never writes over the head it started from
+    assert hashlib.sha256((shipped / "model.safetensors").read_bytes()).hexdigest() == digest
