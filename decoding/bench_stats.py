@@ -39,6 +39,15 @@ def paired_speedup(a_tok, a_wall, b_tok, b_wall) -> float:
     return float(_stat(a_tok, a_wall, b_tok, b_wall, np.ones((1, a_tok.shape[1])))[0])
 
 
+def resample_weights(n: int, resamples: int = RESAMPLES, seed: int = 0) -> np.ndarray:
+    """[resamples, n]: how often each of n items (prompts) is drawn in each bootstrap resample;
+    a statistic of sums over items is then `weights @ per_item_values`."""
+    draws = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    w = np.zeros((resamples, n))
+    np.add.at(w, (np.repeat(np.arange(resamples), n), draws.ravel()), 1.0)
+    return w
+
+
 def speedup_ci(a_tok, a_wall, b_tok, b_wall, resamples: int = RESAMPLES, level: float = LEVEL,
                seed: int = 0) -> tuple[float, float, float]:
     """(point, low, high): the paired speedup and its percentile-bootstrap interval over
@@ -50,12 +59,7 @@ def speedup_ci(a_tok, a_wall, b_tok, b_wall, resamples: int = RESAMPLES, level: 
     if resamples < 1 or not 0 < level < 1:
         raise ValueError("resamples must be >= 1 and level in (0, 1)")
     point = paired_speedup(a_tok, a_wall, b_tok, b_wall)
-    n = a_tok.shape[1]
-    rng = np.random.default_rng(seed)
-    draws = rng.integers(0, n, size=(resamples, n))
-    w = np.zeros((resamples, n))
-    np.add.at(w, (np.repeat(np.arange(resamples), n), draws.ravel()), 1.0)
-    vals = _stat(a_tok, a_wall, b_tok, b_wall, w)
+    vals = _stat(a_tok, a_wall, b_tok, b_wall, resample_weights(a_tok.shape[1], resamples, seed))
     vals = vals[np.isfinite(vals)]
     if not np.isfinite(point) or vals.size == 0:
         return point, float("nan"), float("nan")

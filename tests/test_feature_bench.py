@@ -59,3 +59,18 @@ def test_agreement_counts_per_prompt_add_up_and_do_not_depend_on_batching():
     totals = summary(*(torch.tensor(pp[k]).sum(0) for k in ("hits", "chain", "n")))
     assert all(one[k] == pytest.approx(v) for k, v in totals.items())
     assert one["accepted_length"] == pytest.approx(sum(one[f"chain_step{j}"] for j in (1, 2, 3)))
+
+
+def test_baseline_must_be_an_eval_with_per_prompt_counts(tmp_path):
+    import json
+
+    from training.draft.feature_bench import baseline
+
+    good = {"teacher_forced": {k: fake([[1, 1]]) | {"agree_step1": 0.1} for k in ("general", "code")}}
+    (tmp_path / "good.json").write_text(json.dumps(good))
+    assert baseline(str(tmp_path / "good.json"))["code"]["agree_step1"] == 0.1
+    old = {"teacher_forced": {k: {"agree_step1": 0.5} for k in ("general", "code")}}  # before per_prompt
+    for name, data in (("old", old), ("list", [1, 2]), ("other", {"rows": 3})):
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+        with pytest.raises(ValueError, match="per-prompt counts"):
+            baseline(str(tmp_path / f"{name}.json"))

@@ -101,10 +101,7 @@ def bootstrap(res: dict, base: dict | None = None, resamples: int = 2000, seed: 
         if base["per_prompt"]["prompt_ids"] != res["per_prompt"]["prompt_ids"]:
             raise ValueError("the baseline was measured on other prompts: compare on the same ones")
         c = np.concatenate([c, _counts(base)], 1)
-    rng = np.random.default_rng(seed)
-    draws = rng.integers(0, len(c), size=(resamples, len(c)))
-    w = np.zeros((resamples, len(c)))
-    np.add.at(w, (np.repeat(np.arange(resamples), len(c)), draws.ravel()), 1.0)
+    from decoding.bench_stats import resample_weights
 
     def stat(x):
         if base is None:
@@ -112,9 +109,18 @@ def bootstrap(res: dict, base: dict | None = None, resamples: int = 2000, seed: 
         half = x.shape[1] // 2
         return _headline(x[:, :half]) - _headline(x[:, half:])
 
-    point, vals = stat(c.sum(0, keepdims=True))[0], stat(w @ c)
+    point, vals = stat(c.sum(0, keepdims=True))[0], stat(resample_weights(len(c), resamples, seed) @ c)
     lo, hi = np.quantile(vals, [0.025, 0.975], axis=0)
     return {k: [float(point[i]), float(lo[i]), float(hi[i])] for i, k in enumerate(HEADLINE)}
+
+
+def baseline(path: str) -> dict:
+    """The teacher_forced section of an earlier eval json that kept per-prompt counts."""
+    res = json.loads(Path(path).read_text())
+    tf = res.get("teacher_forced") if isinstance(res, dict) else None
+    if not isinstance(tf, dict) or any("per_prompt" not in tf.get(k, {}) for k in ("general", "code")):
+        raise ValueError(f"{path}: not a feature_bench result with per-prompt counts")
+    return tf
 
 
 def learning_curve(csv: Path, png: Path, steps: int = STEPS) -> list[dict]:
@@ -279,12 +285,10 @@ def main(argv: list[str] | None = None) -> None:
         if f and not Path(f).is_file():
             raise SystemExit(f"error: file not found: {f}")
     try:
-        base = json.loads(Path(a.baseline).read_text())["teacher_forced"] if a.baseline else None
-        if base is not None and any("per_prompt" not in base.get(k, {}) for k in KINDS):
-            raise ValueError(f"{a.baseline}: no per-prompt counts (measured before they were kept)")
+        base = baseline(a.baseline) if a.baseline else None
         target = load_model(None, "float32")
         head, layers = load_head(a, target)
-    except (ModelError, ValueError, KeyError, json.JSONDecodeError) as e:
+    except (ModelError, ValueError) as e:  # json.JSONDecodeError is a ValueError
         raise SystemExit(f"error: {e}") from None
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
