@@ -297,13 +297,12 @@ def main(argv: list[str] | None = None) -> None:
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "teacher_forced": {}}
     for kind in KINDS:
         rows = eval_corpus(kind, a.prompts, Path(a.eval_cache), "bfloat16")
+        if base is not None and base[kind]["per_prompt"]["prompt_ids"] != [x["prompt_id"] for x in rows]:
+            raise SystemExit(f"error: {a.baseline}: measured on other {kind} prompts (use its --prompts)")
         r = res["teacher_forced"][kind] = {"prompts": len(rows)} | agreement(target, head, rows, layers)
         r["ci95"] = bootstrap(r)
         if base is not None:
-            try:
-                r["vs_baseline"] = {"baseline": a.baseline} | bootstrap(r, base[kind])
-            except ValueError as e:
-                raise SystemExit(f"error: {a.baseline}: {e}") from None
+            r["vs_baseline"] = {"baseline": a.baseline} | bootstrap(r, base[kind])
         shown = {k: v for k, v in r.items() if k != "per_prompt"}
         print(f"{kind}: {json.dumps(shown)}", file=sys.stderr, flush=True)
     if not a.untrained:
