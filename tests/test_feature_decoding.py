@@ -198,3 +198,39 @@ def test_time_forwards_times_a_feature_head(feature_pair):
     _, draft = feature_pair
     ms = time_forwards(draft, [1, 4, 16], repeats=1, context=12)
     assert len(ms) == 3 and all(m > 0 for m in ms) and ms == sorted(ms)
+
+
+@pytest.mark.parametrize("gamma", [2, 4])
+def test_each_round_drafts_what_training_time_test_predicts(feature_pair, gamma):
+    """Serving and training agree on what the head sees. In every `sd` round (greedy) the
+    draft's distribution at step j equals `unroll`'s (training-time test, the training loss's
+    forward) at that round's position for j = 1 .. accepted + 1, where both read the same
+    tokens (steps 2.. from the head's own h); and the round accepts exactly the leading run of
+    steps that unroll gets right. A cache, position or feature offset shows up here even when
+    it changes no argmax (lossless decoding hides it: greedy equality still holds)."""
+    target, draft = feature_pair
+    eng = build_engine(target, draft, StrategyConfig(strategy="sd", gamma=gamma), GREEDY)
+    rounds = deeper = 0
+    for prompt in PROMPTS:
+        seen = []
+        eng.observer = lambda tree, logits, out, pos: seen.append((pos, len(out.path), dict(tree.q)))
+        out, _ = eng.generate(prompt, N)
+        seq = torch.tensor([prompt + out])
+        T = seq.shape[1]
+        with torch.no_grad(), capture_aux(target, draft.config.aux_layers) as cap:
+            top1 = target(input_ids=seq).logits.argmax(-1)[0]
+            steps = [torch.softmax(draft.to_target(lg[0].float()), -1) for lg, _ in draft.unroll(seq, cap.aux(), gamma)]
+        for pos, accepted, q in seen:
+            t = len(prompt) + pos - 2  # the round drafts x_{t+2} first: unroll's index t
+            if t + gamma + 1 >= T:
+                continue  # too near the end for unroll to see every step's label
+            rounds += 1
+            deeper += accepted >= 2
+            for j in range(min(accepted + 1, gamma)):  # node j-1 of the chain holds step j+1's q
+                torch.testing.assert_close(q[j - 1], steps[j][t], rtol=1e-4, atol=1e-5,
+                                           msg=lambda m: f"round at {pos}, step {j + 1}: {m}")
+            lead = 0
+            while lead < gamma and int(steps[lead][t].argmax()) == int(top1[t + 1 + lead]):
+                lead += 1
+            assert lead == accepted, (pos, lead, accepted)
+    assert rounds >= 10 and deeper >= 3, (rounds, deeper)  # steps >= 2 are really compared
