@@ -5,23 +5,36 @@ import torch
 
 from conftest import tiny_llama
 from test_feature_draft import AUX, tiny_feature_draft
-from training.draft.feature_bench import agreement, bootstrap, summary
+from training.draft.feature_bench import agreement, bootstrap, sd_rounds, summary
 
 
-def fake(prompt_hits: list[list[float]], n: float = 10.0, steps: int = 2) -> dict:
+def fake(prompt_hits: list[list[float]], n: float = 10.0, steps: int = 2, rounds=None) -> dict:
     """An eval result whose prompt i agrees on prompt_hits[i][j] of n positions at step j
-    (chains: a step is right only where all earlier ones are)."""
+    (chains: a step is right only where all earlier ones are); rounds[i] = (sd rounds, tokens)."""
     hits = [list(h) for h in prompt_hits]
     chain = [[min(h[: j + 1]) for j in range(steps)] for h in hits]
     ns = [[n] * steps for _ in hits]
-    return {"per_prompt": {"prompt_ids": [f"p{i}" for i in range(len(hits))], "hits": hits,
-                           "chain": chain, "n": ns}}
+    pp = {"prompt_ids": [f"p{i}" for i in range(len(hits))], "hits": hits, "chain": chain, "n": ns}
+    if rounds is not None:
+        pp |= {"rounds": [r for r, _ in rounds], "round_tokens": [t for _, t in rounds]}
+    return {"per_prompt": pp}
 
 
 def test_summary_closed_form():
     s = summary([5, 3], [5, 2], [10, 10])
     assert s == {"agree_step1": 0.5, "agree_step2": 0.3, "chain_step1": 0.5, "chain_step2": 0.2,
                  "accepted_length": pytest.approx(0.7)}
+
+
+def test_sd_rounds_walk_a_continuation():
+    ok = [True] * 7
+    assert sd_rounds([0] * 7, ok, 0) == (7, 7)  # never right: one token per target call
+    assert sd_rounds([4] * 7, ok, 0) == (2, 10)  # always right (chain of 4): 5 per call
+    # hand-walked: t=0 takes 1, t=1 takes 3, t=4 takes 2, t=6 takes 1
+    assert sd_rounds([0, 2, 0, 0, 1, 0, 0], ok, 0) == (4, 7)
+    assert sd_rounds([0, 2, 0, 0, 1, 0, 0], ok, 2) == (4, 5)  # the walk starts at the prompt's end
+    assert sd_rounds([0, 2, 0, 0, 1, 0, 0], ok[:4] + [False] * 3, 0) == (2, 4)  # no label: stop
+    assert sd_rounds([], [], 0) == (0, 0)
 
 
 def test_bootstrap_intervals_and_paired_differences():
@@ -36,6 +49,11 @@ def test_bootstrap_intervals_and_paired_differences():
     # a head better by one position in ten on every prompt: +0.1, whatever the prompts' spread
     up = bootstrap(fake([[i + 1, 0] for i in range(9)]), fake([[i, 0] for i in range(9)]))
     assert up["agree_step1"] == pytest.approx([0.1, 0.1, 0.1])
+    walked = bootstrap(fake([[5, 2]] * 4, rounds=[(10, 17), (10, 23), (5, 10), (5, 10)]))
+    assert walked["sd_tokens_per_call"][0] == pytest.approx(60 / 30)  # pooled over rounds
+    assert walked["sd_tokens_per_call"][1] < 2.0 < walked["sd_tokens_per_call"][2]
+    assert "sd_tokens_per_call" not in bootstrap(fake([[5, 2]] * 4))  # written before rounds were kept
+    assert "sd_tokens_per_call" not in bootstrap(fake([[5, 2]] * 4, rounds=[(1, 2)] * 4), fake([[5, 2]] * 4))
     other = fake([[1, 1]] * 8)
     other["per_prompt"]["prompt_ids"][0] = "elsewhere"
     with pytest.raises(ValueError, match="other prompts"):
@@ -77,3 +95,28 @@ def test_baseline_must_be_an_eval_with_per_prompt_counts(tmp_path):
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
         with pytest.raises(ValueError, match="per-prompt counts"):
             baseline(str(tmp_path / f"{name}.json"))
+
+
+def test_sd_tokens_per_call_on_greedy_continuations_is_what_decoding_commits():
+    """On the target's greedy continuations the walked sd chain is the engine's sd run, round
+    for round (the same head, fp32): rounds start after a rejection in both."""
+    from test_feature_decoding import fit_head
+    from decoding.sampling import SamplingConfig
+    from decoding.strategies import StrategyConfig, build_engine
+
+    target = tiny_llama(0, vocab=40, layers=4, hidden=32, scale=6)
+    head = fit_head(target)
+    ar = build_engine(target, None, StrategyConfig(strategy="ar"), SamplingConfig())
+    sd = build_engine(target, head, StrategyConfig(strategy="sd", gamma=3), SamplingConfig())
+    rows, engine_rounds = [], []
+    for i, prompt in enumerate([[1, 2, 3], [5], [7, 7, 7, 7, 9, 11]]):
+        rows.append({"prompt_id": f"p{i}", "prompt_ids": prompt, "completion_ids": ar.generate(prompt, 24)[0]})
+        taken = []
+        sd.observer = lambda tree, logits, out, pos: taken.append(len(out.path) + 1)
+        sd.generate(prompt, 24)
+        engine_rounds.append(taken)
+    res = agreement(target, head, rows, list(head.config.aux_layers), steps=3)
+    pp = res["per_prompt"]
+    for rounds, tokens, taken in zip(pp["rounds"], pp["round_tokens"], engine_rounds):
+        assert rounds >= 3 and tokens == sum(taken[: int(rounds)]), (rounds, tokens, taken)
+    assert res["sd_tokens_per_call"] > 1.2  # drafts were accepted: the walk really skipped ahead

@@ -33,13 +33,16 @@ import torch.nn.functional as F
 KINDS = {"general": "data/prompts/heldout_general.jsonl", "code": "data/prompts/heldout_code.jsonl"}
 
 
-def eval_corpus(kind: str, n: int, root: Path, dtype: str, target: str | None = None) -> list[dict]:
+def eval_corpus(kind: str, n: int, root: Path, dtype: str, target: str | None = None,
+                temperature: float = 0.7) -> list[dict]:
     """Target continuations of the first n held-out prompts of a kind (generated once;
-    `target` None = the embedded target)."""
+    `target` None = the embedded target; temperature 0 = greedy, cached under root/greedy)."""
     from .corpus import CorpusConfig, build_corpus, load_corpus, load_teacher, read_prompts
 
+    if temperature != 0.7:
+        root = root / ("greedy" if temperature == 0 else f"T{temperature:g}")
     cfg = CorpusConfig(prompt_files=[KINDS[kind]], out=str(root / kind), target=target, dtype=dtype,
-                       batch_size=8, shard_size=64, max_new_tokens=128, temperature=0.7)
+                       batch_size=8, shard_size=64, max_new_tokens=128, temperature=temperature)
     prompts = read_prompts(cfg.prompt_files, n)
     have = set()
     if (root / kind / "manifest.json").exists():

@@ -9,7 +9,9 @@ written once with the corpus settings and cached under .cache/eval_corpus/, as
 training.distill_eval does): step j's top-1 at position t (true tokens, the head's own
 features from step 2 on, as in training-time test) against the target's full-vocabulary
 argmax for token t+1+j. Also the share of those argmaxes inside the draft vocabulary (the
-ceiling). fp32 target and head. Step-1 agreement and accepted length come with 95% intervals
+ceiling), and sd_tokens_per_call: a greedy sd chain of 4 walked along each continuation
+(rounds start after a rejection; exact on the target's greedy continuations, --greedy).
+fp32 target and head. The headline figures come with 95% intervals
 (bootstrap over prompts); --baseline EVAL_JSON (another head on the same prompts) adds their
 paired differences, which is how two heads are compared. Writes <out>/eval.json and, with
 --metrics-csv (the run's CSVLogger file), <out>/learning_curve.png (validation agreement per
@@ -46,6 +48,7 @@ def agreement(target, head, rows: list[dict], layers: list[int], steps: int = ST
 
     used, t2d = head.used_ids, head.t2d
     hits, chain, n = (torch.zeros(len(rows), steps) for _ in range(3))
+    walks = torch.zeros(len(rows), 2)  # sd rounds and the tokens they commit
     inside = 0.0
     seqs = [r["prompt_ids"] + r["completion_ids"] for r in rows]
     starts = [len(r["prompt_ids"]) - 1 for r in rows]
@@ -60,11 +63,31 @@ def agreement(target, head, rows: list[dict], layers: list[int], steps: int = ST
             hit = (used[lg.argmax(-1)] == shift(b["top1"], 1 + j, 0)) & m
             run = hit if run is None else run & hit  # position t's chain: steps 1..j+1 all right
             hits[idx, j], chain[idx, j], n[idx, j] = hit.sum(-1).float(), run.sum(-1).float(), m.sum(-1).float()
+            lead = run.long() if j == 0 else lead + run.long()
+        for i, row in enumerate(idx):  # index t drafts x_{t+2}: the first round after prefill is t = start
+            walks[row] = torch.tensor(sd_rounds(lead[i].tolist(), m[i].tolist(), starts[row]), dtype=torch.float)
     total = int(n[:, 0].sum())
     return {"positions": total, "target_top1_in_draft_vocab": inside / max(1, total),
             **summary(hits.sum(0), chain.sum(0), n.sum(0)),
+            "sd_tokens_per_call": float(walks[:, 1].sum() / walks[:, 0].sum().clamp_min(1)),
             "per_prompt": {"prompt_ids": [r.get("prompt_id") for r in rows], "hits": hits.tolist(),
-                           "chain": chain.tolist(), "n": n.tolist()}}
+                           "chain": chain.tolist(), "n": n.tolist(), "rounds": walks[:, 0].tolist(),
+                           "round_tokens": walks[:, 1].tolist()}}
+
+
+def sd_rounds(lead: list[int], valid: list[bool], start: int) -> tuple[int, int]:
+    """(rounds, committed tokens) of a greedy `sd` chain walking a continuation: the round at
+    index t accepts lead[t] drafts (its leading run of right steps) plus the target's own token,
+    so the next round starts at t + lead[t] + 1. Rounds start right after a rejection, where the
+    head is weaker than on average: this, not the per-position mean, is what decoding sees (the
+    two are equal only if misses were independent). Stops at the first index whose deepest step
+    has no label."""
+    rounds = tokens = 0
+    t = start
+    while 0 <= t < len(valid) and valid[t]:
+        rounds, tokens = rounds + 1, tokens + lead[t] + 1
+        t += lead[t] + 1
+    return rounds, tokens
 
 
 def summary(hits, chain, n) -> dict:
@@ -76,20 +99,23 @@ def summary(hits, chain, n) -> dict:
             "accepted_length": float(per.sum())}
 
 
-HEADLINE = ("agree_step1", "accepted_length")
+HEADLINE = ("agree_step1", "accepted_length", "sd_tokens_per_call")
 
 
 def _counts(res: dict) -> np.ndarray:
-    """[prompts, 3 * steps]: hits, chain and n per step of each prompt."""
+    """[prompts, 3 * steps + 2]: hits, chain and n per step, then sd rounds and their tokens
+    (zeros in results written before rounds were counted)."""
     pp = res["per_prompt"]
-    return np.concatenate([np.asarray(pp[k], dtype=np.float64) for k in ("hits", "chain", "n")], 1)
+    walks = [pp.get(k, [0.0] * len(pp["n"])) for k in ("rounds", "round_tokens")]
+    return np.concatenate([np.asarray(pp[k], dtype=np.float64) for k in ("hits", "chain", "n")]
+                          + [np.asarray(walks, dtype=np.float64).T], 1)
 
 
 def _headline(c: np.ndarray) -> np.ndarray:
-    """[draws, 2]: step-1 agreement and accepted length from summed counts [draws, 3 * steps]."""
-    s = c.shape[1] // 3
-    hits, chain, n = c[:, :s], c[:, s: 2 * s], np.maximum(c[:, 2 * s:], 1)
-    return np.stack([hits[:, 0] / n[:, 0], (chain / n).sum(1)], 1)
+    """[draws, 3]: step-1 agreement, accepted length and sd tokens per call from summed counts."""
+    s = (c.shape[1] - 2) // 3
+    hits, chain, n = c[:, :s], c[:, s: 2 * s], np.maximum(c[:, 2 * s: 3 * s], 1)
+    return np.stack([hits[:, 0] / n[:, 0], (chain / n).sum(1), c[:, -1] / np.maximum(c[:, -2], 1)], 1)
 
 
 def bootstrap(res: dict, base: dict | None = None, resamples: int = 2000, seed: int = 0) -> dict:
@@ -111,7 +137,9 @@ def bootstrap(res: dict, base: dict | None = None, resamples: int = 2000, seed: 
 
     point, vals = stat(c.sum(0, keepdims=True))[0], stat(resample_weights(len(c), resamples, seed) @ c)
     lo, hi = np.quantile(vals, [0.025, 0.975], axis=0)
-    return {k: [float(point[i]), float(lo[i]), float(hi[i])] for i, k in enumerate(HEADLINE)}
+    counted = all("rounds" in r["per_prompt"] for r in (res, base) if r is not None)
+    return {k: [float(point[i]), float(lo[i]), float(hi[i])] for i, k in enumerate(HEADLINE)
+            if counted or k != "sd_tokens_per_call"}
 
 
 def baseline(path: str) -> dict:
@@ -271,6 +299,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="an earlier eval json on the same prompts: paired differences with 95%% CIs")
     p.add_argument("--metrics-csv", default=None, help="the run's metrics.csv (learning curve)")
     p.add_argument("--eval-cache", default=".cache/eval_corpus")
+    p.add_argument("--greedy", action="store_true",
+                   help="on the target's greedy continuations (written once): sd_tokens_per_call is then "
+                        "exactly what a greedy sd chain of 4 commits per target call; default T=0.7 ones")
     p.add_argument("--threads", type=int, default=None)
     a = p.parse_args(argv)
     if a.threads:
@@ -293,10 +324,11 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"head": a.ckpt or a.draft or "untrained", "dtype": "float32", "layers": layers,
+           "continuations": "greedy" if a.greedy else "T=0.7",
            "threads": torch.get_num_threads(),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "teacher_forced": {}}
     for kind in KINDS:
-        rows = eval_corpus(kind, a.prompts, Path(a.eval_cache), "bfloat16")
+        rows = eval_corpus(kind, a.prompts, Path(a.eval_cache), "bfloat16", temperature=0.0 if a.greedy else 0.7)
         if base is not None and base[kind]["per_prompt"]["prompt_ids"] != [x["prompt_id"] for x in rows]:
             raise SystemExit(f"error: {a.baseline}: measured on other {kind} prompts (use its --prompts)")
         r = res["teacher_forced"][kind] = {"prompts": len(rows)} | agreement(target, head, rows, layers)
