@@ -96,6 +96,19 @@ def run_sweep(sess, cfg: BenchConfig, prompts: list[list[int]]) -> dict:
             "points": points}
 
 
+def row_sessions(sess, specs: list[StrategySpec]) -> dict:
+    """Each row's session: the config's pair, or the same target with the row's own draft
+    (each draft loaded and checked once, before any row runs)."""
+    drafts = {None: sess}
+    for s in specs:
+        if s.draft is not None and s.draft not in drafts:
+            try:
+                drafts[s.draft] = sess.with_draft(s.draft)
+            except (models.ModelError, OSError) as e:
+                raise ValueError(f"strategy {s.name}: {str(e).splitlines()[0]}") from e
+    return {s.name: drafts[s.draft] for s in specs}
+
+
 def run_compare(cfg: BenchConfig, command: str) -> dict:
     t0 = time.perf_counter()
     cfg.dtype, dtype_source = resolve_dtype(cfg.dtype, cfg.device)
@@ -109,13 +122,14 @@ def run_compare(cfg: BenchConfig, command: str) -> dict:
     ids = {k: [sess.encode(p["prompt"], chat=cfg.chat, max_new_tokens=n_max, tree_depth=depth) for p in v]
            for k, v in sets.items()}
     loglik = LogLik(sess.target)
+    sessions = row_sessions(sess, cfg.strategies)
     conditions, n_cond = [], len(cfg.temperatures) * len(ids)
     for temp in cfg.temperatures:
         sampling = SamplingConfig(temp, cfg.top_p)
         for set_name, prompts in ids.items():
             name = f"{'greedy' if sampling.greedy else f'T={temp:g}'}/{set_name}"
             _log(f"[{time.perf_counter() - t0:6.0f}s] {name}: {len(cfg.strategies)} rows x {cfg.repeats} repeats")
-            runners = {s.name: make_runner(sess, s, sampling, cfg) for s in cfg.strategies}
+            runners = {s.name: make_runner(sessions[s.name], s, sampling, cfg) for s in cfg.strategies}
             accs = measure(runners, prompts, cfg, cfg.max_new_tokens, cfg.repeats, cfg.device, cfg.seed,
                            cfg.warmup_tokens)
             rows = [row_of(s, runners[s.name], accs.get(s.name), accs.get("ar"), sampling.greedy, prompts, loglik,

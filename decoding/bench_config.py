@@ -48,6 +48,11 @@ class StrategySpec:
     """Decider threshold; null = the one validated for `rule` at fit time."""
     prompt_lookup_num_tokens: int = 10
     """hf-prompt-lookup: n-gram continuation length (draft-free)."""
+    draft: str | None = None
+    """This row's draft dir (checked against the target); null = the config's. Rows with
+    different drafts share one interleaved run: how two drafts are compared."""
+    decider: str | None = None
+    """This row's decider (dir or 'latest'; its pair must be this row's); null = the config's."""
 
     @property
     def peer(self) -> bool:
@@ -199,8 +204,8 @@ class BenchConfig:
             raise ValueError("strategy names must be unique")
         for s in self.strategies:
             s.validate()
-        needs = [s.name for s in self.strategies
-                 if s.stop == "decider" or s.tuned or (s.grows and s.grow_cost == "decider")]
+        needs = [s.name for s in self.strategies if s.decider is None
+                 and (s.stop == "decider" or s.tuned or (s.grows and s.grow_cost == "decider"))]
         if needs and self.decider is None:
             raise ValueError(f"decider is null but row(s) {', '.join(needs)} need a decider checkpoint "
                              "(set decider: latest or a dir, or remove the rows)")

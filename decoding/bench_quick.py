@@ -30,8 +30,9 @@ def _save(path: Path, model) -> str:
     return str(path)
 
 
-def tiny_pair(root: Path) -> tuple[str, str]:
-    """A sharp random 2-layer target and a noisy copy as draft (accepted often, not always)."""
+def tiny_pair(root: Path) -> tuple[str, str, str]:
+    """A sharp random 2-layer target, a noisy copy as draft (accepted often, not always) and a
+    noisier copy (a second draft, for a row that runs with its own)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -46,7 +47,11 @@ def tiny_pair(root: Path) -> tuple[str, str]:
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(torch.randn_like(p) * 0.03)
-    return _save(root / "target", target), _save(root / "draft", draft)
+    other = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return _save(root / "target", target), _save(root / "draft", draft), _save(root / "draft2", other)
 
 
 # Illustrative per-rule thresholds of the quick decider: distinct, so a test can tell which
@@ -72,7 +77,7 @@ def tiny_decider(root: Path, target: str, draft: str) -> str:
 
 def quick_config(root: Path, oracle_traces: str | None = None) -> BenchConfig:
     root.mkdir(parents=True, exist_ok=True)
-    t, d = tiny_pair(root)
+    t, d, d2 = tiny_pair(root)
     dec = tiny_decider(root, t, d)
     sets = {}
     for name, offset in (("general", 2), ("code", 20)):
@@ -91,6 +96,7 @@ def quick_config(root: Path, oracle_traces: str | None = None) -> BenchConfig:
         strategies=[S("ar"), S("hf-assisted", "hf-assisted"), S("sd", "sd", gamma=3),
                     S("mcsd", "mcsd", k_config="3,2,1"),
                     S("ti-mcsd", "ti-mcsd", width=3, depth=4),
+                    S("sd (draft2)", "sd", gamma=3, draft=d2),
                     S("ti-mcsd+confidence", "ti-mcsd", width=3, depth=4, stop="confidence"),
                     S("ti-mcsd+confidence(tuned)", "ti-mcsd", width=3, depth=4, stop="confidence",
                       confidence_threshold="tuned"),

@@ -223,7 +223,7 @@ def markdown(results: dict) -> str:
           "conditions are lossless by the exact-sampling test, not by comparison; common prefix = mean fraction of ar's output reproduced before the first "
           "difference; LL/token = mean target log-likelihood (T=1) of the generated tokens; peak MB = "
           "peak RSS (CUDA: allocated) above the pre-run baseline of the row's runs."), ""]
-    L += _setting_lines(results)
+    L += _setting_lines(results) + _own_pair_lines(results)
     L += _oracle_lines(results["oracle"])
     L += ["## Goals (greedy, lossless, same dtype; computed from the rows above)", "",
           ("PASS only where the 95% CI of the speedup (bootstrap over prompts) clears the goal; the "
@@ -262,6 +262,18 @@ def _setting_lines(results: dict) -> list[str]:
     L += [f"- {n}: {v['rule']} rule at {v['threshold']:.3g} ({v['source']})" if "threshold" in v else
           f"- {n}: grow rule over {v['scores']} scores, <= {v['max_width']} children per node, <= "
           f"{v['max_nodes']} nodes, no threshold ({v['source']})" for n, v in seen.items()]
+    return L + [""]
+
+
+def _own_pair_lines(results: dict) -> list[str]:
+    """Rows that ran with their own draft or decider instead of the run's."""
+    own = {r["name"]: r for cond in results["conditions"] for r in cond["rows"] if r.get("draft") or r.get("decider")}
+    if not own:
+        return []
+    m = results["meta"]
+    L = [f"Rows with their own draft / decider (the others: draft {m.get('draft')}, decider {m.get('decider')}):", ""]
+    L += [f"- {n}: draft {r.get('draft') or m.get('draft')}, decider {r.get('decider') or m.get('decider')}"
+          for n, r in own.items()]
     return L + [""]
 
 

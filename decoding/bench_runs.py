@@ -161,8 +161,9 @@ def make_runner(sess, spec: StrategySpec, sampling: SamplingConfig, cfg: BenchCo
     try:
         if spec.peer:
             return HFRunner(sess.target, sess.draft, spec, sampling, sess.eos_token_id, cfg.stop_at_eos)
-        tuned = sess.tuned_confidence_threshold(cfg.decider, spec.confidence_rule) if spec.tuned else None
-        eng = sess.engine(spec.engine_config(tuned), sampling, cfg.decider, spec.rule, spec.threshold)
+        decider = spec.decider or cfg.decider
+        tuned = sess.tuned_confidence_threshold(decider, spec.confidence_rule) if spec.tuned else None
+        eng = sess.engine(spec.engine_config(tuned), sampling, decider, spec.rule, spec.threshold)
     except (ValueError, OSError) as e:  # ModelError is a ValueError: missing / corrupt / other pair
         raise ValueError(f"strategy {spec.name}: {str(e).splitlines()[0]}") from e
     return EngineRunner(eng, eos, _setting(spec, eng.stop))
@@ -267,7 +268,7 @@ def row_of(spec: StrategySpec, runner, acc: Acc | None, ar: Acc | None, greedy: 
     row = {"name": spec.name, "strategy": spec.strategy, "kind": "hf" if spec.peer else "engine",
            "lossless": spec.mode == "lossless", "configured_lossless": spec.mode == "lossless", "dynamic": not spec.peer and spec.stop != "fixed",
            "tree_nodes": spec.tree_nodes, "stop": None if spec.peer else spec.stop,
-           "stop_setting": getattr(runner, "setting", None)}
+           "stop_setting": getattr(runner, "setting", None), "draft": spec.draft, "decider": spec.decider}
     if acc is None:
         return {**row, "status": runner if isinstance(runner, str) else "skipped"}
     row["status"] = "ok"

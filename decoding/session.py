@@ -47,16 +47,25 @@ class Session:
             draft = DEFAULT_DRAFT
         if draft is None and need_draft:
             raise models.ModelError("speculative strategies need a draft model: pass --draft DIR")
-        ddir = models.resolve_model_dir(draft) if draft is not None else None
         tok = models.load_tokenizer(tdir)
         t = models.load_model(tdir, dtype, device)
-        d = None
-        if ddir is not None and draft_kind(ddir) == "eagle3":  # checked against the target's fingerprint
-            d = load_feature_draft(ddir, t, dtype, device)
-        elif ddir is not None:
+        return cls(t, None, tok, tdir, None).with_draft(draft)
+
+    def with_draft(self, draft) -> Session:
+        """The same target (shared, not reloaded) with another draft, checked against it: a
+        feature head by the target's fingerprint, a stand-alone model by config and tokenizer.
+        How one benchmark compares drafts in one interleaved run."""
+        if draft is None:
+            return replace(self, draft=None, draft_dir=None)
+        ddir = models.resolve_model_dir(draft)
+        dtype = str(self.target.dtype).removeprefix("torch.")
+        device = str(self.target.device)
+        if draft_kind(ddir) == "eagle3":  # checked against the target's fingerprint
+            d = load_feature_draft(ddir, self.target, dtype, device)
+        else:
             d = models.load_model(ddir, dtype, device)
-            models.check_pair(t, d, tok, models.load_tokenizer(ddir))
-        return cls(t, d, tok, tdir, ddir)
+            models.check_pair(self.target, d, self.tokenizer, models.load_tokenizer(ddir))
+        return replace(self, draft=d, draft_dir=ddir)
 
     @property
     def eos_token_id(self):

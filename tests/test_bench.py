@@ -35,6 +35,7 @@ def test_results_have_every_row_and_key(quick):
         assert {"ar", "hf-assisted", "sd", "mcsd", "ti-mcsd", "ti-mcsd+confidence",
                 "ti-mcsd longest-branch (LOSSY)"} <= set(rows)
         assert rows["ar"]["speedup"]["median"] == pytest.approx(1.0)
+        assert rows["sd (draft2)"]["draft"].endswith("draft2") and rows["sd"]["draft"] is None
         for r in rows.values():
             if r["kind"] in ("engine", "hf"):
                 assert r["status"] == "ok" or r["stop"] == "decider"
@@ -48,7 +49,7 @@ def test_results_have_every_row_and_key(quick):
         assert rows["ti-mcsd+decider(paper)"]["status"] == "ok"
         assert rows["ti-mcsd longest-branch (LOSSY)"]["lossless"] is False
         if cond["temperature"] == 0:
-            for name in ("sd", "mcsd", "ti-mcsd", "ti-mcsd+confidence", "hf-assisted",
+            for name in ("sd", "sd (draft2)", "mcsd", "ti-mcsd", "ti-mcsd+confidence", "hf-assisted",
                          "ti-mcsd+confidence(grow)", "ti-mcsd+decider(grow)"):
                 eq = rows[name]["equal_to_ar"]  # fp32: lossless rows reproduce ar bit for bit
                 assert eq == {"equal": 2, "tie": 0, "mismatch": 0, "n": 2, "differences": []}, name
@@ -349,3 +350,27 @@ def test_a_mismatching_row_is_not_reported_lossless(pair):
     assert "**MISMATCH**" in _table_row(bad) and "yes" not in _table_row(bad).split("|")[2]
     good = row_of(spec, "runner", ar, ar, True, prompts, ll, resamples=10)
     assert good["lossless"] and good["equal_to_ar"]["equal"] == 3 and "MISMATCH" not in _table_row(good)
+
+
+def test_rows_with_their_own_draft_share_the_run_and_are_checked(quick, tmp_path):
+    """Two drafts compared in ONE interleaved run (same target, same repeats); a row's own draft
+    is checked against the target, and the run's decider refuses a row with another draft."""
+    from decoding.bench import run_compare
+    from decoding.bench_config import StrategySpec
+    from decoding.bench_quick import quick_config
+
+    out, res = quick
+    acc = {c["name"]: {r["name"]: r["acceptance_rate"] for r in c["rows"] if r["name"].startswith("sd")}
+           for c in res["conditions"]}
+    assert any(a["sd"] != a["sd (draft2)"] for a in acc.values()), acc  # really another draft
+    md = (out / "results.md").read_text()
+    assert "Rows with their own draft / decider" in md and "- sd (draft2): draft " in md
+    cfg = quick_config(tmp_path / "q")
+    d2 = next(s.draft for s in cfg.strategies if s.draft)
+    cfg.strategies = [StrategySpec("ar"), StrategySpec("tree (draft2)", "ti-mcsd", width=3, depth=4,
+                                                       stop="decider", draft=d2)]
+    with pytest.raises(ValueError, match=r"strategy tree \(draft2\): .*(pair|draft)"):
+        run_compare(cfg, "test")
+    cfg.strategies[1] = StrategySpec("sd (missing)", "sd", draft=str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match=r"strategy sd \(missing\): "):
+        run_compare(cfg, "test")

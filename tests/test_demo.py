@@ -7,7 +7,7 @@ from training import demo
 
 
 def test_demo_on_a_tiny_pair(tmp_path, capsys):
-    t, d = tiny_pair(tmp_path / "models")
+    t, d, _ = tiny_pair(tmp_path / "models")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"w{i % 30} w{(i * 7) % 30} w{i % 11}"}) + "\n"
                                for i in range(24)))
