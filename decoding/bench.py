@@ -24,7 +24,7 @@ from .bench_engine import engine_markdown, engine_suite, random_draft  # noqa: F
 from .bench_oracle import oracle_bound
 from .bench_quick import quick_config
 from .bench_plots import plots
-from .bench_report import add_bound_rows, compute_goals, markdown, write_atomic, write_json
+from .bench_report import add_bound_rows, compare_drafts, compute_goals, markdown, write_atomic, write_json
 from .bench_runs import LogLik, make_runner, measure, row_of
 from .defaults import resolve_dtype
 from .sampling import SamplingConfig
@@ -166,6 +166,7 @@ def run_compare(cfg: BenchConfig, command: str) -> dict:
         "conditions": conditions, "oracle": bound, "sweep": sweep}
     add_bound_rows(results, cfg)
     results["goals"] = compute_goals(results, cfg)
+    results["drafts"] = compare_drafts(results, cfg)
     results["meta"]["wall_s"] = time.perf_counter() - t0
     return results
 

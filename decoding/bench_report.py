@@ -126,6 +126,39 @@ def compute_goals(results: dict, cfg: BenchConfig) -> list[dict]:
     return out
 
 
+def compare_drafts(results: dict, cfg: BenchConfig) -> list[dict]:
+    """Where rows ran with different drafts: per condition, each draft's fastest lossless row
+    of our engine against the run draft's fastest (picked in hindsight, as the goals are), with
+    the paired 95% interval. Empty for a one-draft run."""
+    out = []
+    for cond in results["conditions"]:
+        best = {}
+        for r in ok_rows(cond, "engine"):
+            if r["lossless"] and r["strategy"] != "ar":
+                k = r.get("draft")
+                if k not in best or r["tokens_per_s"]["median"] > best[k]["tokens_per_s"]["median"]:
+                    best[k] = r
+        if len(best) < 2 or None not in best:
+            continue
+        ref = best.pop(None)
+        for draft, r in best.items():
+            value, lo, hi = _paired(r, ref, cfg.bootstrap_resamples, cfg.seed)
+            out.append({"condition": cond["name"], "draft": draft, "best": r["name"], "reference": ref["name"],
+                        "value": value, "ci95": [lo, hi]})
+    return out
+
+
+def _draft_lines(results: dict) -> list[str]:
+    items = results.get("drafts") or []
+    if not items:
+        return []
+    L = [f"## Drafts compared (each draft's fastest lossless row over the run draft's, {results['meta'].get('draft')})", ""]
+    for d in items:
+        L.append(f"- {d['condition']}: {d['best']} / {d['reference']} = **{_f(d['value'])}x** "
+                 f"[{_f(d['ci95'][0])}, {_f(d['ci95'][1])}] (draft {d['draft']})")
+    return L + [""]
+
+
 def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
@@ -223,7 +256,7 @@ def markdown(results: dict) -> str:
           "conditions are lossless by the exact-sampling test, not by comparison; common prefix = mean fraction of ar's output reproduced before the first "
           "difference; LL/token = mean target log-likelihood (T=1) of the generated tokens; peak MB = "
           "peak RSS (CUDA: allocated) above the pre-run baseline of the row's runs."), ""]
-    L += _setting_lines(results) + _own_pair_lines(results)
+    L += _setting_lines(results) + _own_pair_lines(results) + _draft_lines(results)
     L += _oracle_lines(results["oracle"])
     L += ["## Goals (greedy, lossless, same dtype; computed from the rows above)", "",
           ("PASS only where the 95% CI of the speedup (bootstrap over prompts) clears the goal; the "

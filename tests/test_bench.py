@@ -365,6 +365,12 @@ def test_rows_with_their_own_draft_share_the_run_and_are_checked(quick, tmp_path
     assert any(a["sd"] != a["sd (draft2)"] for a in acc.values()), acc  # really another draft
     md = (out / "results.md").read_text()
     assert "Rows with their own draft / decider" in md and "- sd (draft2): draft " in md
+    # the drafts' fastest rows compared per condition, the run's draft as the reference
+    assert [d["condition"] for d in res["drafts"]] == [c["name"] for c in res["conditions"]]
+    for d in res["drafts"]:
+        assert d["best"] == "sd (draft2)" and d["draft"].endswith("draft2")
+        assert d["ci95"][0] <= d["value"] <= d["ci95"][1]
+    assert "## Drafts compared" in md
     cfg = quick_config(tmp_path / "q")
     d2 = next(s.draft for s in cfg.strategies if s.draft)
     cfg.strategies = [StrategySpec("ar"), StrategySpec("tree (draft2)", "ti-mcsd", width=3, depth=4,
@@ -374,3 +380,20 @@ def test_rows_with_their_own_draft_share_the_run_and_are_checked(quick, tmp_path
     cfg.strategies[1] = StrategySpec("sd (missing)", "sd", draft=str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match=r"strategy sd \(missing\): "):
         run_compare(cfg, "test")
+
+
+def test_the_drafts_config_gives_each_draft_its_own_decider():
+    from decoding.decider import resolve_decider_dir
+    from decoding.defaults import DEFAULT_DRAFT
+
+    root = Path(__file__).resolve().parent.parent
+    cfg = load_config(root / "configs" / "bench_drafts.yaml")
+    assert cfg.prompts_per_set >= 6 and cfg.repeats >= 3 and cfg.dtype == "auto"
+    drafts = {s.draft for s in cfg.strategies if s.strategy != "ar"}
+    assert None in drafts and len(drafts) == 2  # the default draft and one other
+    for s in cfg.strategies:
+        if s.draft is not None:
+            assert (root / s.draft / "config.json").is_file(), s.name
+            if s.stop == "decider" or s.tuned:  # never the run's decider (the default pair's)
+                assert s.decider and (resolve_decider_dir(s.decider) / "config.json").is_file(), s.name
+    assert (DEFAULT_DRAFT / "config.json").is_file()
