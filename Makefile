@@ -61,27 +61,27 @@ bench: venv
 # its output layer cut to the 8192 most frequent ids is checkpoints/drafts/smollm2-135m-draft/.
 # Each stage is measured into reports/draft/[v1|v2].
 draft: venv
-	$(BIN)/python -m training.corpus --config configs/corpus.yaml
-	$(BIN)/python -m training.teacher_cache --corpus data/corpus
+	$(BIN)/python -m training.draft.corpus --config configs/corpus.yaml
+	$(BIN)/python -m training.draft.teacher_cache --corpus data/corpus
 	rm -rf runs/distill/smollm2-135m-draft-v1
 	$(BIN)/python -m training.distill --config configs/distill_draft.yaml
-	$(BIN)/python -m training.distill_eval --draft checkpoints/drafts/smollm2-135m-draft-v1 \
+	$(BIN)/python -m training.draft.evaluate --draft checkpoints/drafts/smollm2-135m-draft-v1 \
 		--out reports/draft/v1 --metrics-csv runs/distill/smollm2-135m-draft-v1/version_0/metrics.csv
-	$(BIN)/python -m training.corpus --config configs/corpus_onpolicy.yaml
-	$(BIN)/python -m training.teacher_cache --corpus data/corpus-onpolicy
+	$(BIN)/python -m training.draft.corpus --config configs/corpus_onpolicy.yaml
+	$(BIN)/python -m training.draft.teacher_cache --corpus data/corpus-onpolicy
 	rm -rf runs/distill/smollm2-135m-draft-v2
 	$(BIN)/python -m training.distill --config configs/distill_draft_v2.yaml
-	$(BIN)/python -m training.distill_eval --draft checkpoints/drafts/smollm2-135m-draft-v2 \
+	$(BIN)/python -m training.draft.evaluate --draft checkpoints/drafts/smollm2-135m-draft-v2 \
 		--out reports/draft/v2 --metrics-csv runs/distill/smollm2-135m-draft-v2/version_0/metrics.csv \
 		--prior-curve reports/draft/v1/eval.json
-	$(BIN)/python -m training.corpus --config configs/corpus_onpolicy.yaml --samples 4 \
+	$(BIN)/python -m training.draft.corpus --config configs/corpus_onpolicy.yaml --samples 4 \
 		--writer checkpoints/drafts/smollm2-135m-draft-v2
-	$(BIN)/python -m training.teacher_cache --corpus data/corpus-onpolicy
+	$(BIN)/python -m training.draft.teacher_cache --corpus data/corpus-onpolicy
 	rm -rf runs/distill/smollm2-135m-draft-v3
 	$(BIN)/python -m training.distill --config configs/distill_draft_v3.yaml
-	$(BIN)/python -m training.shrink_head --draft checkpoints/drafts/smollm2-135m-draft-v3 \
+	$(BIN)/python -m training.draft.shrink_head --draft checkpoints/drafts/smollm2-135m-draft-v3 \
 		--size 8192 --out checkpoints/drafts/smollm2-135m-draft
-	$(BIN)/python -m training.distill_eval --draft checkpoints/drafts/smollm2-135m-draft \
+	$(BIN)/python -m training.draft.evaluate --draft checkpoints/drafts/smollm2-135m-draft \
 		--metrics-csv runs/distill/smollm2-135m-draft-v3/version_0/metrics.csv \
 		--prior-curve reports/draft/v2/eval.json
 

@@ -31,8 +31,8 @@ def _from_metrics(decider) -> dict:
 
 
 def _from_traces(cfg: OracleConfig, sess, decider) -> dict:
-    from training.replay import CostModel, ReplaySet, baseline_table, calibrate, cost_dict
-    from training.traces import feature_matrix, load_traces
+    from training.decider.replay import CostModel, ReplaySet, baseline_table, calibrate, cost_dict
+    from training.decider.traces import feature_matrix, load_traces
 
     from .models import fingerprint, same_model
 

@@ -34,7 +34,7 @@ from .tree import MAX_TREE_NODES
 @dataclass
 class CostCurve:
     """Milliseconds per forward by number of tokens fed (the `cost_model` `training.fit`
-    measures and stores with a decider: training.replay.CostModel's fields)."""
+    measures and stores with a decider: training.decider.replay.CostModel's fields)."""
 
     sizes: list[int]
     target_ms: list[float]

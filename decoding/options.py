@@ -56,7 +56,7 @@ def check_threshold(name: str, value) -> float:
 
 
 THRESHOLD_RULES = ("paper", "specdecpp", "tree")
-"""Rules with a threshold (chosen by replaying traces: training.threshold)."""
+"""Rules with a threshold (chosen by replaying traces: training.decider.threshold)."""
 RULES = (*THRESHOLD_RULES, GROW)
 
 

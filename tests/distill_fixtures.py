@@ -10,10 +10,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from decoding.models import load_model
-from training.corpus import CorpusConfig, Prompt, Teacher, build_corpus
-from training.distill_data import CorpusDataModule
-from training.distill_module import DraftConfig
-from training.teacher_cache import build_cache
+from training.draft.corpus import CorpusConfig, Prompt, Teacher, build_corpus
+from training.draft.data import CorpusDataModule
+from training.draft.module import DraftConfig
+from training.draft.teacher_cache import build_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 V, EOS, PAD = 64, 2, 0

@@ -16,9 +16,10 @@ import torch
 from decoding.decider import DeciderConfig, DeciderNet, save_decider
 from decoding.features import FEATURE_NAMES
 from synth_traces import write_traces
-from training import fit, registry
+from training import fit
+from training.decider import registry
 from training import retrain as R
-from training.threshold import DEFAULT_COST
+from training.decider.threshold import DEFAULT_COST
 
 KINDS = {"good": (20.0, -10.0), "inverted": (-20.0, 10.0), "timid": (0.0, -10.0)}
 

@@ -8,7 +8,7 @@ import pyarrow as pa
 from decoding.features import FEATURE_NAMES, FEATURE_SCHEMA_VERSION, NUM_FEATURES
 from decoding.models import FINGERPRINT_VERSION
 from training.shards import ShardWriter
-from training.traces import KIND, SCHEMA, SCHEMA_VERSION
+from training.decider.traces import KIND, SCHEMA, SCHEMA_VERSION
 
 Q_TOKEN = FEATURE_NAMES.index("q_token")
 Q_ENTROPY = FEATURE_NAMES.index("q_entropy")

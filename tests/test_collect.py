@@ -11,9 +11,9 @@ from decoding.features import node_features
 from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine
 from training import collect as C
-from training.corpus import Prompt
-from training.replay import ReplaySet
-from training.traces import feature_matrix, load_traces
+from training.draft.corpus import Prompt
+from training.decider.replay import ReplaySet
+from training.decider.traces import feature_matrix, load_traces
 
 
 class StubSession:

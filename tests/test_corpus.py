@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from training import corpus, shards
-from training.corpus import CorpusConfig, Prompt, Teacher, build_corpus, load_corpus
+from training.draft import corpus
+from training import shards
+from training.draft.corpus import CorpusConfig, Prompt, Teacher, build_corpus, load_corpus
 
 EOS, PAD = 2, 0
 
@@ -101,7 +102,7 @@ def test_wrong_schema_manifest_raises(tmp_path, teacher):
 
 
 def test_more_samples_grow_the_same_corpus(tmp_path, teacher):
-    from training.distill_data import is_val
+    from training.draft.data import is_val
 
     build_corpus(make_cfg(tmp_path), teacher, PROMPTS, progress=False)
     first = rows(tmp_path)

@@ -23,8 +23,8 @@ from decoding.models import (
     load_tokenizer,
 )
 from training.distill import export_draft
-from training.distill_module import DistillModule, DraftConfig, bucket_loss, select_head_ids
-from training.teacher_cache import load_cache
+from training.draft.module import DistillModule, DraftConfig, bucket_loss, select_head_ids
+from training.draft.teacher_cache import load_cache
 
 from distill_fixtures import (
     EOS,
@@ -202,7 +202,7 @@ def test_ddp_two_processes_on_cpu(target_dir, corpus_dir, tmp_path):
 
 
 def test_max_rows_keeps_the_validation_set_and_counts_tokens(corpus_dir):
-    from training.distill_scaling import training_tokens
+    from training.draft.scaling import training_tokens
 
     full, part = data_module(corpus_dir), data_module(corpus_dir, max_rows=10)
     for dm in (full, part):
@@ -214,7 +214,7 @@ def test_max_rows_keeps_the_validation_set_and_counts_tokens(corpus_dir):
 
 
 def test_scaling_trend_recovers_a_log_law():
-    from training.distill_scaling import fit_trend
+    from training.draft.scaling import fit_trend
 
     pts = [{"tokens": t, "best_agree": 0.1 + 0.05 * math.log(t)} for t in (1e4, 1e5, 1e6)]
     tr = fit_trend(pts, 0.6)

@@ -18,11 +18,11 @@ from distill_fixtures import (
     trainer,
 )
 from training.distill import export_draft
-from training.distill_module import DistillModule, DraftConfig
+from training.draft.module import DistillModule, DraftConfig
 
 
 def test_extra_corpora_add_training_rows_only(corpus_dir, on_policy_dir, tmp_path):
-    from training.distill_data import is_val
+    from training.draft.data import is_val
 
     base, both = data_module(corpus_dir), data_module(corpus_dir, extra_corpora=[str(on_policy_dir)])
     for dm in (base, both):
@@ -31,7 +31,7 @@ def test_extra_corpora_add_training_rows_only(corpus_dir, on_policy_dir, tmp_pat
     assert len(both.train_rows) == len(base.train_rows) + len(extra) and extra
     assert [r.completion for r in both.val_rows] == [r.completion for r in base.val_rows]
     # validation prompts' on-policy rows are neither trained nor validated on
-    from training.corpus import load_corpus
+    from training.draft.corpus import load_corpus
 
     op = load_corpus(on_policy_dir).to_list()
     assert len(extra) == sum(not is_val(r["prompt_id"], 20) for r in op) < len(op)
@@ -80,14 +80,14 @@ def test_grown_draft_starts_as_the_warm_start_and_reselects_its_head(target_dir,
 
 
 def test_draft_cost_refuses_a_missing_draft_with_one_line(tmp_path):
-    from training import draft_cost
+    from training.draft import cost as draft_cost
 
     with pytest.raises(SystemExit, match="error: model directory not found"):
         draft_cost.main(["--draft", str(tmp_path / "nope")])
 
 
 def test_learning_curves_chain_across_warm_started_stages(tmp_path):
-    from training.distill_eval import learning_curve
+    from training.draft.evaluate import learning_curve
 
     def csv(name: str, agree: list[float]) -> Path:
         rows = ["step,train_minutes,val/agree"] + [f"{i},{i + 1.0},{a}" for i, a in enumerate(agree)]
@@ -107,7 +107,7 @@ def test_learning_curves_chain_across_warm_started_stages(tmp_path):
 
 
 def test_shrunk_head_keeps_the_most_frequent_ids_and_their_logits(target_dir, corpus_dir, tmp_path):
-    from training import shrink_head
+    from training.draft import shrink_head
 
     module = DistillModule(draft=TINY_DRAFT, target=str(target_dir))
     trainer(max_steps=1, num_sanity_val_steps=0).fit(module, datamodule=data_module(corpus_dir))
@@ -147,7 +147,7 @@ def test_shrunk_head_keeps_the_most_frequent_ids_and_their_logits(target_dir, co
 
 
 def test_shrink_head_refuses_draft_written_corpora(on_policy_dir):
-    from training.shrink_head import corpus_counts
+    from training.draft.shrink_head import corpus_counts
 
     with pytest.raises(ValueError, match="written by a draft"):
         corpus_counts([str(on_policy_dir)])

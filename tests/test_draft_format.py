@@ -14,7 +14,7 @@ from decoding.models import MASKED_LOGIT, ModelError, PrunedHeadLlamaForCausalLM
 from distill_fixtures import EOS, V, tiny_tokenizer
 from training.convert_draft import convert
 from training.distill import write_draft
-from training.distill_module import DraftConfig, new_draft
+from training.draft.module import DraftConfig, new_draft
 
 HEAD = [1, EOS, *range(10, 50)]  # 42 of the 64 ids, BOS/EOS among them
 

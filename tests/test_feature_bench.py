@@ -112,7 +112,7 @@ def test_sd_tokens_per_call_on_greedy_continuations_is_what_decoding_commits():
     for i, prompt in enumerate([[1, 2, 3], [5], [7, 7, 7, 7, 9, 11]]):
         rows.append({"prompt_id": f"p{i}", "prompt_ids": prompt, "completion_ids": ar.generate(prompt, 24)[0]})
         taken = []
-        sd.observer = lambda tree, logits, out, pos: taken.append(len(out.path) + 1)
+        sd.observer = lambda tree, logits, out, pos, taken=taken: taken.append(len(out.path) + 1)
         sd.generate(prompt, 24)
         engine_rounds.append(taken)
     res = agreement(target, head, rows, list(head.config.aux_layers), steps=3)

@@ -192,7 +192,7 @@ def test_grow_with_a_feature_head_equals_ar_and_varies_the_tree(feature_pair):
 
 
 def test_time_forwards_times_a_feature_head(feature_pair):
-    """Cost models (training.replay.calibrate, grow's measured curve) can time a feature head."""
+    """Cost models (training.decider.replay.calibrate, grow's measured curve) can time a feature head."""
     from decoding.growth import time_forwards
 
     _, draft = feature_pair
@@ -213,7 +213,7 @@ def test_each_round_drafts_what_training_time_test_predicts(feature_pair, gamma)
     rounds = deeper = 0
     for prompt in PROMPTS:
         seen = []
-        eng.observer = lambda tree, logits, out, pos: seen.append((pos, len(out.path), dict(tree.q)))
+        eng.observer = lambda tree, logits, out, pos, seen=seen: seen.append((pos, len(out.path), dict(tree.q)))
         out, _ = eng.generate(prompt, N)
         seq = torch.tensor([prompt + out])
         T = seq.shape[1]
@@ -228,7 +228,7 @@ def test_each_round_drafts_what_training_time_test_predicts(feature_pair, gamma)
             deeper += accepted >= 2
             for j in range(min(accepted + 1, gamma)):  # node j-1 of the chain holds step j+1's q
                 torch.testing.assert_close(q[j - 1], steps[j][t], rtol=1e-4, atol=1e-5,
-                                           msg=lambda m: f"round at {pos}, step {j + 1}: {m}")
+                                           msg=lambda m, pos=pos, j=j: f"round at {pos}, step {j + 1}: {m}")
             lead = 0
             while lead < gamma and int(steps[lead][t].argmax()) == int(top1[t + 1 + lead]):
                 lead += 1

@@ -11,7 +11,7 @@ from distill_fixtures import EOS, PAD, V, tiny_tokenizer, trainer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from decoding.models import load_model
-from training.corpus import CorpusConfig, Prompt, Teacher, build_corpus
+from training.draft.corpus import CorpusConfig, Prompt, Teacher, build_corpus
 from training.distill import target_fingerprint
 from training.draft.feature_cache import CacheSettings, ShardReader, build, cached, target_batch
 from training.draft.feature_data import FeatureDataModule
@@ -72,7 +72,7 @@ def test_cache_round_trips_and_is_incremental(tiny):
     assert len(vocab.used) == 40 and int(vocab.t2d.sum()) == 40
     assert torch.equal(vocab.d2t + torch.arange(40), vocab.used)
     assert EOS in vocab.used.tolist()
-    from training.corpus import read_manifest
+    from training.draft.corpus import read_manifest
 
     m = read_manifest(corpus)
     files = cached(folder, corpus, m)

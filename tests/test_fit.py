@@ -15,12 +15,13 @@ import yaml
 from synth_traces import PAIR, write_traces
 
 from decoding import decider as D
-from training import fit, registry
-from training.datamodule import TraceDataModule, prompt_split
-from training.decider_module import DeciderModule
-from training.metrics import classification, ece
+from training import fit
+from training.decider import registry
+from training.decider.datamodule import TraceDataModule, prompt_split
+from training.decider.module import DeciderModule
+from training.decider.metrics import classification, ece
 from training.shards import ShardWriter
-from training.traces import KIND, SCHEMA, SCHEMA_VERSION
+from training.decider.traces import KIND, SCHEMA, SCHEMA_VERSION
 
 # one xdist worker runs this module (--dist loadgroup): the fitted decider (module fixture) is trained once
 pytestmark = pytest.mark.xdist_group("test_fit")
@@ -199,8 +200,8 @@ def test_cost_model_sources(tmp_path, monkeypatch, pair):
 
     from decoding.models import fingerprint
     from decoding.session import Session
-    from training import threshold as T
-    from training.threshold import DEFAULT_COST, ReplayConfig, load_cost, policy_ms
+    from training.decider import threshold as T
+    from training.decider.threshold import DEFAULT_COST, ReplayConfig, load_cost, policy_ms
 
     assert load_cost(ReplayConfig(cost_model="default"), {}) is DEFAULT_COST
     p = tmp_path / "cost.json"

@@ -163,7 +163,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, tiny, capsys):
 
 
 def test_fixed_vocabulary_cache_labels_over_the_champions_ids(tmp_path, tiny):
-    from training.corpus import CorpusConfig, Prompt, build_corpus, read_manifest
+    from training.draft.corpus import CorpusConfig, Prompt, build_corpus, read_manifest
     from training.draft.feature_cache import CacheSettings, ShardReader, build, cached
     from training.draft.feature_data import FeatureDataModule
 
@@ -211,7 +211,7 @@ def test_retrain_runs_the_head_redistill_behind_its_gate(tmp_path, tiny, monkeyp
     from decoding.decider import DeciderConfig, DeciderNet, save_decider
     from decoding.feature_io import load_feature_draft
     from decoding.models import ModelError, fingerprint
-    from training import registry
+    from training.decider import registry
     from training import retrain as R
 
     root, target, damaged = tiny

@@ -4,7 +4,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from training.replay import (
+from training.decider.replay import (
     CostModel,
     ReplaySet,
     baseline_table,
@@ -100,7 +100,7 @@ def test_calibrate_measures_forwards_and_bookkeeping_on_a_tiny_pair(pair, tmp_pa
     import time
     from dataclasses import asdict
 
-    from training.threshold import ReplayConfig, load_cost
+    from training.decider.threshold import ReplayConfig, load_cost
 
     target, draft = pair
     # every target forward sleeps 100 ms: it must show in target_ms and NOT in the bookkeeping,

@@ -15,7 +15,7 @@ import retrain_seams
 from conftest import noisy_copy, tiny_llama
 from retrain_seams import make_decider
 from test_retrain import write_prompts
-from training import registry
+from training.decider import registry
 from training import retrain as R
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import noisy_copy, tiny_llama
 from test_cli import WORDS, save_tiny
-from training.traces import load_traces
+from training.decider.traces import load_traces
 
 ROOT = Path(__file__).resolve().parent.parent
 

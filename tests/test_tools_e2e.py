@@ -24,7 +24,7 @@ def chat_target(target_dir, tmp_path_factory):
 
 
 def test_corpus_shipped_config_on_a_tiny_target(chat_target, tmp_path, capsys):
-    from training import corpus
+    from training.draft import corpus
 
     prompts = tmp_path / "train.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "kind": "general", "prompt": "abc"[: 1 + i % 3]})
@@ -78,9 +78,9 @@ def test_shipped_distill_configs_chain_on_a_tiny_target(target_dir, corpus_dir, 
 
 def test_draft_cost_and_distill_eval_on_a_tiny_pair(chat_target, tmp_path, capsys):
     from distill_fixtures import TINY_DRAFT
-    from training import distill_eval, draft_cost
+    from training.draft import evaluate as distill_eval, cost as draft_cost
     from training.distill import export_draft
-    from training.distill_module import DistillModule
+    from training.draft.module import DistillModule
 
     draft = export_draft(DistillModule(draft=TINY_DRAFT, target=str(chat_target)), tmp_path / "d",
                          {"kind": "specstop-draft", "metrics": {}})

@@ -5,7 +5,7 @@ its features (decoding.features) and what the target made of it.
 
 Resumable: prompts already in a shard are skipped; shards are written atomically.
 With --num-shards N, process I takes every N-th prompt and writes `<out>/part-I-of-N/`;
-`training.traces.load_traces(<out>)` merges the parts.
+`training.decider.traces.load_traces(<out>)` merges the parts.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine
 
 from .cli import parse_config
-from .corpus import prompt_seed, read_prompts
+from .draft.corpus import prompt_seed, read_prompts
 from .shards import ShardWriter
-from .traces import KIND, SCHEMA, SCHEMA_VERSION, TraceRecorder
+from .decider.traces import KIND, SCHEMA, SCHEMA_VERSION, TraceRecorder
 
 
 @dataclass

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from .distill_data import CorpusDataModule
-from .distill_module import DistillModule, DraftConfig
+from .draft.data import CorpusDataModule
+from .draft.module import DistillModule, DraftConfig
 from .swap import replace_dir
 
 METADATA = "specstop_draft.json"
@@ -58,8 +58,8 @@ def _sha256_file(path: Path) -> str:
 
 
 def target_fingerprint(target: str | None) -> dict:
-    """The same identity training.corpus writes into its manifest."""
-    from .corpus import CorpusConfig, load_teacher
+    """The same identity training.draft.corpus writes into its manifest."""
+    from .draft.corpus import CorpusConfig, load_teacher
 
     # bf16, as the corpus is generated (configs/corpus.yaml): the embedding sample is hashed
     return load_teacher(CorpusConfig(target=target, dtype="bfloat16")).info

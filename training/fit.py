@@ -29,12 +29,12 @@ from lightning.pytorch.utilities import rank_zero_only
 from decoding.decider import DECIDERS_DIR, DeciderConfig, DeciderNet, save_decider, uses_hidden
 from decoding.features import FEATURE_GROUPS, FEATURE_SCHEMA_VERSION, NUM_FEATURES
 
-from . import metrics as M
-from .datamodule import Split, TraceDataModule
-from .decider_module import DeciderModule
-from .registry import register
-from .replay import PATH_LOGQ, Q_TOKEN, CostModel, ReplaySet, cost_dict
-from .threshold import ReplayConfig, load_cost, policy_ms, select_and_report
+from .decider import metrics as M
+from .decider.datamodule import Split, TraceDataModule
+from .decider.module import DeciderModule
+from .decider.registry import register
+from .decider.replay import PATH_LOGQ, Q_TOKEN, CostModel, ReplaySet, cost_dict
+from .decider.threshold import ReplayConfig, load_cost, policy_ms, select_and_report
 
 
 @dataclass

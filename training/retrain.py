@@ -49,8 +49,8 @@ from decoding.models import ModelError, fingerprint, same_model
 
 from .cli import parse_config
 from .collect import CollectConfig, collect
-from .corpus import Prompt
-from .registry import LatestMoved, read_registry, register
+from .draft.corpus import Prompt
+from .decider.registry import LatestMoved, read_registry, register
 from .shards import write_json
 
 EXIT_PROMOTED, EXIT_KEPT, EXIT_UP_TO_DATE, EXIT_BAD_INPUT, EXIT_LOCKED = 0, 10, 11, 2, 75
@@ -132,10 +132,10 @@ def is_heldout(pid: str, fraction: float) -> bool:
 
 def assess(decider_dir: Path, path: Path, cost, with_hidden: bool) -> dict:
     """A decider on held-out traces: ROC-AUC and replayed tokens/s at its own rule/threshold."""
-    from . import metrics as M
-    from .datamodule import TraceDataModule
+    from .decider import metrics as M
+    from .decider.datamodule import TraceDataModule
     from .fit import score
-    from .threshold import Replayer
+    from .decider.threshold import Replayer
 
     net, dcfg = load_decider(decider_dir)
     _, split = TraceDataModule(traces=str(path), with_hidden=with_hidden).whole(str(path))
@@ -200,7 +200,7 @@ def decide(champ: dict | None, chall: dict, cfg: RetrainConfig) -> tuple[bool, s
 
 def run(cfg: RetrainConfig, session=None, log=print) -> int:
     from decoding.session import Session
-    from .replay import CostModel
+    from .decider.replay import CostModel
 
     root = Path(cfg.deciders) if cfg.deciders else DECIDERS_DIR
     prompts = read_logged(Path(cfg.new_prompts))

@@ -6,7 +6,7 @@
 
 On target continuations of the first --prompts held-out prompts per kind (general, code;
 written once with the corpus settings and cached under .cache/eval_corpus/, as
-training.distill_eval does): step j's top-1 at position t (true tokens, the head's own
+training.draft.evaluate does): step j's top-1 at position t (true tokens, the head's own
 features from step 2 on, as in training-time test) against the target's full-vocabulary
 argmax for token t+1+j. Also the share of those argmaxes inside the draft vocabulary (the
 ceiling), and sd_tokens_per_call: a greedy sd chain of 4 walked along each continuation
@@ -57,13 +57,13 @@ def agreement(target, head, rows: list[dict], layers: list[int], steps: int = ST
         b = target_batch(target, ids, mask, torch.tensor([starts[i] for i in idx]), layers, used, 1)
         outs = head.unroll(ids, b["feats"], steps, mask)
         inside += float(t2d[b["top1"][b["lab_mask"]]].sum())
-        run = None
+        run, lead = None, torch.zeros(ids.shape, dtype=torch.long)  # lead: chain length at t
         for j, (lg, _) in enumerate(outs):
             m = shift(b["lab_mask"], 1 + j, False)
             hit = (used[lg.argmax(-1)] == shift(b["top1"], 1 + j, 0)) & m
             run = hit if run is None else run & hit  # position t's chain: steps 1..j+1 all right
             hits[idx, j], chain[idx, j], n[idx, j] = hit.sum(-1).float(), run.sum(-1).float(), m.sum(-1).float()
-            lead = run.long() if j == 0 else lead + run.long()
+            lead += run.long()
         for i, row in enumerate(idx):  # index t drafts x_{t+2}: the first round after prefill is t = start
             walks[row] = torch.tensor(sd_rounds(lead[i].tolist(), m[i].tolist(), starts[row]), dtype=torch.float)
     total = int(n[:, 0].sum())
@@ -276,7 +276,7 @@ def _write(path: Path, text: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     from decoding.models import ModelError, load_model
 
-    from ..distill_eval import KINDS, eval_corpus
+    from .evaluate import KINDS, eval_corpus
 
     p = argparse.ArgumentParser(prog="python -m training.draft.feature_bench",
                                 description=__doc__.split("\n")[0])

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ..teacher_cache import _batches  # rows grouped by length, padded batches <= max_tokens
+from .teacher_cache import _batches  # rows grouped by length, padded batches <= max_tokens
 from .vocab import DraftVocab, build_vocab, fixed_vocab
 
 CACHE_VERSION = 1
@@ -227,7 +227,7 @@ def build(corpora: list[str], root, settings: CacheSettings, teacher, max_tokens
     import pyarrow.parquet as pq
     from tqdm import tqdm
 
-    from ..corpus import read_manifest
+    from .corpus import read_manifest
     from .vocab import special_ids
 
     mans = {}
@@ -298,7 +298,7 @@ def cached(folder: Path, corpus, manifest: dict) -> list[tuple[dict, Path]]:
 def main(argv: list[str] | None = None) -> None:
     from dataclasses import replace
 
-    from ..corpus import CorpusConfig, load_teacher
+    from .corpus import CorpusConfig, load_teacher
     from ..distill import target_fingerprint
 
     p = argparse.ArgumentParser(prog="python -m training.draft.feature_cache",

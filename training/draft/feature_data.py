@@ -19,7 +19,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..distill_data import is_val
+from .data import is_val
 from .feature_cache import CacheSettings, ShardReader, build, cached, default_layers, open_cache
 from .vocab import DraftVocab
 
@@ -151,7 +151,7 @@ class FeatureDataModule(L.LightningDataModule):
         return CacheSettings(list(layers), size, self.k, self.max_prompt_tokens)
 
     def _manifests(self) -> dict[str, dict]:
-        from ..corpus import read_manifest
+        from .corpus import read_manifest
         from ..distill import target_fingerprint
 
         self.target_info = self.target_info or target_fingerprint(self.target)
@@ -171,7 +171,7 @@ class FeatureDataModule(L.LightningDataModule):
         if self.source == "cached" and self.build_cache:
             from dataclasses import replace
 
-            from ..corpus import CorpusConfig, load_teacher
+            from .corpus import CorpusConfig, load_teacher
 
             self._manifests()
             teacher = load_teacher(CorpusConfig(target=self.target, dtype="float32"))

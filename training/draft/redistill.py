@@ -5,7 +5,7 @@ Speculative Decoding idea: the head keeps learning the traffic it serves).
 
 1. The logged prompts (`data/logged/*.jsonl`, read as training.retrain reads them) split by
    `is_heldout(id, heldout_fraction)`. The target continues the training part (a corpus in
-   the run dir, training.corpus.build_corpus: resumable) and, greedily, the held-out part.
+   the run dir, training.draft.corpus.build_corpus: resumable) and, greedily, the held-out part.
 2. A challenger is trained by training.distill's eagle3 path (the Lightning module and data
    module, no other loop), warm-started from the champion (`model.warm_start`), on the new
    corpus plus `extra_corpora`, time-boxed (max_minutes / max_steps). The feature cache
@@ -220,7 +220,7 @@ def mark_lineage(challenger: Path, champion_fp: dict, run_name: str) -> None:
 
 
 def heldout_rows(corpus: Path) -> list[dict]:
-    from ..corpus import load_corpus
+    from .corpus import load_corpus
 
     return [{"prompt_ids": r["prompt_ids"], "completion_ids": r["completion_ids"]}
             for r in load_corpus(corpus)]
@@ -242,7 +242,7 @@ def load_target(cfg: RedistillConfig, teacher):
 
     from decoding.models import load_model
 
-    from ..corpus import CorpusConfig, load_teacher
+    from .corpus import CorpusConfig, load_teacher
     from ..distill import target_fingerprint
 
     if teacher is None:
@@ -257,7 +257,7 @@ def run(cfg: RedistillConfig, teacher=None, log=print) -> int:
     from decoding.feature_io import load_feature_draft
     from decoding.models import ModelError, fingerprint
 
-    from ..corpus import CorpusConfig, build_corpus
+    from .corpus import CorpusConfig, build_corpus
     from ..retrain import is_heldout, read_logged
     from ..shards import write_json
     from .feature_bench import agreement

@@ -47,7 +47,7 @@ def count_tokens(corpora: list[str]) -> tuple[Counter, int]:
     """(completion token counts, target vocab size) over the corpora (same target required)."""
     import pyarrow.parquet as pq
 
-    from ..corpus import read_manifest
+    from .corpus import read_manifest
 
     c: Counter = Counter()
     target = None

@@ -1,10 +1,10 @@
 """Teacher corpus for draft alignment: the target continues prompts; token ids go to parquet.
 
-    python -m training.corpus --config configs/corpus.yaml [--max-prompts N] [--out DIR] ...
-    python -m training.corpus --config configs/corpus_onpolicy.yaml --writer DRAFT_DIR
+    python -m training.draft.corpus --config configs/corpus.yaml [--max-prompts N] [--out DIR] ...
+    python -m training.draft.corpus --config configs/corpus_onpolicy.yaml --writer DRAFT_DIR
 
 With `--writer DRAFT_DIR` the draft writes the continuations instead (on-policy data,
-DistillSpec): the target still scores every token later (training.teacher_cache, a prefill,
+DistillSpec): the target still scores every token later (training.draft.teacher_cache, a prefill,
 ~3-4x cheaper per token here than the target generating), so the draft learns the target's
 distribution on the text it will itself propose. Such a corpus is marked on-policy (it never
 mixes with target-written rows); each shard records the draft that wrote it, so the corpus
@@ -37,8 +37,8 @@ import pyarrow as pa
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from . import shards
-from .cli import parse_config as parse_config_file
+from .. import shards
+from ..cli import parse_config as parse_config_file
 
 SCHEMA_VERSION = 1
 CORPUS_KIND = "specstop-teacher-corpus"
@@ -319,7 +319,7 @@ def load_corpus(path: str | os.PathLike):
 
 
 def parse_config(argv: list[str] | None = None) -> CorpusConfig:
-    cfg = parse_config_file(CorpusConfig, argv, "python -m training.corpus",
+    cfg = parse_config_file(CorpusConfig, argv, "python -m training.draft.corpus",
                             __doc__.split("\n")[0], aliases={"prompt_files": ["--prompts"]})
     if cfg.batch_size < 1 or cfg.shard_size < 1 or cfg.max_new_tokens < 1:
         raise SystemExit("error: batch-size, shard-size and max-new-tokens must be >= 1")

@@ -1,6 +1,6 @@
 """Teacher logits for distillation: the target's top-k log-probs per corpus completion token.
 
-    python -m training.teacher_cache [--corpus data/corpus] [--root .cache/teacher] [--k 64]
+    python -m training.draft.teacher_cache [--corpus data/corpus] [--root .cache/teacher] [--k 64]
 
 One bf16 teacher-forced prefill per corpus row (batched by length) gives the target's
 next-token distribution at every completion position; the top-k log-probs (+ an implicit
@@ -206,11 +206,11 @@ def load_cache(corpus: str | os.PathLike, root: str | os.PathLike, k: int = 64,
         if not path.exists():
             if partial:
                 continue
-            raise ValueError(f"{path}: teacher cache missing; run python -m training.teacher_cache")
+            raise ValueError(f"{path}: teacher cache missing; run python -m training.draft.teacher_cache")
         shards.append(s)
         parts.append(_load(path, s))
     if not parts:
-        raise ValueError(f"{folder}: no cached teacher shard; run python -m training.teacher_cache")
+        raise ValueError(f"{folder}: no cached teacher shard; run python -m training.draft.teacher_cache")
     base = torch.tensor([0] + [int(p.offsets[-1]) for p in parts]).cumsum(0)
     offsets = torch.cat([parts[0].offsets[:1]] + [p.offsets[1:] + b for p, b in zip(parts, base)])
     return shards, TeacherRows(torch.cat([p.ids for p in parts]), torch.cat([p.logp for p in parts]),
@@ -218,7 +218,7 @@ def load_cache(corpus: str | os.PathLike, root: str | os.PathLike, k: int = 64,
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m training.teacher_cache",
+    p = argparse.ArgumentParser(prog="python -m training.draft.teacher_cache",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--corpus", default="data/corpus")
     p.add_argument("--root", default=".cache/teacher")

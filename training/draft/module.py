@@ -1,7 +1,7 @@
 """Distillation of a draft toward the target: losses, draft construction, LightningModule.
 
 Teacher signal = the target's top-k log-probs + one "rest" bucket per completion token
-(cached, see training.teacher_cache, or computed on the fly). KL / TV are computed over
+(cached, see training.draft.teacher_cache, or computed on the fly). KL / TV are computed over
 those k + 1 buckets; teacher top-k tokens the draft's (pruned) head cannot emit merge into
 the rest bucket, so every loss stays finite and exact on the coarser partition.
 """
@@ -273,7 +273,7 @@ class DistillModule(L.LightningModule):
     @torch.no_grad()
     def _on_policy(self, batch: dict) -> dict:
         """Replace completions by student samples after a random prefix of each completion."""
-        from .distill_data import Row, collate
+        from .data import Row, collate
 
         ids, mask, plens = batch["input_ids"], batch["attention_mask"], batch["prompt_lens"]
         rows = []

@@ -17,7 +17,7 @@ import torch
 from decoding.features import FEATURE_NAMES, FEATURE_SCHEMA_VERSION, node_features, node_hidden
 from decoding.sampling import SamplingConfig, warp
 
-from .shards import read_shards
+from ..shards import read_shards
 
 KIND = "specstop-traces"
 SCHEMA_VERSION = 1

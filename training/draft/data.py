@@ -86,7 +86,7 @@ class CorpusDataModule(L.LightningDataModule):
                  hard_labels_uncached: bool = False, extra_corpora: list[str] | None = None,
                  extra_writers: list[str] | None = None):
         """Args:
-            corpus: corpus directory (training.corpus).
+            corpus: corpus directory (training.draft.corpus).
             teacher_cache: root folder of cached teacher top-k (git-ignored).
             teacher: cached (top-k read from the cache, built here if missing) | online
                 (no cache; the module runs the target on every batch).
@@ -107,7 +107,7 @@ class CorpusDataModule(L.LightningDataModule):
                 token as a one-hot teacher (fkl = cross-entropy) until their cache appears.
             extra_corpora: more corpus directories for the same target, trained on but never
                 validated on (rows of validation-hash prompts are skipped): e.g. on-policy
-                corpora written by a draft (training.corpus --writer).
+                corpora written by a draft (training.draft.corpus --writer).
             extra_writers: train only on the extra corpora's shards written by these drafts
                 (the writer name each shard records; null: every shard): a recipe stage
                 keeps its data while later drafts add to the same on-policy corpus.
@@ -242,7 +242,7 @@ class CorpusDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         if self.refresh and self.trainer is not None and self.trainer.current_epoch > 0:
             # a growing corpus: load the shards cached meanwhile (by `python -m
-            # training.teacher_cache` running beside; caching here would stall training)
+            # training.draft.teacher_cache` running beside; caching here would stall training)
             self._refresh()
         return self._loader(self.train_rows, True)
 

@@ -69,7 +69,7 @@ class ReplayConfig:
 # benchmark section). For tests and quick runs only; results use `measure`.
 DEFAULT_COST = CostModel(target_ms=[25.0, 25.5, 26.0, 27.0, 29.5, 34.0, 42.0],
                          draft_ms=[1.7, 1.75, 1.8, 1.9, 2.1, 2.5, 3.3], overhead_ms=0.5,
-                         source={k: "illustrative constant (training.threshold.DEFAULT_COST), not measured"
+                         source={k: "illustrative constant (training.decider.threshold.DEFAULT_COST), not measured"
                                  for k in ("target_ms", "draft_ms", "overhead_ms", "policy_ms")})
 
 

@@ -1,6 +1,6 @@
 """Measure a draft against its target on held-out prompts, general and code separately.
 
-    python -m training.distill_eval --draft checkpoints/drafts/smollm2-135m-draft [--out reports/draft]
+    python -m training.draft.evaluate --draft checkpoints/drafts/smollm2-135m-draft [--out reports/draft]
 
 1. Teacher-forced, on target continuations of held-out prompts (written once with the
    corpus settings of configs/corpus.yaml, cached under .cache/eval_corpus/): top-1
@@ -232,7 +232,7 @@ def markdown(res: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     from decoding.models import DEFAULT_TARGET_NAME, ModelError, load_model
 
-    p = argparse.ArgumentParser(prog="python -m training.distill_eval", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m training.draft.evaluate", description=__doc__.split("\n")[0])
     p.add_argument("--draft", default="checkpoints/drafts/smollm2-135m-draft")
     p.add_argument("--target", default=None, help="target HF dir (default: the embedded target)")
     p.add_argument("--out", default="reports/draft")

@@ -13,7 +13,7 @@ import json
 from contextlib import contextmanager
 from pathlib import Path
 
-from .shards import write_json
+from ..shards import write_json
 
 REGISTRY = "registry.json"
 

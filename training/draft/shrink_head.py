@@ -1,6 +1,6 @@
 """Shrink a draft's output layer to its N most frequent ids, without training (as FR-Spec).
 
-    python -m training.shrink_head --draft checkpoints/drafts/smollm2-135m-draft --size 12288 \
+    python -m training.draft.shrink_head --draft checkpoints/drafts/smollm2-135m-draft --size 12288 \
         --out checkpoints/drafts/smollm2-135m-draft-h12k [--corpus data/corpus ...]
 
 The draft's step cost grows with the ids its head scores (a [hidden, N] product per step,
@@ -9,7 +9,7 @@ draft's current ones ranked by how often the target wrote them in target-written
 (a sample of what the draft must predict), plus BOS/EOS. With tied embeddings the head is a
 row selection of the embedding: the kept ids' logits are unchanged, the others can no longer
 be proposed. Which is cheaper overall is an empirical question: measure with
-`training.draft_cost` and `training.distill_eval`.
+`training.draft.cost` and `training.draft.evaluate`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def shrink(model, size: int, counts: Counter) -> dict:
     """Keep `size` of the draft's head ids (most frequent first, BOS/EOS always); in place."""
     from decoding.models import ModelError, output_token_ids
 
-    from .distill_module import select_head_ids
+    from .module import select_head_ids
 
     ids = output_token_ids(model)
     if ids is None:
@@ -64,9 +64,9 @@ def shrink(model, size: int, counts: Counter) -> dict:
 def main(argv: list[str] | None = None) -> None:
     from decoding.models import ModelError, load_model, resolve_model_dir
 
-    from .distill import METADATA, _sha256_file, write_draft
+    from ..distill import METADATA, _sha256_file, write_draft
 
-    p = argparse.ArgumentParser(prog="python -m training.shrink_head", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m training.draft.shrink_head", description=__doc__.split("\n")[0])
     p.add_argument("--draft", required=True, help="draft directory to shrink")
     p.add_argument("--size", type=int, required=True, help="output ids to keep")
     p.add_argument("--out", required=True, help="new draft directory (written atomically)")
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     info |= {"source": a.draft, "ranked_by": {c: _sha256_file(Path(c) / "manifest.json")
                                               for c in a.corpus}}
     # training's validation figures were measured with the larger head: kept, and labelled;
-    # held-out ones are dropped (training.distill_eval measures the new draft again)
+    # held-out ones are dropped (training.draft.evaluate measures the new draft again)
     metrics = meta.setdefault("metrics", {})
     info["validation_metrics_before_shrinking"] = "validation" in metrics
     metrics.pop("heldout", None)

@@ -1,6 +1,6 @@
 """How much data does draft alignment need? Best validation agreement vs training tokens.
 
-    python -m training.distill_scaling --run runs/distill/scale-25:956 --run runs/distill/scale-50:1912 \
+    python -m training.draft.scaling --run runs/distill/scale-25:956 --run runs/distill/scale-50:1912 \
         --run runs/distill/smollm2-135m-draft:all --out reports/draft
 
 Each run is a distillation of the same draft on the first ROWS training rows of the corpus
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .distill_data import is_val
+from .data import is_val
 
 
 def training_tokens(corpus: Path, rows: int | None, val_percent: float) -> int:

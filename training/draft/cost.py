@@ -1,9 +1,9 @@
 """Step cost of drafts as a fraction of a target step, side by side, at several thread counts.
 
-    python -m training.draft_cost --draft checkpoints/drafts/A --draft checkpoints/drafts/B \
+    python -m training.draft.cost --draft checkpoints/drafts/A --draft checkpoints/drafts/B \
         [--threads 1 2] [--out reports/draft/cost.json] [--speed-prompts 8]
 
-Every draft is timed against the target in the same process (training.distill_eval's
+Every draft is timed against the target in the same process (training.draft.evaluate's
 step_cost: batch 1, one new token with a KV cache, target and draft interleaved, median of
 repeats), so drafts are compared under the same machine load. The ratio depends on the
 thread count: the target's matrix products use a second core, the draft's overhead-bound
@@ -25,9 +25,9 @@ import torch
 def main(argv: list[str] | None = None) -> None:
     from decoding.models import ModelError, load_model, resolve_model_dir
 
-    from .distill_eval import _write, step_cost
+    from .evaluate import _write, step_cost
 
-    p = argparse.ArgumentParser(prog="python -m training.draft_cost", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m training.draft.cost", description=__doc__.split("\n")[0])
     p.add_argument("--draft", action="append", required=True, help="draft directory (repeatable)")
     p.add_argument("--target", default=None, help="target HF dir (default: the embedded target)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def speed(target, drafts: dict, n: int, target_dir: str | None = None) -> dict:
     """Per kind and draft: sd gamma 4 totals (and ar once), prompt by prompt, drafts interleaved."""
-    from .distill_eval import KINDS, engine_runs, eval_corpus
+    from .evaluate import KINDS, engine_runs, eval_corpus
 
     eos = target.generation_config.eos_token_id
     res: dict = {}
