@@ -16,6 +16,7 @@ import torch
 from .agreement import check_greedy, count_kinds
 from .bench_config import BenchConfig, StrategySpec
 from .bench_stats import RESAMPLES, speedup_ci
+from .feature_io import is_feature_draft
 from .models import ModelError
 from .sampling import SamplingConfig
 
@@ -110,6 +111,10 @@ class HFRunner:
         if spec.strategy == "hf-assisted":
             if draft is None:
                 raise ModelError("hf-assisted needs a draft model")
+            if is_feature_draft(draft):
+                raise ModelError("hf-assisted needs a stand-alone draft (HF's assisted generation cannot drive "
+                                 "a feature head): give the row its own, e.g. "
+                                 "`draft: checkpoints/drafts/smollm2-135m-draft`")
             self.kw["assistant_model"] = draft
             # HF adapts the assistant's threshold and persists it on its generation_config; reset
             # it before every call so each prompt starts from HF's defaults (repeats stay identical)

@@ -199,6 +199,18 @@ def resolve_decider_dir(path: str | os.PathLike | None) -> Path:
     return Path(path)
 
 
+def _registered_for(role: str, name: str | None) -> str:
+    """A hint naming the registered deciders whose `role` model has this name (newest first), for
+    `latest` refused because it belongs to another pair (the registry's latest is the default
+    pair's)."""
+    try:
+        runs = json.loads((DECIDERS_DIR / "registry.json").read_text())["runs"]
+        ids = [r["run_id"] for r in reversed(runs) if r.get("model_pair", {}).get(role) == name]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ""
+    return f"pass --decider {DECIDERS_DIR.parent.name}/{DECIDERS_DIR.name}/{ids[0]} (registered for {name})" if ids else ""
+
+
 def load_decider(path, target=None, draft=None) -> tuple[DeciderNet, DeciderConfig]:
     """Load a decider; refuse one for another feature schema or model pair (one clear error)."""
     from safetensors import SafetensorError
@@ -220,8 +232,9 @@ def load_decider(path, target=None, draft=None) -> tuple[DeciderNet, DeciderConf
             raise ModelError(f"decider {d} records an older model fingerprint: update it with "
                              f"`python -m training.migrate_fingerprints {d}` (see --help)")
         if model is not None and want is not None and not same_model(want, fingerprint(model)):
+            hint = _registered_for(role, fingerprint(model).get("name")) if path in (None, "latest") else ""
             raise ModelError(f"decider {d} was trained for another {role} model "
-                             f"({want.get('name')}): collect traces and fit one for this pair")
+                             f"({want.get('name')}): {hint or 'collect traces and fit one for this pair'}")
     net = DeciderNet(cfg)
     try:
         net.load_state_dict(load_file(str(d / "model.safetensors")))

@@ -18,12 +18,14 @@ from pathlib import Path
 
 import yaml
 
-from .options import StrategyConfig
+from .options import GROW, StrategyConfig
 
 DEFAULT_TARGET = "smollm2"
 """Name of the embedded target (SmolLM2-135M-Instruct, converted once by decoding.models)."""
-DEFAULT_DRAFT = Path(__file__).resolve().parent.parent / "checkpoints" / "drafts" / "smollm2-135m-draft"
-"""The shipped stand-alone draft, used when no draft is named and the target is the embedded one."""
+DEFAULT_DRAFT = Path(__file__).resolve().parent.parent / "checkpoints" / "drafts" / "smollm2-135m-eagle3"
+"""The shipped feature (EAGLE-3) head, used when no draft is named and the target is the embedded
+one: on held-out prompts it is the faster of the two shipped drafts (reports/drafts-bench-2026-11-25).
+The stand-alone draft, checkpoints/drafts/smollm2-135m-draft, serves HF's assisted generation."""
 DEFAULTS_PATH = Path(__file__).with_name("defaults.yaml")
 KINDS = ("cpu", "cpu-bf16", "cuda")
 OTHER = "other-pairs"
@@ -32,10 +34,10 @@ INFO_KEYS = ("source", "measured")
 
 HEADER = """\
 # Default decoding configuration of `python -m decoding.generate` and `decoding.Decoder`, per
-# device kind, for the shipped pair (SmolLM2-135M-Instruct + checkpoints/drafts/smollm2-135m-draft).
+# device kind, for the shipped pair (SmolLM2-135M-Instruct + checkpoints/drafts/smollm2-135m-eagle3).
 # cpu: a CPU without native bf16 | cpu-bf16: AVX512-BF16 or AMX | cuda | other-pairs: any other
 # pair (not measured: the plain historical default). Rewritten by
-#   python -m decoding.bench --config configs/bench_decider.yaml --write-defaults
+#   python -m decoding.bench --config configs/bench_feature.yaml --write-defaults
 # which keeps the fastest lossless greedy row of that run (decoding/defaults.py: pick_best).
 """
 
@@ -58,6 +60,12 @@ class Defaults:
     """fixed | confidence | decider."""
     confidence_threshold: float = 0.4
     confidence_rule: str = "level"
+    """level | tree | grow (the cost-aware tree of decoding.growth, no threshold)."""
+    max_nodes: int = 64
+    """grow rules: cap on the draft tree's nodes."""
+    grow_cost: str = "decider"
+    """grow rules: decider (the cost curve the decider's fit timed, stored with it) or measure
+    (time this machine's forwards at start, ~10-30 s)."""
     decider_rule: str | None = None
     """Decider stop rule (None: the checkpoint's); its threshold is the one validated for it."""
     dtype: str = "float32"
@@ -70,8 +78,11 @@ class Defaults:
         shape = {"ar": "", "sd": f" g{self.gamma}", "mcsd": f" [{self.k_config}]",
                  "ti-mcsd": f" W{self.width} D{self.depth}"}.get(self.strategy, "")
         stop = self.stop + (f"({self.decider_rule})" if self.stop == "decider" and self.decider_rule else "")
+        grows = self.confidence_rule == "grow" if self.stop == "confidence" else self.decider_rule == "grow"
         if self.stop == "confidence":
-            stop += f"({self.confidence_rule} >= {self.confidence_threshold:g})"
+            stop += "(grow: q)" if grows else f"({self.confidence_rule} >= {self.confidence_threshold:g})"
+        if grows:
+            stop += f", <= {self.max_nodes} nodes, cost curve: {self.grow_cost}"
         return f"{self.strategy}{shape}, stop {stop}, {self.dtype}"
 
 
@@ -153,14 +164,17 @@ def is_shipped_pair(target, draft) -> bool:
 def strategy_config(d: Defaults, strategy: str | None, options: dict) -> StrategyConfig:
     """The StrategyConfig of the given options over the entry's (None = unset); raises
     ValueError on a bad value. Torch-free, so a CLI checks its options before heavy imports."""
-    base = {k: getattr(d, k) for k in ("gamma", "k_config", "width", "depth", "stop",
-                                       "confidence_threshold", "confidence_rule")}
+    base = {k: getattr(d, k) for k in ("gamma", "k_config", "width", "depth", "stop", "confidence_threshold",
+                                       "confidence_rule", "max_nodes", "grow_cost")}
     base.update({k: v for k, v in options.items() if v is not None})
     return StrategyConfig(strategy=strategy or d.strategy, **base)
 
 
-def _spec_entry(spec: dict, row: dict) -> dict | None:
-    """The options that reproduce a bench row; None when they cannot be recovered."""
+def _spec_entry(spec: dict, row: dict, has_decider: bool = False) -> dict | None:
+    """The options that reproduce a bench row; None when they cannot be recovered. A grow row
+    timed with `measure` becomes `grow_cost: decider` when the run had a decider for the pair:
+    its fit timed the same curve once, and a default should not spend 10-30 s timing the
+    machine on every start."""
     spec = {**asdict(Defaults()), "rule": None, **spec}  # older reports omit defaulted keys
     e = {"strategy": spec["strategy"]}
     e.update({"sd": {"gamma": spec["gamma"]}, "mcsd": {"k_config": spec["k_config"]},
@@ -176,6 +190,10 @@ def _spec_entry(spec: dict, row: dict) -> dict | None:
         e.update(confidence_threshold=float(t), confidence_rule=spec["confidence_rule"])
     elif spec["stop"] == "decider":
         e["decider_rule"] = setting.get("rule") or spec.get("rule")
+    if GROW in (e.get("confidence_rule"), e.get("decider_rule")):
+        e.pop("confidence_threshold", None)  # the grow rule has no threshold
+        e.update(max_nodes=spec["max_nodes"],
+                 grow_cost="decider" if has_decider or spec["grow_cost"] == "decider" else "measure")
     return e
 
 
@@ -201,7 +219,7 @@ def pick_best(results: dict, source: str | None = None) -> dict:
         if any(not _beats_ar(r, meta.get("dtype")) for r in rows):
             continue
         score = math.exp(sum(math.log(r["speedup"]["median"]) for r in rows) / len(rows))
-        entry = _spec_entry(spec, rows[0])
+        entry = _spec_entry(spec, rows[0], has_decider=bool(meta.get("decider")))
         if entry is not None and score > best_score:
             entry["measured"] = {c["name"]: round(r["speedup"]["median"], 3) for c, r in zip(greedy, rows)}
             best, best_score = entry, score

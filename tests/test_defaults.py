@@ -57,6 +57,27 @@ def test_pick_best_takes_the_fastest_lossless_row_that_beats_ar_everywhere():
     assert D.pick_best(results(tie, specs, dtype="bfloat16"))["strategy"] == "ar"
 
 
+def test_a_grown_tree_row_becomes_a_default_that_reads_the_deciders_cost_curve():
+    grow = spec("grow(q)", width=4, depth=8, max_nodes=48, stop="confidence", confidence_rule="grow",
+                grow_cost="measure")
+    conds = [[row("grow(q)", 1.5, [1.2, 1.8], setting={"rule": "grow", "scores": "q"})]] * 2
+    res = results(conds, [grow])
+    timed = D.pick_best(res)  # no decider in the run: nothing else to read the curve from
+    assert {k: timed[k] for k in ("confidence_rule", "max_nodes", "grow_cost", "width", "depth")} == \
+        {"confidence_rule": "grow", "max_nodes": 48, "grow_cost": "measure", "width": 4, "depth": 8}
+    assert "confidence_threshold" not in timed  # the grow rule has none
+    res["meta"]["decider"] = "20260101-000000-abcdef"  # its fit timed the curve once
+    entry = D.pick_best(res)
+    assert entry["grow_cost"] == "decider"
+    d = D.Defaults(**{k: v for k, v in entry.items() if k != "measured"})
+    cfg = D.strategy_config(d, None, {})
+    assert (cfg.confidence_rule, cfg.max_nodes, cfg.grow_cost) == ("grow", 48, "decider")
+    assert "grow" in d.describe() and "48 nodes" in d.describe()
+    dec = spec("grow(decider)", width=4, depth=8, stop="decider", rule="grow", grow_cost="decider")
+    picked = D.pick_best(results([[row("grow(decider)", 1.5, [1.2, 1.8], setting={"rule": "grow"})]] * 2, [dec]))
+    assert (picked["decider_rule"], picked["grow_cost"], picked["max_nodes"]) == ("grow", "decider", 64)
+
+
 def test_pick_best_falls_back_to_ar_and_needs_a_greedy_condition():
     slow = [[row("W2 D2", 0.9)], [row("W2 D2", 1.3)]]
     assert D.pick_best(results(slow, [spec("W2 D2", width=2, depth=2)]))["strategy"] == "ar"
@@ -97,7 +118,8 @@ def test_committed_defaults_are_valid_and_reproduce_their_report():
     for kind, entry in data.items():
         d = D.Defaults(**entry)
         StrategyConfig(d.strategy, d.gamma, d.k_config, d.width, d.depth, stop=d.stop,
-                       confidence_threshold=d.confidence_threshold, confidence_rule=d.confidence_rule)
+                       confidence_threshold=d.confidence_threshold, confidence_rule=d.confidence_rule,
+                       max_nodes=d.max_nodes, grow_cost=d.grow_cost)
         report = ROOT / d.source.split(" ")[0]
         if d.source.startswith("reports/") and report.is_file():  # a measured entry
             picked = D.pick_best(json.loads(report.read_text()))

@@ -234,3 +234,14 @@ def test_each_round_drafts_what_training_time_test_predicts(feature_pair, gamma)
                 lead += 1
             assert lead == accepted, (pos, lead, accepted)
     assert rounds >= 10 and deeper >= 3, (rounds, deeper)  # steps >= 2 are really compared
+
+
+def test_hf_assisted_refuses_a_feature_head(feature_pair):
+    """HF's assisted generation drives stand-alone models only: a bench row that would hand it
+    the (now default) feature head fails with one line naming the way out."""
+    from decoding.bench_config import StrategySpec
+    from decoding.bench_runs import HFRunner
+
+    target, draft = feature_pair
+    with pytest.raises(ModelError, match="stand-alone draft .* feature head.*draft: checkpoints/drafts/"):
+        HFRunner(target, draft, StrategySpec("hf-assisted", "hf-assisted"), GREEDY, None, True)

@@ -2,6 +2,8 @@
 `ar` in the same dtype: bit for bit in fp32; in bf16 every difference must be a near-tie of the
 target's logits flipped by rounding (decoding.agreement), never a real mismatch."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -23,10 +25,15 @@ def grow_policy(cfg):
     return GrowPolicy(q_scores, cost, max_width=cfg.width, max_nodes=cfg.max_nodes)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_strategies_agree_with_ar(dtype):
-    sess = Session.open(None, None, dtype)
-    # the shipped default draft: accepted on ~2/3 of these tokens, so deep tree paths are really
+STANDALONE = Path(__file__).resolve().parent.parent / "checkpoints" / "drafts" / "smollm2-135m-draft"
+
+
+@pytest.mark.parametrize("dtype,draft_dir", [("float32", None), ("bfloat16", None), ("float32", STANDALONE)],
+                         ids=["default-float32", "default-bfloat16", "standalone-float32"])
+def test_strategies_agree_with_ar(dtype, draft_dir):
+    sess = Session.open(None, draft_dir, dtype)
+    # both shipped drafts (the default feature head; the stand-alone model HF's assisted
+    # generation drives) are accepted on about 2/3 of these tokens, so deep tree paths are really
     # exercised (a 4-layer cut of the target was accepted 1-2 times in 32 tokens and ran 4x slower)
     draft = sess.draft
     assert draft is not None, "the default draft is missing from checkpoints/drafts"
