@@ -92,6 +92,7 @@ class Decoder:
                 raise ValueError("dtype applies to models loaded from directories: convert loaded models "
                                  "yourself (model.to(dtype))")
             sess = _session_from_models(target, draft, tokenizer, draft_tokenizer)
+        sess.cost_cache = True  # a grown tree's measured cost curve is timed once per machine
         if given_strategy is None and sess.draft is None:
             cfg = replace(cfg, strategy="ar")  # no draft shipped or given: plain decoding
         if d.decider_rule and decider_rule is None and cfg.stop == "decider":

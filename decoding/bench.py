@@ -184,8 +184,10 @@ def write_report(results: dict, out: Path) -> str:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m decoding.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=("compare", "engine"), default="compare",
-                    help="compare (default): every strategy and peer; engine: ar vs model.generate")
+    ap.add_argument("--suite", choices=("compare", "engine", "dtype"), default="compare",
+                    help="compare (default): every strategy and peer; engine: ar vs model.generate; dtype: "
+                         "ar and the default configuration in float32 and bfloat16, interleaved (the "
+                         "config's pair, prompts, repeats)")
     ap.add_argument("--config", default="configs/bench.yaml", help="compare suite config (YAML)")
     ap.add_argument("--quick", action="store_true", help="CI smoke: tiny random models, a few seconds")
     ap.add_argument("--out", default=None, help="output dir (default: the config's out; engine: reports/engine)")
@@ -201,6 +203,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-sweep", action="store_true", help="skip the tokens/s vs tree size sweep")
     ap.add_argument("--repeats", type=int, default=None, help="repeated runs (engine suite default: 3)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads")
+    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
+                    help="compare suite: override the config's dtype")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="engine suite: dtypes")
     ap.add_argument("--new-tokens", type=int, default=64, help="engine suite: new tokens")
     ap.add_argument("--write-defaults", nargs="?", const="", default=None, metavar="PATH",
@@ -239,7 +243,7 @@ def _select_rows(specs: list[StrategySpec], want: list[str]) -> list[StrategySpe
 def _apply_overrides(cfg: BenchConfig, a) -> BenchConfig:
     for key, val in (("target", a.target), ("draft", a.draft), ("decider", a.decider),
                      ("prompts_per_set", a.prompts), ("max_new_tokens", a.max_new_tokens),
-                     ("repeats", a.repeats), ("threads", a.threads)):
+                     ("repeats", a.repeats), ("threads", a.threads), ("dtype", a.dtype)):
         if val is not None:
             setattr(cfg, key, val)
     if a.decider == "none":
@@ -280,6 +284,14 @@ def main(argv=None) -> int:
             if a.quick or a.write_defaults is not None:
                 raise ValueError("--quick and --write-defaults belong to the compare suite")
             return _engine_main(a)
+        if a.suite == "dtype":
+            if a.quick or a.write_defaults is not None:
+                raise ValueError("--quick and --write-defaults belong to the compare suite")
+            from .bench_dtype import dtype_main
+
+            out = Path(a.out or f"reports/dtype-{time.strftime('%Y-%m-%d')}")
+            print(dtype_main(_apply_overrides(load_config(a.config), a), out, command))
+            return 0
         if a.quick:
             root = Path(tempfile.mkdtemp(prefix="specstop-bench-quick-"))
             cfg = _apply_overrides(quick_config(root, a.oracle_traces), a)

@@ -1,7 +1,7 @@
 """The default decoding configuration: the measured-best lossless one for the shipped pair.
 
-`decoding/defaults.yaml` holds one entry per device kind (`cpu`: no native bf16, `cpu-bf16`:
-AVX512-BF16 / AMX, `cuda`) plus `other-pairs` for any pair but the shipped one (the benchmark
+`decoding/defaults.yaml` holds one entry per device kind (`cpu`: float32, no AMX; `cpu-bf16`:
+AMX, `cuda`) plus `other-pairs` for any pair but the shipped one (the benchmark
 measured only the shipped pair, so another pair gets the plain historical default). Each entry
 names the report it came from. `python -m decoding.bench --write-defaults` rewrites this
 machine's entry from the run it just measured, through `pick_best` and `write_defaults`.
@@ -35,7 +35,7 @@ INFO_KEYS = ("source", "measured")
 HEADER = """\
 # Default decoding configuration of `python -m decoding.generate` and `decoding.Decoder`, per
 # device kind, for the shipped pair (SmolLM2-135M-Instruct + checkpoints/drafts/smollm2-135m-eagle3).
-# cpu: a CPU without native bf16 | cpu-bf16: AVX512-BF16 or AMX | cuda | other-pairs: any other
+# cpu: a CPU without AMX (float32) | cpu-bf16: AMX (bfloat16) | cuda | other-pairs: any other
 # pair (not measured: the plain historical default). Rewritten by
 #   python -m decoding.bench --config configs/bench_feature.yaml --write-defaults
 # which keeps the fastest lossless greedy row of that run (decoding/defaults.py: pick_best).
@@ -89,43 +89,45 @@ class Defaults:
 _FIELDS = {f.name for f in fields(Defaults)}
 
 
-def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
-    """AVX512-BF16 or AMX-BF16 in the CPU flags (Linux). Without them bf16 matmuls are
-    emulated and slower than fp32, so fp32 is the fast path there."""
+def cpu_prefers_bf16(cpuinfo: str | None = None) -> bool:
+    """AMX-BF16 in the CPU flags (Linux): bf16 matmul tiles, where bf16 decoding is expected to
+    beat fp32 (not measured here: no AMX machine). AVX512-BF16 alone is not enough: on a 2-core
+    AVX512-BF16 Xeon without AMX (torch 2.13), float32 decoded faster than bfloat16, `ar` and
+    the speculative default alike (`python -m decoding.bench --suite dtype`,
+    reports/dtype-2026-11-26/); without either, bf16 matmuls are emulated and slower still."""
     if cpuinfo is None:
-        return _cpuinfo_bf16()
+        return _cpuinfo_prefers_bf16()
     flags = set()
     for line in cpuinfo.splitlines():
         if line.startswith("flags"):
             flags.update(line.split(":", 1)[-1].split())
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return "amx_bf16" in flags
 
 
 @lru_cache(maxsize=1)
-def _cpuinfo_bf16() -> bool:
+def _cpuinfo_prefers_bf16() -> bool:
     try:
-        return cpu_has_native_bf16(Path("/proc/cpuinfo").read_text())
+        return cpu_prefers_bf16(Path("/proc/cpuinfo").read_text())
     except OSError:
         return False
 
 
 def resolve_dtype(dtype: str, device: str) -> tuple[str, str]:
-    """`auto`: bfloat16 on CUDA or a CPU with native bf16 (AVX512-BF16 / AMX), else float32:
-    without them a bf16 matmul of more than two rows is several times slower than fp32, so a
-    bf16 benchmark would measure the dtype, not the strategies."""
+    """`auto`: bfloat16 on CUDA or a CPU with AMX, else float32 (cpu_prefers_bf16 says why),
+    so a benchmark measures the strategies in the dtype a user would pick, not a slow one."""
     if dtype != "auto":
         return dtype, "config"
     if device.startswith("cuda"):
         return "bfloat16", "auto: cuda"
-    if cpu_has_native_bf16():
-        return "bfloat16", "auto: the CPU has native bf16"
-    return "float32", "auto: the CPU has no native bf16 (bf16 matmuls are emulated)"
+    if cpu_prefers_bf16():
+        return "bfloat16", "auto: the CPU has AMX-BF16"
+    return "float32", "auto: the CPU has no AMX (float32 decodes faster there, even with AVX512-BF16)"
 
 
 def device_kind(device: str = "cpu") -> str:
     if str(device).startswith("cuda"):
         return "cuda"
-    return "cpu-bf16" if cpu_has_native_bf16() else "cpu"
+    return "cpu-bf16" if cpu_prefers_bf16() else "cpu"
 
 
 def load_defaults(path: str | os.PathLike | None = None) -> dict[str, dict]:
@@ -170,11 +172,10 @@ def strategy_config(d: Defaults, strategy: str | None, options: dict) -> Strateg
     return StrategyConfig(strategy=strategy or d.strategy, **base)
 
 
-def _spec_entry(spec: dict, row: dict, has_decider: bool = False) -> dict | None:
-    """The options that reproduce a bench row; None when they cannot be recovered. A grow row
-    timed with `measure` becomes `grow_cost: decider` when the run had a decider for the pair:
-    its fit timed the same curve once, and a default should not spend 10-30 s timing the
-    machine on every start."""
+def _spec_entry(spec: dict, row: dict) -> dict | None:
+    """The options that reproduce a bench row; None when they cannot be recovered. (A grow row
+    timed with `measure` keeps it: outside benchmarks the timed curve is stored per machine,
+    pair, dtype and thread count by decoding.cost_cache, so only the first load pays.)"""
     spec = {**asdict(Defaults()), "rule": None, **spec}  # older reports omit defaulted keys
     e = {"strategy": spec["strategy"]}
     e.update({"sd": {"gamma": spec["gamma"]}, "mcsd": {"k_config": spec["k_config"]},
@@ -192,8 +193,7 @@ def _spec_entry(spec: dict, row: dict, has_decider: bool = False) -> dict | None
         e["decider_rule"] = setting.get("rule") or spec.get("rule")
     if GROW in (e.get("confidence_rule"), e.get("decider_rule")):
         e.pop("confidence_threshold", None)  # the grow rule has no threshold
-        e.update(max_nodes=spec["max_nodes"],
-                 grow_cost="decider" if has_decider or spec["grow_cost"] == "decider" else "measure")
+        e.update(max_nodes=spec["max_nodes"], grow_cost=spec["grow_cost"])
     return e
 
 
@@ -219,7 +219,7 @@ def pick_best(results: dict, source: str | None = None) -> dict:
         if any(not _beats_ar(r, meta.get("dtype")) for r in rows):
             continue
         score = math.exp(sum(math.log(r["speedup"]["median"]) for r in rows) / len(rows))
-        entry = _spec_entry(spec, rows[0], has_decider=bool(meta.get("decider")))
+        entry = _spec_entry(spec, rows[0])
         if entry is not None and score > best_score:
             entry["measured"] = {c["name"]: round(r["speedup"]["median"], 3) for c, r in zip(greedy, rows)}
             best, best_score = entry, score

@@ -11,6 +11,7 @@ from . import models
 from .feature_io import draft_kind, load_feature_draft
 from .decider import DeciderConfig, DeciderStop, load_decider, resolve_decider_dir
 from .defaults import DEFAULT_DRAFT, resolve_dtype
+from .cost_cache import cached_cost
 from .growth import CostCurve, GrowPolicy, measure_cost, q_scores
 from .sampling import SamplingConfig
 from .stopping import GROW, make_stop_policy
@@ -36,12 +37,15 @@ class Session:
     tokenizer: object
     target_dir: Path
     draft_dir: Path | None
+    cost_cache: bool = False
+    """grow_cost measure: reuse the curve timed on an earlier load (decoding.cost_cache), as
+    Decoder does; False (benchmarks) times it afresh once per loaded pair."""
 
     @classmethod
     def open(cls, target=None, draft=None, dtype="float32", device="cpu", need_draft=False) -> Session:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise models.ModelError("--device cuda was asked for but no CUDA device is available")
-        dtype = resolve_dtype(dtype, device)[0]  # auto: bf16 only where it is native
+        dtype = resolve_dtype(dtype, device)[0]  # auto: bf16 on CUDA or with AMX
         tdir = models.resolve_model_dir(target)
         if draft is None and target in (None, models.DEFAULT_TARGET) and (DEFAULT_DRAFT / "config.json").exists():
             draft = DEFAULT_DRAFT
@@ -108,7 +112,8 @@ class Session:
             raise ValueError("the grow rule sizes lossless trees only (not the longest-branch mode)")
         if cfg.grow_cost == "measure":
             if not hasattr(self, "_measured_cost"):  # once per loaded pair
-                self._measured_cost = measure_cost(self.target, self.draft)
+                self._measured_cost = (cached_cost(self.target, self.draft)[0] if self.cost_cache
+                                       else measure_cost(self.target, self.draft))
             cost = self._measured_cost
         else:
             where = resolve_decider_dir(decider or "latest")

@@ -57,21 +57,17 @@ def test_pick_best_takes_the_fastest_lossless_row_that_beats_ar_everywhere():
     assert D.pick_best(results(tie, specs, dtype="bfloat16"))["strategy"] == "ar"
 
 
-def test_a_grown_tree_row_becomes_a_default_that_reads_the_deciders_cost_curve():
+def test_a_grown_tree_row_becomes_a_default_with_its_cost_curve_source():
     grow = spec("grow(q)", width=4, depth=8, max_nodes=48, stop="confidence", confidence_rule="grow",
                 grow_cost="measure")
     conds = [[row("grow(q)", 1.5, [1.2, 1.8], setting={"rule": "grow", "scores": "q"})]] * 2
-    res = results(conds, [grow])
-    timed = D.pick_best(res)  # no decider in the run: nothing else to read the curve from
-    assert {k: timed[k] for k in ("confidence_rule", "max_nodes", "grow_cost", "width", "depth")} == \
+    entry = D.pick_best(results(conds, [grow]))
+    assert {k: entry[k] for k in ("confidence_rule", "max_nodes", "grow_cost", "width", "depth")} == \
         {"confidence_rule": "grow", "max_nodes": 48, "grow_cost": "measure", "width": 4, "depth": 8}
-    assert "confidence_threshold" not in timed  # the grow rule has none
-    res["meta"]["decider"] = "20260101-000000-abcdef"  # its fit timed the curve once
-    entry = D.pick_best(res)
-    assert entry["grow_cost"] == "decider"
+    assert "confidence_threshold" not in entry  # the grow rule has none
     d = D.Defaults(**{k: v for k, v in entry.items() if k != "measured"})
     cfg = D.strategy_config(d, None, {})
-    assert (cfg.confidence_rule, cfg.max_nodes, cfg.grow_cost) == ("grow", 48, "decider")
+    assert (cfg.confidence_rule, cfg.max_nodes, cfg.grow_cost) == ("grow", 48, "measure")
     assert "grow" in d.describe() and "48 nodes" in d.describe()
     dec = spec("grow(decider)", width=4, depth=8, stop="decider", rule="grow", grow_cost="decider")
     picked = D.pick_best(results([[row("grow(decider)", 1.5, [1.2, 1.8], setting={"rule": "grow"})]] * 2, [dec]))
@@ -104,17 +100,18 @@ def test_write_defaults_replaces_one_entry_atomically(tmp_path, monkeypatch):
         D.write_defaults({"colour": "red"}, "cpu", f)
 
 
-def test_device_kind_follows_native_bf16():
-    assert D.cpu_has_native_bf16("flags\t: fpu avx2 avx512f avx512_bf16\n")
-    assert D.cpu_has_native_bf16("flags\t: fpu avx2 amx_bf16 amx_tile\n")
-    assert not D.cpu_has_native_bf16("flags\t: fpu sse avx avx2 fma\n")
+def test_device_kind_follows_amx():
+    assert D.cpu_prefers_bf16("flags\t: fpu avx2 amx_bf16 amx_tile\n")
+    # AVX512-BF16 without AMX: float32 measured faster (reports/dtype-2026-11-26)
+    assert not D.cpu_prefers_bf16("flags\t: fpu avx2 avx512f avx512_bf16\n")
+    assert not D.cpu_prefers_bf16("flags\t: fpu sse avx avx2 fma\n")
     assert D.device_kind("cuda:0") == "cuda" and D.device_kind("cpu") in ("cpu", "cpu-bf16")
 
 
 def test_committed_defaults_are_valid_and_reproduce_their_report():
     data = D.load_defaults()
     assert set(D.KINDS) | {D.OTHER} <= set(data)
-    assert data["cpu"]["dtype"] == "float32"  # no native bf16: emulated bf16 is the slow path
+    assert data["cpu"]["dtype"] == "float32"  # no AMX: float32 measured faster
     for kind, entry in data.items():
         d = D.Defaults(**entry)
         StrategyConfig(d.strategy, d.gamma, d.k_config, d.width, d.depth, stop=d.stop,

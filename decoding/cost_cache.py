@@ -1,0 +1,73 @@
+"""This machine's cost curve for a pair, timed once and kept: a grown tree (`grow_cost:
+measure`) loaded through `decoding.Decoder` / `python -m decoding.generate` pays the 10-30 s of
+timing on its first load only.
+
+The key is everything the curve depends on: both models' fingerprints, dtype, device, torch
+threads, the CPU model and the torch version. Another machine, dtype or thread count is a
+miss, never a stale hit. Files live under `$SPECSTOP_CACHE/cost/` (git-ignored, like the
+converted target) and are written atomically. Benchmarks time the curve afresh at the start of
+every run instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .fingerprint import fingerprint
+from .growth import CostCurve, measure_cost
+from .models import cache_root
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cost_key(target, draft) -> dict:
+    """What the curve depends on (readable, stored beside the curve)."""
+    dev = next(target.parameters()).device
+    return {
+        "target": fingerprint(target)["weights_sha256"], "draft": fingerprint(draft)["weights_sha256"],
+        "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_model(),
+        "threads": torch.get_num_threads(), "torch": torch.__version__,
+    }
+
+
+def cached_cost(target, draft, root: Path | None = None) -> tuple[CostCurve, str]:
+    """(curve, how it was obtained): the stored curve for this key, else timed now and stored."""
+    key = cost_key(target, draft)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    path = (root or cache_root() / "cost") / f"{digest}.json"
+    try:
+        stored = json.loads(path.read_text())
+        if stored.get("key") == key:
+            return CostCurve.from_dict(stored["curve"]), f"timed on this machine earlier ({path})"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # absent or unreadable: time it again and overwrite
+    curve = measure_cost(target, draft)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"key": key, "curve": {"sizes": curve.sizes, "target_ms": curve.target_ms,
+                                             "draft_ms": curve.draft_ms}}, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:  # an unwritable cache costs a re-timing at the next load, nothing else
+        if tmp:
+            Path(tmp).unlink(missing_ok=True)
+        return curve, "timed on this machine now (the cache is not writable)"
+    return curve, "timed on this machine now (stored for the next load)"

@@ -1,0 +1,44 @@
+"""decoding.cost_cache: a grown tree's measured cost curve is timed once per machine, pair,
+dtype and thread count, then read back; anything else is a miss, never a stale hit."""
+
+import json
+
+import torch
+
+from conftest import tiny_llama
+from decoding.cost_cache import cached_cost, cost_key
+
+
+def test_timed_once_then_read_back_and_keyed_on_what_it_depends_on(tmp_path):
+    target, draft = tiny_llama(0, vocab=32, layers=2), tiny_llama(1, vocab=32, layers=1)
+    first, how = cached_cost(target, draft, tmp_path)
+    assert "now" in how and len(list(tmp_path.glob("*.json"))) == 1
+    again, how = cached_cost(target, draft, tmp_path)
+    assert "earlier" in how and again == first
+    stored = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert stored["key"] == cost_key(target, draft) and stored["key"]["dtype"] == "float32"
+    # another draft, another dtype or thread count: a new curve, the first one kept
+    other = tiny_llama(2, vocab=32, layers=1)
+    assert "now" in cached_cost(target, other, tmp_path)[1]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert "now" in cached_cost(target, draft, tmp_path)[1]
+    finally:
+        torch.set_num_threads(threads)
+    assert "now" in cached_cost(target.to(torch.bfloat16), draft.to(torch.bfloat16), tmp_path)[1]
+    assert len(list(tmp_path.glob("*.json"))) == 4
+    assert "earlier" in cached_cost(target.float(), draft.float(), tmp_path)[1]
+
+
+def test_a_corrupt_or_unwritable_cache_only_costs_a_re_timing(tmp_path):
+    target, draft = tiny_llama(0, vocab=32, layers=2), tiny_llama(1, vocab=32, layers=1)
+    cached_cost(target, draft, tmp_path)
+    f = next(tmp_path.glob("*.json"))
+    f.write_text("{not json")
+    curve, how = cached_cost(target, draft, tmp_path)
+    assert "now" in how and json.loads(f.read_text())["curve"]["sizes"] == curve.sizes
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the cache directory should be
+    curve, how = cached_cost(target, draft, blocked / "cost")
+    assert "now" in how and curve.sizes
