@@ -107,6 +107,15 @@ class Decoder:
         old = dict(zip(("decider", "decider_rule", "decider_threshold"), self._decider))
         return Decoder(self.session, cfg, **{**old, **dec}, defaults=self.defaults)
 
+    def default_variant(self, **overrides) -> Decoder:
+        """The defaults entry's configuration (`self.defaults`) on the same loaded models; e.g.
+        after `Decoder.load(strategy="ar")`, the default beside plain decoding."""
+        d = self.defaults or dflt.Defaults()
+        opts = dict(gamma=d.gamma, k_config=d.k_config, width=d.width, depth=d.depth, stop=d.stop,
+                    confidence_rule=d.confidence_rule, confidence_threshold=d.confidence_threshold,
+                    max_nodes=d.max_nodes, grow_cost=d.grow_cost, decider_rule=d.decider_rule)
+        return self.variant(d.strategy, **{**opts, **overrides})
+
     @property
     def tokenizer(self):
         return self.session.tokenizer

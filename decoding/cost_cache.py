@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import platform
+import sys
 import tempfile
 from pathlib import Path
 
@@ -57,6 +58,8 @@ def cached_cost(target, draft, root: Path | None = None) -> tuple[CostCurve, str
             return CostCurve.from_dict(stored["curve"]), f"timed on this machine earlier ({path})"
     except (OSError, ValueError, KeyError, TypeError):
         pass  # absent or unreadable: time it again and overwrite
+    print(f"timing this machine's forwards for the grown tree's cost curve (once; stored in {path.parent})",
+          file=sys.stderr, flush=True)
     curve = measure_cost(target, draft)
     tmp = None
     try:

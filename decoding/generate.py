@@ -63,8 +63,8 @@ def parser() -> argparse.ArgumentParser:
                          "predicted path acceptance is >= the threshold; grow: size the tree (children per node, "
                          "depth) from the scores and the checkpoint's cost model (default: the checkpoint's, or (*))")
     ap.add_argument("--grow-cost", choices=("decider", "measure"), default=None,
-                    help="grow rules: the cost model stored with --decider (default), or measure this "
-                         "machine's forwards at start (~10-30 s)")
+                    help="grow rules: the cost model stored with --decider, or measure: this machine's "
+                         "forwards, timed on the first load (~10-30 s) and stored for later ones (*)")
     ap.add_argument("--max-nodes", type=int, default=None,
                     help="grow rules: cap on draft tree nodes (default 64; --width caps children per node, "
                          "--depth the levels)")

@@ -63,10 +63,7 @@ def rows(base, decider: str) -> list:
     d = base.defaults
     return [
         ("ar (plain decoding)", base),
-        (f"default: {d.describe()}", base.variant(d.strategy, gamma=d.gamma, k_config=d.k_config, width=d.width,
-                                                  depth=d.depth, stop=d.stop, confidence_rule=d.confidence_rule,
-                                                  confidence_threshold=d.confidence_threshold,
-                                                  decider_rule=d.decider_rule, decider="latest")),
+        (f"default: {d.describe()}", base.default_variant(decider="latest")),
         ("W4 D6 fixed depth", base.variant(**tree, stop="fixed")),
         ("W4 D6 confidence", base.variant(**tree, stop="confidence", confidence_threshold=0.4,
                                           confidence_rule="level")),
