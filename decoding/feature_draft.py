@@ -13,7 +13,7 @@ target's features at t with the token at t + 1 and predicts the token at t + 2; 
 output `h` is the hidden input of the next draft step (position t + 1).
 
 API for training (h8):
-- `with capture_aux(target, cfg.aux_layers) as cap: target(input_ids=ids)`; then
+- `with capture_aux(target, cfg.aux_layers) as cap: target(input_ids=ids)` (decoding.aux_capture); then
   `aux = cap.aux()` is [B, T, 3 * target_hidden] (pre-layer residuals, target dtype).
 - `draft.unroll(input_ids, aux, steps, attention_mask=None, skip=0, logits=True) ->
   list[(logits, h)]`, one pair per step j = 0 .. steps-1 (steps >= 1 cover t >= skip only). input_ids [B, T] is the sequence x_0..x_{T-1}, aux [B, T, 3Ht]
@@ -31,7 +31,6 @@ API for training (h8):
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -367,46 +366,3 @@ class FeatureDraft(nn.Module):
             hidden = m.finish(hidden, a)
             outs.append((self.head(hidden) if logits else None, hidden))
         return outs
-
-
-def decoder_layers(target):
-    layers = getattr(getattr(target, "model", None), "layers", None)
-    if layers is None:
-        raise TypeError(f"cannot find the decoder layers of {type(target).__name__} (expected .model.layers)")
-    return layers
-
-
-class AuxCapture:
-    """States captured by `capture_aux`: `states[i]` is layer i's input of the latest forward."""
-
-    def __init__(self, layers):
-        self.layers = tuple(layers)
-        self.states: dict[int, torch.Tensor] = {}
-
-    def aux(self) -> torch.Tensor:
-        missing = [i for i in self.layers if i not in self.states]
-        if missing:
-            raise RuntimeError(f"no target forward captured layers {missing}")
-        return torch.cat([self.states[i] for i in self.layers], dim=-1)
-
-
-@contextmanager
-def capture_aux(target, layers):
-    """Forward PRE-hooks on target layers `layers`: record the residual stream at their input."""
-    cap = AuxCapture(layers)
-    blocks = decoder_layers(target)
-    bad = [i for i in cap.layers if not 0 <= i < len(blocks)]
-    if bad:
-        raise ValueError(f"target has {len(blocks)} layers; cannot capture layers {bad}")
-
-    def hook(i, _module, args, kwargs):
-        x = args[0] if args else kwargs["hidden_states"]
-        cap.states[i] = x.detach()
-
-    handles = [blocks[i].register_forward_pre_hook(lambda mod, a, k, i=i: hook(i, mod, a, k), with_kwargs=True)
-               for i in cap.layers]
-    try:
-        yield cap
-    finally:
-        for h in handles:
-            h.remove()

@@ -24,7 +24,8 @@ from contextlib import contextmanager
 
 import torch
 
-from .feature_draft import DraftKV, FeatureDraft, capture_aux
+from .aux_capture import capture_aux
+from .feature_draft import DraftKV, FeatureDraft
 from .models import MASKED_LOGIT
 from .proposers import DraftTree, TreeProposer, empty_tree
 from .sampling import SamplingConfig

@@ -10,7 +10,8 @@ from conftest import tiny_llama
 from test_engine_greedy import random_decider
 from test_feature_draft import tiny_feature_draft
 from test_sampling_exact import chi2_pvalue, exact_distribution, speculative_counts
-from decoding.feature_draft import DraftKV, capture_aux
+from decoding.aux_capture import capture_aux
+from decoding.feature_draft import DraftKV
 from decoding.feature_io import draft_kind, load_feature_draft, save_feature_draft
 from decoding.models import ModelError, fingerprint, same_model
 from decoding.sampling import SamplingConfig

@@ -104,7 +104,7 @@ def target_batch(model, ids: torch.Tensor, mask: torch.Tensor, label_start: torc
     top1 [B, W] the target's argmax id; lab_mask [B, W]: position t predicts a completion
     token (label_start[b] <= t < length - 1).
     """
-    from decoding.feature_draft import capture_aux
+    from decoding.aux_capture import capture_aux
 
     with capture_aux(model, layers) as cap:
         hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
