@@ -3,7 +3,7 @@ measure`) loaded through `decoding.Decoder` / `python -m decoding.generate` pays
 timing on its first load only.
 
 The key is everything the curve depends on: both models' fingerprints, dtype, device, torch
-threads, the CPU model and the torch version. Another machine, dtype or thread count is a
+threads, the CPU model, the torch version, and the sizes and unit it is timed in. Another machine, dtype or thread count is a
 miss, never a stale hit. Files live under `$SPECSTOP_CACHE/cost/` (git-ignored, like the
 converted target) and are written atomically. Benchmarks time the curve afresh at the start of
 every run instead.
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .fingerprint import fingerprint
-from .growth import CostCurve, measure_cost
+from .growth import COST_SIZES, TOKENS, CostCurve, measure_cost
 from .models import cache_root
 
 
@@ -44,6 +44,7 @@ def cost_key(target, draft) -> dict:
         "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_model(),
         "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "sizes": list(COST_SIZES), "unit": TOKENS,  # how it is timed: a curve of another kind is a miss
     }
 
 
@@ -67,7 +68,7 @@ def cached_cost(target, draft, root: Path | None = None) -> tuple[CostCurve, str
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump({"key": key, "curve": {"sizes": curve.sizes, "target_ms": curve.target_ms,
-                                             "draft_ms": curve.draft_ms}}, f, indent=1)
+                                             "draft_ms": curve.draft_ms, "unit": curve.unit}}, f, indent=1)
         os.replace(tmp, path)
     except OSError:  # an unwritable cache costs a re-timing at the next load, nothing else
         if tmp:

@@ -31,6 +31,11 @@ from .stopping import DraftLevel, Frontier, StopPolicy
 from .tree import MAX_TREE_NODES
 
 
+TOKENS, NODES = "tokens", "nodes"
+"""Cost curve units: sizes count the new tokens a forward feeds, or (curves stored before
+2026-11-26) tree nodes."""
+
+
 @dataclass
 class CostCurve:
     """Milliseconds per forward by number of tokens fed (the `cost_model` `training.fit`
@@ -41,6 +46,8 @@ class CostCurve:
     draft_ms: list[float]
     overhead_ms: float = 0.0
     policy_ms: float = 0.0
+    unit: str = TOKENS
+    """What a size counts: see `at`."""
 
     @classmethod
     def from_dict(cls, d: dict) -> CostCurve:
@@ -50,13 +57,23 @@ class CostCurve:
             raise ValueError("a cost model needs equal-length sizes, target_ms and draft_ms "
                              f"(got {sorted(d) if isinstance(d, dict) else d!r})")
         return cls(list(d["sizes"]), [float(x) for x in d["target_ms"]], [float(x) for x in d["draft_ms"]],
-                   float(d.get("overhead_ms", 0.0)), float(d.get("policy_ms", 0.0)))
+                   float(d.get("overhead_ms", 0.0)), float(d.get("policy_ms", 0.0)), d.get("unit", NODES))
 
     def target(self, n: int) -> float:
-        return float(np.interp(n, self.sizes, self.target_ms))
+        return float(at(n, self.sizes, self.target_ms, self.unit))
 
     def draft(self, n: int) -> float:
-        return float(np.interp(n, self.sizes, self.draft_ms))
+        return float(at(n, self.sizes, self.draft_ms, self.unit))
+
+
+
+def at(n, sizes, ms, unit: str):
+    """A curve's ms for a forward of n new tokens (pending included; n may be an array). Curves timed before
+    2026-11-26 carry no unit: their size counted tree NODES, one pending token more than it
+    says, so they are read one size lower (a 1-token step is then read as a 2-token one)."""
+    if unit not in (TOKENS, NODES):
+        raise ValueError(f"cost curve unit must be {TOKENS} or {NODES} (got {unit!r})")
+    return np.interp(np.subtract(n, 1) if unit == NODES else n, sizes, ms)
 
 
 def monotone(ms: list[float]) -> list[float]:
@@ -69,28 +86,38 @@ def monotone(ms: list[float]) -> list[float]:
     return out
 
 
+COST_SIZES = (*range(1, 17), 20, 24, 32, 48, 64)
+"""Forward sizes a cost curve is timed at: every size up to 16, where CPU kernels jump (float32
+on a 2-core Xeon: 40.5 ms for 3 tokens, 51.9 for 4), then sparser (the curve is smooth there)."""
+
+
 @torch.inference_mode()
 def time_forwards(model, sizes, repeats: int = 3, context: int = 256) -> list[float]:
-    """Median ms of one CachedModel.feed of n tree nodes after `context` tokens, for each n
-    (sizes interleaved within each repeat, so a burst of load hits several sizes once; the
-    first pass warms up and is dropped), made non-decreasing in n."""
+    """Median ms of one CachedModel.feed of n NEW TOKENS after `context` tokens, for each n: the
+    pending committed token plus n - 1 tree nodes (n = 1 is a plain decoding step), the unit
+    the cost curve is read in (`target(1 + nodes)`). Sizes are interleaved within each repeat,
+    so a burst of load hits several sizes once; the first pass warms up and is dropped; the
+    result is made non-decreasing in n."""
     from .cache import CachedModel
     from .feature_draft import FeatureDraft
-    from .tree import layout_from_k_config
+    from .tree import TreeLayout, layout_from_k_config
 
     if isinstance(model, FeatureDraft):
         return _time_feature_head(model, sizes, repeats, context)
+    if min(sizes) < 1:
+        raise ValueError(f"forward sizes must be >= 1 (got {sorted(sizes)})")
     vocab = model.get_output_embeddings().weight.shape[0]
     prompt = [(10 + i) % vocab for i in range(context)]
     m = CachedModel(model)
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(repeats + 1):
         for n in sizes:
-            lay = layout_from_k_config([n])  # n siblings: the mask / positions of a real tree
+            # n - 1 siblings: the mask / positions of a real tree
+            lay = layout_from_k_config([n - 1]) if n > 1 else TreeLayout(())
             m.reset()
             m.feed(prompt[:-1], lay, [], 0, 0)
             t = time.perf_counter()
-            m.feed(prompt, lay, [(1 + i) % vocab for i in range(n)], 0, n)
+            m.feed(prompt, lay, [(1 + i) % vocab for i in range(n - 1)], 0, n - 1)
             times[n].append(1000 * (time.perf_counter() - t))
     return monotone([float(np.median(times[n][1:])) for n in sizes])
 
@@ -125,10 +152,10 @@ def _time_feature_head(head, sizes, repeats: int, context: int) -> list[float]:
     return monotone([float(np.median(times[n][1:])) for n in sizes])
 
 
-def measure_cost(target, draft, sizes=(1, 2, 4, 8, 16, 32, 64), repeats: int = 3) -> CostCurve:
+def measure_cost(target, draft, sizes=COST_SIZES, repeats: int = 3) -> CostCurve:
     """This machine's cost curve, in the dtype the models are in (~10-30 s on a CPU)."""
     sizes = list(sizes)
-    return CostCurve(sizes, time_forwards(target, sizes, repeats), time_forwards(draft, sizes, repeats))
+    return CostCurve(sizes, time_forwards(target, sizes, repeats), time_forwards(draft, sizes, repeats), unit=TOKENS)
 
 
 def candidate_level(fr: Frontier, width: int) -> DraftLevel:

@@ -42,3 +42,15 @@ def test_a_corrupt_or_unwritable_cache_only_costs_a_re_timing(tmp_path):
     blocked.write_text("")  # a file where the cache directory should be
     curve, how = cached_cost(target, draft, blocked / "cost")
     assert "now" in how and curve.sizes
+
+
+def test_a_curve_stored_in_the_old_unit_is_a_miss(tmp_path):
+    """Curves stored before sizes counted new tokens (no unit, 7 sizes) are re-timed, not read."""
+    target, draft = tiny_llama(0, vocab=32, layers=2), tiny_llama(1, vocab=32, layers=1)
+    cached_cost(target, draft, tmp_path)
+    f = next(tmp_path.glob("*.json"))
+    stored = json.loads(f.read_text())
+    assert stored["curve"]["unit"] == "tokens" and stored["key"]["unit"] == "tokens"
+    old_key = {k: v for k, v in stored["key"].items() if k not in ("sizes", "unit")}
+    f.write_text(json.dumps({"key": old_key, "curve": {k: v for k, v in stored["curve"].items() if k != "unit"}}))
+    assert "now" in cached_cost(target, draft, tmp_path)[1]

@@ -310,3 +310,23 @@ def test_feature_ablation_finds_the_group_that_carries_the_signal(fitted):
     assert ab[paper]["without"] < ab["all"]["roc_auc"] - 0.1
     assert ab["q_token"]["alone"] < ab["all"]["roc_auc"] - 0.1
     assert "Which features carry signal" in (tmp / "deciders" / "run-a" / "summary.md").read_text()
+
+
+def test_label_accepted_trains_only_where_verification_reached(traces):
+    """label accepted: P(node on the path | parent on the path), so only nodes whose parent was
+    accepted (or the anchor's children) carry a label; the others were never tried."""
+    sp = TraceDataModule(traces=str(traces), label="accepted").load()["train"]
+    t = sp.table
+    acc = t.column("accepted").to_numpy(zero_copy_only=False)
+    parent = t.column("parent").to_numpy()
+    on_path = {(p, r, n) for p, r, n, a in zip(t.column("prompt_id").to_pylist(), t.column("round").to_pylist(),
+                                               t.column("node").to_pylist(), acc) if a}
+    reached = np.array([par < 0 or (p, r, par) in on_path for p, r, par in
+                        zip(t.column("prompt_id").to_pylist(), t.column("round").to_pylist(), parent)])
+    assert np.array_equal(sp.rows, np.flatnonzero(sp.valid & reached))
+    assert 0 < len(sp.rows) < len(np.flatnonzero(sp.valid))  # deeper nodes of failed chains drop out
+    assert np.array_equal(sp.label[sp.rows], acc[sp.rows].astype(np.float32))
+    hard = TraceDataModule(traces=str(traces), label="hard").load()["train"]
+    assert np.array_equal(hard.rows, np.flatnonzero(hard.valid))  # the other labels keep every valid node
+    with pytest.raises(ValueError, match="data.label"):
+        TraceDataModule(traces=str(traces), label="path").load()

@@ -27,12 +27,43 @@ def frontier(q_rows, depth=1, nodes=None, path_logq=None):
 
 
 def test_cost_curve_interpolates_and_refuses_a_broken_model():
-    c = CostCurve.from_dict({"sizes": [1, 5, 16], "target_ms": [36.6, 41.0, 42.0], "draft_ms": [3, 3, 4]})
+    d = {"sizes": [1, 5, 16], "target_ms": [36.6, 41.0, 42.0], "draft_ms": [3, 3, 4]}
+    c = CostCurve.from_dict({**d, "unit": "tokens"})
     assert c.target(1) == pytest.approx(36.6) and c.target(3) == pytest.approx(38.8)
     assert c.target(100) == pytest.approx(42.0)  # flat past the last measured size
+    # a curve stored before the unit existed was timed with one token more than its size says
+    old = CostCurve.from_dict(d)
+    assert old.unit == "nodes" and old.target(3) == pytest.approx(c.target(2)) and old.target(1) == pytest.approx(36.6)
     for bad in ({}, {"sizes": [1, 2], "target_ms": [1.0], "draft_ms": [1.0, 2.0]}, None):
         with pytest.raises(ValueError, match="cost model"):
             CostCurve.from_dict(bad)
+    with pytest.raises(ValueError, match="unit"):
+        CostCurve.from_dict({**d, "unit": "ms"}).target(2)
+
+
+def test_time_forwards_size_counts_the_new_tokens_fed(monkeypatch):
+    """Size n = n new tokens in one forward (the pending token + n - 1 nodes), the unit every
+    reader uses (`target(1 + nodes)`): timing n nodes instead overstated each size by a token,
+    which on a CPU whose kernels jump between 3 and 4 tokens mispriced the best small trees."""
+    from decoding import cache
+    from decoding.growth import COST_SIZES, measure_cost, time_forwards
+
+    fed = []
+    real = cache.CachedModel.feed
+
+    def spy(self, committed, layout, node_tokens, start, end, hidden=False):
+        if self.length == len(committed) - 1:  # the timed call: one pending token
+            fed.append(1 + end - start)
+        return real(self, committed, layout, node_tokens, start, end, hidden)
+
+    monkeypatch.setattr(cache.CachedModel, "feed", spy)
+    model = tiny_llama(0, vocab=32, layers=1)
+    ms = time_forwards(model, [1, 2, 5], repeats=1, context=8)
+    assert len(ms) == 3 and ms == sorted(ms) and fed == [1, 2, 5] * 2  # warm-up pass + 1 repeat
+    assert measure_cost(model, model, sizes=[1, 3], repeats=1).unit == "tokens"
+    assert list(COST_SIZES[:16]) == list(range(1, 17))  # dense where CPU kernels jump
+    with pytest.raises(ValueError, match=">= 1"):
+        time_forwards(model, [0, 2], repeats=1, context=8)
 
 
 def test_candidate_level_is_what_greedy_would_draw():

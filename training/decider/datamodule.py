@@ -22,7 +22,7 @@ from decoding.features import FEATURE_NAMES, NUM_FEATURES
 
 from .traces import feature_matrix, hidden_matrix, load_traces
 
-LABELS = ("soft", "hard")
+LABELS = ("soft", "hard", "accepted")
 EVAL_TARGETS = ("auto", "greedy_match", "accepted")
 BALANCE = ("none", "pos_weight", "sampler")
 SPLITS = ("train", "val", "test")
@@ -36,16 +36,20 @@ class Split:
     features: np.ndarray
     hidden: np.ndarray | None
     label: np.ndarray
-    """Training label in [0, 1]: soft_label or greedy_match."""
+    """Training label in [0, 1]: soft_label, greedy_match or accepted."""
     target: np.ndarray
     """Hard 0/1 evaluation target; -1 where it is undefined (never trained on or scored)."""
     valid: np.ndarray
     prompts: list[str]
+    trainable: np.ndarray
+    """Rows whose label is defined: valid nodes (label accepted: only those whose parent was
+    accepted; elsewhere the node was never tried)."""
 
     @property
     def rows(self) -> np.ndarray:
-        """Rows a decider is trained / evaluated on: nodes the draft really proposed."""
-        return np.flatnonzero(self.valid)
+        """Rows a decider is trained on: nodes the draft really proposed (and, for label
+        accepted, that verification reached)."""
+        return np.flatnonzero(self.trainable)
 
 
 def prompt_split(prompt_id: str, seed: int, val: float, test: float) -> str:
@@ -92,7 +96,11 @@ class TraceDataModule(L.LightningDataModule):
         Args:
             traces: trace directory (manifest.json + shards, or part-*/ subdirectories).
             test_traces: optional held-out trace directory used as the test split.
-            label: soft = min(1, p/q) (the released hidden-state decider); hard = greedy_match.
+            label: soft = min(1, p/q) (the released hidden-state decider); hard = greedy_match;
+                accepted = the node was on the accepted path, trained on nodes whose parent
+                was: P(node accepted | parent accepted), what a tree's node values need under
+                sampling (min(1, p/q) overstates it for later siblings, which MCSD verifies
+                against the residual; at temperature 0 it equals hard on those rows).
             eval_target: hard 0/1 target for ROC/PR/Brier/ECE. auto = greedy_match for greedy
                 traces (temperature 0: exactly 'accepted given the parent was'), else accepted
                 on rows whose parent was accepted.
@@ -145,19 +153,20 @@ class TraceDataModule(L.LightningDataModule):
     def _split(self, table: pa.Table, rows: np.ndarray, target_name: str) -> Split:
         t = table.take(pa.array(rows, pa.int64()))
         feats = feature_matrix(t)
-        if self.label == "soft":
-            label = t.column("soft_label").to_numpy().astype(np.float32)
-        else:
-            label = t.column("greedy_match").to_numpy(zero_copy_only=False).astype(np.float32)
+        accepted = t.column("accepted").to_numpy(zero_copy_only=False).astype(np.float32)
+        greedy = t.column("greedy_match").to_numpy(zero_copy_only=False).astype(np.float32)
+        label = {"soft": lambda: t.column("soft_label").to_numpy().astype(np.float32),
+                 "hard": lambda: greedy, "accepted": lambda: accepted}[self.label]()
         valid = t.column("valid").to_numpy(zero_copy_only=False).astype(bool)
+        reach = reached(t)
         if target_name == "greedy_match":
-            target = t.column("greedy_match").to_numpy(zero_copy_only=False).astype(np.float32)
+            target = greedy
         else:
-            target = np.where(reached(t), t.column("accepted").to_numpy(zero_copy_only=False), -1)
-            target = target.astype(np.float32)
+            target = np.where(reach, accepted, -1).astype(np.float32)
         hidden = hidden_matrix(t) if self.with_hidden else None
         prompts = sorted(set(t.column("prompt_id").to_pylist()))
-        return Split(t, feats, hidden, label, target, valid, prompts)
+        trainable = valid & reach if self.label == "accepted" else valid
+        return Split(t, feats, hidden, label, target, valid, prompts, trainable)
 
     def load(self) -> dict[str, Split]:
         """Load and split once (idempotent); ValueError with a one-line message on bad input."""
@@ -167,7 +176,7 @@ class TraceDataModule(L.LightningDataModule):
         temp = float(manifest.get("collect", {}).get("temperature", 0.0) or 0.0)
         if self.label == "hard" and temp > 0:
             warnings.warn(f"data.label hard trains on greedy_match, but {self.traces} was sampled "
-                          f"(temperature {temp}): label soft matches the sampling acceptance rule", stacklevel=2)
+                          f"(temperature {temp}): label accepted (or soft) matches the sampling acceptance rule", stacklevel=2)
         name = self.eval_target_name
         if name == "auto":
             name = "greedy_match" if temp == 0 else "accepted"

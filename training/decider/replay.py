@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from decoding.features import FEATURE_NAMES
-from decoding.growth import monotone  # noqa: F401  (re-exported: the cost model made monotone)
+from decoding.growth import COST_SIZES, NODES, TOKENS, at, monotone  # noqa: F401  (monotone re-exported)
 
 Q_TOKEN = FEATURE_NAMES.index("q_token")
 PATH_LOGQ = FEATURE_NAMES.index("path_logq")
@@ -32,7 +32,7 @@ PATH_LOGQ = FEATURE_NAMES.index("path_logq")
 class CostModel:
     """Milliseconds per forward as a function of the number of new tokens fed (interpolated)."""
 
-    sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    sizes: list[int] = field(default_factory=lambda: list(COST_SIZES))
     target_ms: list[float] = field(default_factory=list)
     draft_ms: list[float] = field(default_factory=list)
     overhead_ms: float = 0.0
@@ -42,12 +42,16 @@ class CostModel:
     """Stop-policy cost per drafted level (decider inference)."""
     source: dict[str, str] = field(default_factory=dict)
     """Where each cost came from (field -> how it was obtained, on which machine/pair)."""
+    unit: str = NODES
+    """What a size counts: tokens (new tokens fed, the pending one included: every curve
+    `calibrate` times) or nodes (a curve stored before 2026-11-26, which carries no unit and
+    was timed with one token more than its size; read one size lower)."""
 
     def target(self, n):
-        return np.interp(n, self.sizes, self.target_ms)
+        return at(n, self.sizes, self.target_ms, self.unit)
 
     def draft(self, n):
-        return np.interp(n, self.sizes, self.draft_ms)
+        return at(n, self.sizes, self.draft_ms, self.unit)
 
 
 @torch.inference_mode()
@@ -58,7 +62,7 @@ def calibrate(target, draft, context: int = 256, repeats: int = 5, sizes=None,
     `repeats`, then made monotone), and the engine's per-round bookkeeping (`overhead_ms`)."""
     from decoding.growth import time_forwards
 
-    cm = CostModel(**({"sizes": sizes} if sizes else {}))
+    cm = CostModel(**({"sizes": sizes} if sizes else {}), unit=TOKENS)
     vocab = target.get_output_embeddings().weight.shape[0]
     prompt = [(10 + i) % vocab for i in range(context)]
     cm.target_ms = time_forwards(target, cm.sizes, repeats, context)

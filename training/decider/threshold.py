@@ -67,8 +67,8 @@ class ReplayConfig:
 # a 32-node tree verified at ~1.4x a one-token step (the project's first bf16 trial on a CPU;
 # the measured cost model in a decider checkpoint puts it at 2-3x here, see the README's
 # benchmark section). For tests and quick runs only; results use `measure`.
-DEFAULT_COST = CostModel(target_ms=[25.0, 25.5, 26.0, 27.0, 29.5, 34.0, 42.0],
-                         draft_ms=[1.7, 1.75, 1.8, 1.9, 2.1, 2.5, 3.3], overhead_ms=0.5,
+DEFAULT_COST = CostModel(sizes=[1, 2, 4, 8, 16, 32, 64], target_ms=[25.0, 25.5, 26.0, 27.0, 29.5, 34.0, 42.0],
+                         draft_ms=[1.7, 1.75, 1.8, 1.9, 2.1, 2.5, 3.3], overhead_ms=0.5, unit="tokens",
                          source={k: "illustrative constant (training.decider.threshold.DEFAULT_COST), not measured"
                                  for k in ("target_ms", "draft_ms", "overhead_ms", "policy_ms")})
 
