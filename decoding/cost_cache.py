@@ -3,8 +3,8 @@ measure`) loaded through `decoding.Decoder` / `python -m decoding.generate` pays
 timing on its first load only.
 
 The key is everything the curve depends on: both models' fingerprints, dtype, device, torch
-threads, the CPU model, the torch version, and the sizes and unit it is timed in. Another machine, dtype or thread count is a
-miss, never a stale hit. Files live under `$SPECSTOP_CACHE/cost/` (git-ignored, like the
+threads, the CPU model, the torch version, and the sizes and unit it is timed in. Another
+machine, dtype or thread count is a miss, never a stale hit. Files live under `$SPECSTOP_CACHE/cost/` (git-ignored, like the
 converted target) and are written atomically. Benchmarks time the curve afresh at the start of
 every run instead.
 """

@@ -66,11 +66,10 @@ class CostCurve:
         return float(at(n, self.sizes, self.draft_ms, self.unit))
 
 
-
 def at(n, sizes, ms, unit: str):
-    """A curve's ms for a forward of n new tokens (pending included; n may be an array). Curves timed before
-    2026-11-26 carry no unit: their size counted tree NODES, one pending token more than it
-    says, so they are read one size lower (a 1-token step is then read as a 2-token one)."""
+    """A curve's ms for a forward of n new tokens (pending included; n may be an array). Curves
+    timed before 2026-11-26 carry no unit: their size counted tree NODES, one pending token more
+    than it says, so they are read one size lower (a 1-token step is then read as a 2-token one)."""
     if unit not in (TOKENS, NODES):
         raise ValueError(f"cost curve unit must be {TOKENS} or {NODES} (got {unit!r})")
     return np.interp(np.subtract(n, 1) if unit == NODES else n, sizes, ms)
@@ -88,7 +87,7 @@ def monotone(ms: list[float]) -> list[float]:
 
 COST_SIZES = (*range(1, 17), 20, 24, 32, 48, 64)
 """Forward sizes a cost curve is timed at: every size up to 16, where CPU kernels jump (float32
-on a 2-core Xeon: 40.5 ms for 3 tokens, 51.9 for 4), then sparser (the curve is smooth there)."""
+on a 2-core Xeon: about 42 ms for 3 tokens, 57 for 4), then sparser (the curve is smooth there)."""
 
 
 @torch.inference_mode()

@@ -158,7 +158,9 @@ class TraceDataModule(L.LightningDataModule):
         label = {"soft": lambda: t.column("soft_label").to_numpy().astype(np.float32),
                  "hard": lambda: greedy, "accepted": lambda: accepted}[self.label]()
         valid = t.column("valid").to_numpy(zero_copy_only=False).astype(bool)
-        reach = reached(t)
+        # which nodes verification reached: only where a label or the target needs it (a pass
+        # over every row)
+        reach = reached(t) if self.label == "accepted" or target_name != "greedy_match" else None
         if target_name == "greedy_match":
             target = greedy
         else:
