@@ -155,8 +155,9 @@ class TraceDataModule(L.LightningDataModule):
         feats = feature_matrix(t)
         accepted = t.column("accepted").to_numpy(zero_copy_only=False).astype(np.float32)
         greedy = t.column("greedy_match").to_numpy(zero_copy_only=False).astype(np.float32)
-        label = {"soft": lambda: t.column("soft_label").to_numpy().astype(np.float32),
-                 "hard": lambda: greedy, "accepted": lambda: accepted}[self.label]()
+        label = {"hard": greedy, "accepted": accepted}.get(self.label)
+        if label is None:  # soft
+            label = t.column("soft_label").to_numpy().astype(np.float32)
         valid = t.column("valid").to_numpy(zero_copy_only=False).astype(bool)
         # which nodes verification reached: only where a label or the target needs it (a pass
         # over every row)
