@@ -282,6 +282,12 @@ def markdown(results: dict) -> str:
     return "\n".join(L) + "\n"
 
 
+def _grow_caps(v: dict) -> str:
+    per_node = (f"<= {','.join(map(str, v['level_widths']))} children per node by depth" if v.get("level_widths")
+                else f"<= {v['max_width']} children per node")
+    return f"{per_node}, <= {v['max_nodes']} nodes"
+
+
 def _setting_lines(results: dict) -> list[str]:
     """The threshold each dynamic row really ran with, and where it came from."""
     seen = {}
@@ -293,8 +299,8 @@ def _setting_lines(results: dict) -> list[str]:
         return []
     L = [f"Stop thresholds (decider {results['meta'].get('decider')}):", ""]
     L += [f"- {n}: {v['rule']} rule at {v['threshold']:.3g} ({v['source']})" if "threshold" in v else
-          f"- {n}: grow rule over {v['scores']} scores, <= {v['max_width']} children per node, <= "
-          f"{v['max_nodes']} nodes, no threshold ({v['source']})" for n, v in seen.items()]
+          f"- {n}: grow rule over {v['scores']} scores, {_grow_caps(v)}, no threshold ({v['source']})"
+          for n, v in seen.items()]
     return L + [""]
 
 

@@ -148,6 +148,7 @@ def _setting(spec: StrategySpec, stop) -> dict | None:
     """What the row's stop policy really ran with (read back from the built policy)."""
     if getattr(stop, "sizes_children", False):  # decoding.growth: no threshold, a cost model
         return {"rule": "grow", "scores": stop.label, "max_width": stop.max_width, "max_nodes": stop.max_nodes,
+                **({"level_widths": list(stop.level_widths)} if stop.level_widths else {}),
                 "source": "cost model " + ("timed on this machine at the start of the run"
                                            if spec.grow_cost == "measure" else "measured by the decider's fit")}
     if spec.stop == "decider":

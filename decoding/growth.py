@@ -176,19 +176,77 @@ def candidate_level(fr: Frontier, width: int) -> DraftLevel:
     )
 
 
-def child_values(parent_value: list[float], level: DraftLevel, scores: torch.Tensor) -> list[float]:
+def child_values(parent_value: list[float], parent_of: list[int], valid: list[bool],
+                 scores) -> list[float]:
     """Path values of a level's nodes: parent's value x the node's acceptance estimate, with
-    siblings capped so their sum never exceeds the parent's (at most one sibling is accepted),
-    and non-increasing in draw order (a later sibling is tried only after the earlier fail)."""
-    out, used, last = [], {}, {}
-    for i, (r, ok) in enumerate(zip(level.parent_of, level.valid)):
+    siblings capped in draw order so their sum never exceeds the parent's (at most one sibling
+    is accepted). `parent_of[i]` indexes `parent_value`; nodes come in draw order per parent."""
+    out, used = [], {}
+    for i, (r, ok) in enumerate(zip(parent_of, valid)):
         pv = parent_value[r]
-        v = min(pv * float(scores[i]), pv - used.get(r, 0.0), last.get(r, pv)) if ok else 0.0
-        v = max(v, 0.0)
+        v = max(min(pv * float(scores[i]), pv - used.get(r, 0.0)), 0.0) if ok else 0.0
         used[r] = used.get(r, 0.0) + v
-        last[r] = v
         out.append(v)
     return out
+
+
+def pooled(values: list[float]) -> list[float]:
+    """One parent's sibling values (draw order) made non-increasing by pooling adjacent
+    violators: the slopes of the concave majorant of their prefix sums. A later sibling can only
+    be drafted with every earlier one, so a block whose average beats what precedes it is
+    worth taking whole (a decider may rate the second draw above the first; q never does)."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] < blocks[-1][0] * blocks[-2][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    return [s / c for s, c in blocks for _ in range(int(c))]
+
+
+def candidate_order(values: list[float], parent_of: list[int], branch: list[int]) -> list[int]:
+    """Candidates in the order the level considers them: by pooled value, so the first k of
+    the order always take a prefix of every parent's draws (what the engine can draw); those
+    worth nothing are left out."""
+    by_parent: dict[int, list[int]] = {}
+    for i, r in enumerate(parent_of):
+        by_parent.setdefault(r, []).append(i)
+    key = [0.0] * len(values)
+    for rows in by_parent.values():
+        for i, v in zip(rows, pooled([values[i] for i in rows])):
+            key[i] = v
+    return sorted((i for i in range(len(values)) if key[i] > 0.0), key=lambda i: (-key[i], branch[i], parent_of[i]))
+
+
+def rate(cost, value: float, nodes: int, feeds: float) -> float:
+    """Expected tokens per ms of a round: `value` expected committed tokens, a tree of `nodes`
+    verified with the pending token, `feeds` ms of draft (and policy) work so far."""
+    return value / (float(cost.target(nodes + 1)) + feeds + cost.overhead_ms)
+
+
+def best_count(values: list[float], E: float, N: int, feeds: float, cost, room: int) -> int:
+    """How many of the candidates (`values` in `candidate_order`) the level takes: the k that
+    maximises the round's rate with them; 0 (stop) when no k beats the rate already reached."""
+    best_k, best, gained = 0, rate(cost, E, N, feeds), 0.0
+    for k, v in enumerate(values[:max(room, 0)], start=1):
+        gained += v
+        r = rate(cost, E + gained, N + k, feeds)
+        if r > best:
+            best_k, best = k, r
+    return best_k
+
+
+def worth_a_level(guess: list[float], E: float, N: int, feeds: float, next_feeds: float,
+                  cost, room: int) -> bool:
+    """Draft one level deeper? Only if some prefix of the guessed child values (descending)
+    would raise the rate after paying `next_feeds` (the draft forward that feeds the level)."""
+    now, gained = rate(cost, E, N, feeds), 0.0
+    for k, g in enumerate(guess[:max(room, 0)], start=1):
+        gained += g
+        if rate(cost, E + gained, N + k, next_feeds) > now:
+            return True
+    return False
 
 
 @dataclass
@@ -202,6 +260,9 @@ class GrowPolicy(StopPolicy):
     """Most children a node may get."""
     max_nodes: int = 64
     """Cap on the tree size (no other budget: the cost curve decides)."""
+    level_widths: tuple[int, ...] | None = None
+    """Most children per node at each depth (a k-config: the envelope the tree grows within,
+    e.g. a fork 4,1,1,... whose traces replay the policy exactly); None: max_width at every depth."""
     label: str = "q"
     name: str = "grow"
     needs_hidden: bool = False
@@ -214,33 +275,25 @@ class GrowPolicy(StopPolicy):
         if not 1 <= self.max_nodes <= MAX_TREE_NODES:
             raise ValueError(f"--max-nodes must be in 1..{MAX_TREE_NODES} (got {self.max_nodes})")
 
-    def _rate(self, value: float, nodes: int, feeds: float) -> float:
-        c = self.cost
-        return value / (c.target(nodes + 1) + feeds + c.overhead_ms)
-
     def widths(self, fr: Frontier) -> list[int]:
         if fr.depth == 1:  # a new round: only the pending token is sure to be committed
             self._round = {"value": {-1: 1.0}, "E": 1.0, "N": 0,
                            "feeds": self.cost.draft(2) + self.cost.policy_ms}
         st = self._round
-        cand = candidate_level(fr, self.max_width)
+        width = self.max_width
+        if self.level_widths is not None:
+            width = min(width, self.level_widths[fr.depth - 1] if fr.depth <= len(self.level_widths) else 0)
+        if width < 1:
+            return [0] * len(fr.nodes)
+        cand = candidate_level(fr, width)
         scores = self.scorer(cand)
         st["seen"] = {(p, t, b): float(x) for p, t, b, x in
                       zip(cand.parent_nodes, cand.tokens, cand.branch, scores.tolist())}
-        vals = child_values([st["value"].get(n, 0.0) for n in fr.nodes], cand, scores)
-        # best k over the candidates in value order (per parent, values fall with draw order,
-        # so the k best are a prefix of every parent's draws)
-        order = sorted(range(len(vals)), key=lambda i: (-vals[i], cand.branch[i]))
-        room = min(self.max_nodes, MAX_TREE_NODES) - st["N"]
-        best_k, best_rate, gained = 0, self._rate(st["E"], st["N"], st["feeds"]), 0.0
+        vals = child_values([st["value"].get(n, 0.0) for n in fr.nodes], cand.parent_of, cand.valid, scores)
+        order = candidate_order(vals, cand.parent_of, cand.branch)
         feeds = st["feeds"] + self.cost.policy_ms
-        for k, i in enumerate(order[:max(room, 0)], start=1):
-            if vals[i] <= 0.0:
-                break
-            gained += vals[i]
-            r = self._rate(st["E"] + gained, st["N"] + k, feeds)
-            if r > best_rate:
-                best_k, best_rate = k, r
+        room = min(self.max_nodes, MAX_TREE_NODES) - st["N"]
+        best_k = best_count([vals[i] for i in order], st["E"], st["N"], feeds, self.cost, room)
         counts = [0] * len(fr.nodes)
         for i in order[:best_k]:
             counts[cand.parent_of[i]] += 1
@@ -255,17 +308,15 @@ class GrowPolicy(StopPolicy):
         st = self._round
         pv = {r: st["value"].get(p, 0.0) for r, p in zip(level.parent_of, level.parent_nodes)}
         scores = self._scores(level)
-        vals = child_values([pv.get(r, 0.0) for r in range(len(level.parent_q))], level, scores)
+        vals = child_values([pv.get(r, 0.0) for r in range(len(level.parent_q))], level.parent_of,
+                            level.valid, scores)
         st["value"].update(zip(level.nodes, vals))
         st["E"] += sum(vals)
         guess = sorted((v * float(s) for v, s in zip(vals, scores)), reverse=True)
         next_feeds = st["feeds"] + self.cost.draft(max(len(level.nodes), 1))
-        now = self._rate(st["E"], st["N"], st["feeds"])
-        gained, best = 0.0, 0.0
-        for k, g in enumerate(guess[: max(self.max_nodes - st["N"], 0)], start=1):
-            gained += g
-            best = max(best, self._rate(st["E"] + gained, st["N"] + k, next_feeds))
-        go = best > now
+        go = worth_a_level(guess, st["E"], st["N"], st["feeds"], next_feeds, self.cost, self.max_nodes - st["N"])
+        if go:  # the round pays that forward: every later rate counts it
+            st["feeds"] = next_feeds
         return [go and ok and v > 0.0 for ok, v in zip(level.valid, vals)]
 
     def _scores(self, level: DraftLevel) -> torch.Tensor:

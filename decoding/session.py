@@ -123,7 +123,11 @@ class Session:
             except ValueError as e:
                 raise models.ModelError(f"decider {where} has no usable cost model for the grow rule: {e} "
                                         f"(or use grow_cost measure)") from None
-        return GrowPolicy(q_scores if scorer is None else scorer.scores, cost, max_width=cfg.width,
+        # ti-mcsd: any node may get up to W children; sd / mcsd: the k-config is the envelope
+        # (a fork 4,1,1,... grows exactly the sub-trees its traces replay, training.decider.grow_replay)
+        env = None if cfg.strategy == "ti-mcsd" else cfg.k_levels
+        return GrowPolicy(q_scores if scorer is None else scorer.scores, cost,
+                          max_width=cfg.width if env is None else max(env), level_widths=env,
                           max_nodes=cfg.max_nodes, label="q" if scorer is None else "decider",
                           needs_hidden=scorer is not None and scorer.needs_hidden)
 

@@ -8,7 +8,7 @@ import torch
 
 from conftest import noisy_copy, tiny_llama
 from test_engine_greedy import random_decider
-from decoding.growth import CostCurve, GrowPolicy, candidate_level, child_values, q_scores
+from decoding.growth import CostCurve, GrowPolicy, candidate_level, candidate_order, child_values, pooled, q_scores
 from decoding.sampling import SamplingConfig
 from decoding.stopping import DraftLevel, Frontier
 from decoding.strategies import StrategyConfig, build_engine
@@ -76,12 +76,26 @@ def test_candidate_level_is_what_greedy_would_draw():
 
 
 def test_child_values_never_exceed_the_parent():
-    # one parent worth 0.5; scores 0.9, 0.8, 0.1: siblings can share at most 0.5 in total,
-    # and a later sibling is never worth more than an earlier one
+    # one parent worth 0.5; scores 0.9, 0.8, 0.1: siblings can share at most 0.5 in total
     lv = candidate_level(frontier([[0.5, 0.3, 0.2]], depth=2, nodes=[7]), 3)
-    vals = child_values([0.5], lv, torch.tensor([0.9, 0.8, 0.1]))
+    vals = child_values([0.5], lv.parent_of, lv.valid, torch.tensor([0.9, 0.8, 0.1]))
     assert vals == pytest.approx([0.45, 0.05, 0.0])
-    assert child_values([0.5], lv, torch.tensor([0.2, 0.6, 0.1])) == pytest.approx([0.1, 0.1, 0.05])
+    # a decider may rate the second draw above the first: its value stands
+    assert child_values([0.5], lv.parent_of, lv.valid, torch.tensor([0.2, 0.6, 0.1])) == pytest.approx([0.1, 0.3, 0.05])
+
+
+def test_candidates_are_ordered_so_every_prefix_is_drawable():
+    # pooling adjacent violators: 0.1 then 0.3 is a block worth 0.2 a node
+    assert pooled([0.1, 0.3, 0.05]) == pytest.approx([0.2, 0.2, 0.05])
+    assert pooled([0.5, 0.2, 0.1]) == pytest.approx([0.5, 0.2, 0.1])  # q's values: unchanged
+    assert pooled([0.0, 0.0, 0.9]) == pytest.approx([0.3, 0.3, 0.3])
+    # parent 0: 0.1, 0.3 (pooled 0.2, 0.2); parent 1: 0.25, 0.0 (worth nothing: left out)
+    order = candidate_order([0.1, 0.3, 0.25, 0.0], [0, 0, 1, 1], [0, 1, 0, 1])
+    assert order == [2, 0, 1]
+    # the engine takes the second draw with the first, where the pair pays
+    cost = CostCurve([1, 2, 3, 4], [10.0, 10.5, 11.0, 40.0], [0.0] * 4, unit="tokens")
+    pol = GrowPolicy(lambda lv: torch.tensor([0.05, 0.9, 0.0][:len(lv.nodes)]), cost, max_width=3)
+    assert pol.widths(frontier([[0.5, 0.3, 0.2]])) == [2]
 
 
 def test_flat_cost_takes_every_candidate_up_to_the_caps():
