@@ -87,6 +87,13 @@ def test_fit_learns_known_rule_and_exports(fitted, traces):
         assert rep[key]["tokens_per_s"] > 0
     assert rep["oracle"]["tokens_per_s"] >= rep[rep["best_fixed"]]["tokens_per_s"]
     assert "oracle_share" in rep["decider-paper"] and m["replay"]["chosen"]["rule"] in D.RULES
+    # the grow rule replayed over q and over each scorer. Along a chain, where these synthetic
+    # rounds are plain (their siblings' q are independent draws, not one distribution's), the
+    # decider's better estimates must grow a faster chain than q's
+    grow = m["replay"]["chosen"]["grow"]
+    for env in ("tree", "chain"):
+        assert rep[f"grow-q-{env}"]["tokens_per_s"] > 0 and rep[f"grow-logistic_regression-{env}"]["tokens_per_s"] > 0
+    assert grow["chain"]["decider_vs_q"] > 1.05
     for png in ("roc.png", "calibration.png"):
         assert (run / png).read_bytes()[:4] == b"\x89PNG"
     # config.json carries what inference needs

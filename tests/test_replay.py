@@ -52,8 +52,9 @@ def test_fixed_depth_and_oracles_closed_form():
     assert replay(rs, fixed(3), COST)["mean_nodes"] == 6
     o = replay(rs, oracle, COST)  # depth 3 then depth 1
     assert o["tokens_per_s"] == pytest.approx(1000 * 5 / ((3 + 10) + (1 + 10)))
-    ot = replay(rs, oracle_tree, COST)  # keeps level 1 + the accepted chain: 4 nodes, then 2
-    assert ot["mean_nodes"] == (4 + 2) / 2 and ot["tokens_per_round"] == 2.5
+    ot = replay(rs, oracle_tree, COST)  # exactly the accepted nodes: the chain of 3, then none
+    assert ot["mean_nodes"] == (3 + 0) / 2 and ot["tokens_per_round"] == 2.5
+    assert ot["tokens_per_s"] == pytest.approx(1000 * 5 / ((3 + 10) + (1 + 10)))
     narrow = replay(rs, fixed(2, width=1), COST)  # chain 0 only, 2 deep
     assert narrow["mean_nodes"] == 2 and narrow["tokens_per_round"] == (3 + 1) / 2
 

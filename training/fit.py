@@ -171,6 +171,10 @@ def summary_md(run_id: str, metrics: dict) -> str:
          "confidence-test-tuned are hindsight choices on test)"),
         M.markdown_table(rows, ["tokens_per_s", "tokens_per_round", "mean_depth", "mean_nodes", "threshold",
                                 "oracle_share"]),
+        ("## The grow rule (test prompts, no threshold: replayed as the engine grows, in the traces' "
+         "tree or its first chain; oracle share against the best fixed shape)"),
+        M.markdown_table(ch.get("grow", {}), ["decider_tokens_per_s", "q_tokens_per_s", "decider_vs_q",
+                                              "decider_oracle_share"]),
     ]) + "\n"
 
 

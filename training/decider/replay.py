@@ -134,7 +134,8 @@ class ReplaySet:
         self.round_accepted = np.bincount(self.rid, weights=self.accepted, minlength=self.rounds)
         self._levels = [np.flatnonzero(self.depth == d) for d in range(1, self.max_depth + 1)]
         # which level-1 candidate each node descends from (0 = the draft's first choice)
-        self.chain = col("branch").astype(np.int64).copy()
+        self.branch = col("branch").astype(np.int64)
+        self.chain = self.branch.copy()
         for rows in self._levels[1:]:
             self.chain[rows] = self.chain[self.parent_row[rows]]
 
@@ -197,11 +198,9 @@ def oracle(rs: ReplaySet) -> np.ndarray:
 
 
 def oracle_tree(rs: ReplaySet) -> np.ndarray:
-    """Perfect knowledge, node by node: extend exactly the nodes whose child will be accepted."""
-    has_acc_child = np.zeros(len(rs.depth), bool)
-    acc = rs.accepted & (rs.parent_row >= 0)
-    has_acc_child[rs.parent_row[acc]] = True
-    return rs.keep_extended(has_acc_child)
+    """Perfect knowledge, node by node: draft exactly the nodes that will be accepted (any
+    sub-tree of the recorded one: a round that accepts nothing drafts nothing)."""
+    return rs.accepted.copy()
 
 
 def confidence_policy(features: np.ndarray, threshold: float):
@@ -260,8 +259,9 @@ def baseline_table(rs: ReplaySet, features: np.ndarray, cost: CostModel, grid=No
 
 
 def oracle_share(policy_tps: float, table: dict, oracle_key: str = "oracle") -> float:
-    """Fraction of the oracle's gain over the best fixed depth that a policy captures."""
-    base = table[table["best_fixed"]]["tokens_per_s"]
+    """Fraction of the oracle's gain over the best fixed shape (the best fixed depth where the
+    table has no narrower shapes) that a policy captures."""
+    base = table.get("best_fixed_shape", table[table["best_fixed"]])["tokens_per_s"]
     gain = table[oracle_key]["tokens_per_s"] - base
     return (policy_tps - base) / gain if gain > 0 else float("nan")
 

@@ -16,7 +16,9 @@ from decoding.decider import THRESHOLD_RULES as RULES  # grow has no threshold t
 from decoding.decider import uses_hidden
 
 from .datamodule import Split
+from .grow_replay import grow_policy
 from .replay import (
+    Q_TOKEN,
     CostModel,
     ReplaySet,
     baseline_table,
@@ -125,6 +127,26 @@ def policy_ms(net, vocab: int, width: int, repeats: int = 50) -> float:
     return float(np.median(times[2:]))
 
 
+GROW_ENVELOPES = ("tree", "chain")
+"""Where the replayed grow rule may put nodes: the traces' whole tree (the engine's grow with
+that k-config as its envelope), or its first chain only (grow over sd)."""
+
+
+def grow_rows(rs: ReplaySet, features: np.ndarray, scores: dict[str, np.ndarray], cost: CostModel,
+              dcost: CostModel, table: dict) -> dict:
+    """The grow rule over q and over every scorer, in each envelope. Decisions read `cost` (the
+    cost model a decider checkpoint stores, which the engine's grow reads); a scorer's rows pay
+    `dcost` (its inference per level), q's pay nothing extra."""
+    envelopes = {"tree": None, "chain": (1,) * rs.max_depth}
+    scorers = {"q": (features[:, Q_TOKEN], cost), **{n: (s, dcost) for n, s in scores.items()}}
+    out = {}
+    for name, (s, pay) in scorers.items():
+        for env in GROW_ENVELOPES:
+            res = replay(rs, grow_policy(s, cost, level_widths=envelopes[env]), pay)
+            out[f"grow-{name}-{env}"] = {**res, "oracle_share": oracle_share(res["tokens_per_s"], table)}
+    return out
+
+
 class Replayer:
     """One split's rounds, ready for any number of policies."""
 
@@ -168,10 +190,11 @@ def select_and_report(val: Split, test: Split, val_scores: dict[str, np.ndarray]
         confidence[name] = {**res, "threshold": float(ct), "oracle_share": oracle_share(res["tokens_per_s"], table)}
         confidence[f"{name}-test-tuned"] = {**hindsight,
                                             "oracle_share": oracle_share(hindsight["tokens_per_s"], table)}
+    grow = grow_rows(rt.rs, test.features, test_scores, cost, dcost, table)
     base = table[table["best_fixed"]]["tokens_per_s"]
     return {
         "val": chosen_val,
-        "test": {**table, **confidence, **policies},
+        "test": {**table, **confidence, **policies, **grow},
         "chosen": {"rule": chosen_val[best_key]["rule"], "threshold": chosen_val[best_key]["threshold"],
                    # every rule's and the confidence baselines' val choice travel with the checkpoint
                    "thresholds": {r: chosen_val[f"decider-{r}"]["threshold"] for r in rules},
@@ -185,7 +208,14 @@ def select_and_report(val: Split, test: Split, val_scores: dict[str, np.ndarray]
                    "test_speedup_vs_best_fixed_shape": (policies[best_key]["tokens_per_s"]
                                                         / table["best_fixed_shape"]["tokens_per_s"]),
                    "test_speedup_vs_confidence_tree": (policies[best_key]["tokens_per_s"]
-                                                       / confidence["confidence-tree"]["tokens_per_s"])},
+                                                       / confidence["confidence-tree"]["tokens_per_s"]),
+                   # the grow rule has no threshold: replayed on test as the engine runs it
+                   "grow": {env: {"decider_tokens_per_s": grow[f"grow-decider-{env}"]["tokens_per_s"],
+                                  "q_tokens_per_s": grow[f"grow-q-{env}"]["tokens_per_s"],
+                                  "decider_vs_q": (grow[f"grow-decider-{env}"]["tokens_per_s"]
+                                                   / grow[f"grow-q-{env}"]["tokens_per_s"]),
+                                  "decider_oracle_share": grow[f"grow-decider-{env}"]["oracle_share"]}
+                            for env in GROW_ENVELOPES}},
         "decider_ms_per_level": decider_ms,
         "val_rounds": len(rv.rs), "test_rounds": len(rt.rs),
     }
