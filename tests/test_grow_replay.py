@@ -27,6 +27,17 @@ def test_a_free_tree_keeps_every_node_worth_something():
     assert grow_kept(rs, np.full(6, 0.9), FLAT, max_nodes=3).sum() == 3
 
 
+def test_sampled_levels_are_sized_by_the_candidates_then_valued_by_the_draws():
+    # the engine sizes a level from its top-k candidates' scores (count_scores), then draws and
+    # values what it drew (scores): both roots are drawn; root 0's draw is worth nothing, so
+    # only root 1's chain goes deeper
+    rs = ReplaySet(table([(FORK, {1, 3})]))
+    drawn = np.array([0.0, 0.9, 0.9, 0.9, 0.9, 0.9])
+    kept = grow_kept(rs, drawn, FLAT, count_scores=np.full(6, 0.9))
+    assert kept.tolist() == [True, True, False, True, False, True]
+    assert not grow_kept(rs, np.full(6, 0.9), FLAT, count_scores=np.zeros(6)).any()
+
+
 def test_steep_cost_takes_one_node_then_stops():
     # rate with no tree 1 / 10 ms; node 0 (0.6) gives 1.6 / 12; adding node 1 (0.3 after the
     # sibling cap) 1.9 / 20: the level takes one. The next level (0.6 x 0.5 = 0.3 more for

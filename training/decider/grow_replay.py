@@ -10,7 +10,8 @@ Exact for greedy traces when the engine grows within the traces' own tree: strat
 (or `sd`) with the traces' k-config as the envelope (GrowPolicy.level_widths), e.g.
 `--strategy mcsd --k-config 4,1,1,1,1,1,1,1` for W4 D8 fork traces. Under greedy the drafted
 children of a node are its q's top tokens in order, so the grown tree's nodes are recorded rows
-with the same features. Under sampling the engine draws a different sample; the replay is then
+with the same features. Under sampling the engine sizes a level from its top-k candidates and
+then draws a different sample: pass the candidates' scores as `count_scores`; the replay is then
 an estimate. The engine's `ti-mcsd` grow may also give a deeper node 2-4 children, which a fork
 trace does not hold: replayed in its envelope, it is an estimate of that row too.
 """
@@ -37,12 +38,15 @@ class _Children:
 
 
 def grow_kept(rs: ReplaySet, scores: np.ndarray, cost, max_nodes: int = 64,
-              level_widths: tuple[int, ...] | None = None) -> np.ndarray:
+              level_widths: tuple[int, ...] | None = None, count_scores: np.ndarray | None = None) -> np.ndarray:
     """[rows] bool: the nodes the grow rule drafts in each recorded round. `scores` is the
     per-row acceptance estimate (the engine's scorer on that node); `cost` the decision's cost
     model (the one the engine reads: a CostCurve or replay.CostModel); `level_widths` caps the
-    children per node at each depth (None: whatever the trace drafted)."""
+    children per node at each depth (None: whatever the trace drafted). `count_scores`: what
+    the engine scored when it sized a row's level, before drawing it (under sampling the top-k
+    candidates, not the recorded draw; default `scores`, exact for greedy traces)."""
     scores = np.asarray(scores, np.float64)
+    count_scores = scores if count_scores is None else np.asarray(count_scores, np.float64)
     ch = _Children(rs, rs.branch)
     kept = np.zeros(len(rs.depth), bool)
     room_cap = min(max_nodes, MAX_TREE_NODES)
@@ -61,20 +65,23 @@ def grow_kept(rs: ReplaySet, scores: np.ndarray, cost, max_nodes: int = 64,
                 parent_of += [r] * len(rows[:width])
             if not cand:
                 break
-            vals = child_values([value[p] for p in frontier], parent_of, rs.valid[cand].tolist(), scores[cand])
+            pv = [value[p] for p in frontier]
+            vals = child_values(pv, parent_of, rs.valid[cand].tolist(), count_scores[cand])
             order = candidate_order(vals, parent_of, rs.branch[cand].tolist())
             feeds += cost.policy_ms
             k = best_count([vals[i] for i in order], E, N, feeds, cost, room_cap - N)
             if k == 0:
                 break
-            chosen = sorted(order[:k])  # the engine draws every parent's top children, in order
-            drawn = [cand[i] for i in chosen]
+            counts = np.bincount([parent_of[i] for i in order[:k]], minlength=len(frontier))
+            # the engine draws every parent's first counts[parent] children
+            drawn_at = [i for i, c in enumerate(cand) if rs.branch[c] < counts[parent_of[i]]]
+            drawn = [cand[i] for i in drawn_at]
             kept[drawn] = True
-            N += k
-            for i in chosen:
-                value[cand[i]] = vals[i]
-            E += sum(vals[i] for i in chosen)
-            guess = sorted((vals[i] * scores[cand[i]] for i in chosen), reverse=True)
+            N += len(drawn)
+            dvals = child_values(pv, [parent_of[i] for i in drawn_at], rs.valid[drawn].tolist(), scores[drawn])
+            value.update(zip(drawn, dvals))
+            E += sum(dvals)
+            guess = sorted((v * scores[c] for c, v in zip(drawn, dvals)), reverse=True)
             next_feeds = feeds + float(cost.draft(max(len(drawn), 1)))
             if not worth_a_level(guess, E, N, feeds, next_feeds, cost, max_nodes - N):
                 break
@@ -84,6 +91,6 @@ def grow_kept(rs: ReplaySet, scores: np.ndarray, cost, max_nodes: int = 64,
     return kept
 
 
-def grow_policy(scores: np.ndarray, cost, max_nodes: int = 64, level_widths=None):
+def grow_policy(scores: np.ndarray, cost, max_nodes: int = 64, level_widths=None, count_scores=None):
     """The grow rule as a replay policy (ReplaySet -> kept mask), like replay.fixed et al."""
-    return lambda rs: grow_kept(rs, scores, cost, max_nodes, level_widths)
+    return lambda rs: grow_kept(rs, scores, cost, max_nodes, level_widths, count_scores)
