@@ -77,6 +77,7 @@ class DeciderNet(nn.Module):
     def __init__(self, cfg: DeciderConfig):
         super().__init__()
         self.kind = cfg.kind
+        self.num_features = cfg.num_features  # the first columns of node_features (its schema's)
         n_in = {"mlp11": 1 + F.TOP_K, "hidden": cfg.hidden_size,
                 "hybrid": cfg.num_features + cfg.hidden_size}.get(cfg.kind, cfg.num_features)
         layers = {
@@ -95,8 +96,9 @@ class DeciderNet(nn.Module):
         if uses_hidden(self.kind):
             if hidden is None:
                 raise ValueError(f"the {self.kind} decider needs draft hidden states")
+            feats = feats[..., :self.num_features]
             return hidden.float() if self.kind == "hidden" else torch.cat([feats, hidden.float()], -1)
-        return feats[..., F.PAPER_FEATURES] if self.kind == "mlp11" else feats
+        return feats[..., F.PAPER_FEATURES] if self.kind == "mlp11" else feats[..., :self.num_features]
 
     def forward(self, feats: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [k] of 'this node will be accepted'."""
@@ -223,9 +225,10 @@ def load_decider(path, target=None, draft=None) -> tuple[DeciderNet, DeciderConf
         cfg = DeciderConfig(**json.loads((d / "config.json").read_text()))
     except (ValueError, TypeError) as e:
         raise ModelError(f"corrupt decider config {d / 'config.json'}: {e}") from None
-    if cfg.feature_schema != F.FEATURE_SCHEMA_VERSION:
-        raise ModelError(f"decider {d} uses feature schema {cfg.feature_schema}, this code computes "
-                         f"schema {F.FEATURE_SCHEMA_VERSION}: retrain it (python -m training.fit)")
+    # a schema only appends columns: an older one is read as the first columns of this one
+    if cfg.feature_schema not in F.SCHEMA_COLUMNS or cfg.num_features != F.SCHEMA_COLUMNS[cfg.feature_schema]:
+        raise ModelError(f"decider {d} uses feature schema {cfg.feature_schema} ({cfg.num_features} features), "
+                         f"this code computes schema {F.FEATURE_SCHEMA_VERSION}: retrain it (python -m training.fit)")
     for role, model in (("target", target), ("draft", draft)):
         want = cfg.model_pair.get(role)
         if model is not None and want is not None and stale_fingerprint(want):

@@ -120,15 +120,12 @@ class FeatureCache:
 class FeatureProposer(TreeProposer):
     """TreeProposer whose draft is a FeatureDraft reading `target`'s hidden states."""
 
+    cache_for = staticmethod(lambda draft: FeatureCache(draft))
+
     def __init__(self, draft: FeatureDraft, target, layout: TreeLayout, sampling: SamplingConfig,
                  replacement: bool = False, roots_from_target: bool = False):
-        self.model = FeatureCache(draft)
+        super().__init__(draft, layout, sampling, replacement, roots_from_target)
         self.target = target
-        self.layout = layout
-        self.sampling = sampling
-        self.replacement = replacement
-        self.roots_from_target = roots_from_target
-        self._layouts: dict[tuple[int, ...], TreeLayout] = {}
         n_layers = len(target.model.layers)
         if n_layers != draft.config.target_num_layers:
             raise ValueError(f"feature draft expects a {draft.config.target_num_layers}-layer target, "

@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import torch
 
+from .context import NGRAMS
 from .stopping import DraftLevel
 
-FEATURE_SCHEMA_VERSION = 1
+FEATURE_SCHEMA_VERSION = 2
 TOP_K = 10
 FEATURE_NAMES = (
     ["q_entropy"] + [f"q_top{i + 1}" for i in range(TOP_K)]  # the paper's 11 features
     + ["q_token", "token_rank", "depth", "branch", "path_logq", "log_position"]
+    + [f"ngram{n}" for n in NGRAMS] + ["in_context"]  # schema 2: what the text so far says
 )
+SCHEMA_COLUMNS = {1: 17, 2: len(FEATURE_NAMES)}
+"""Columns of each schema: every schema appends to the one before, so a decider trained on an
+older schema reads the first SCHEMA_COLUMNS[its schema] columns of this one."""
 PAPER_FEATURES = slice(0, 1 + TOP_K)
 NUM_FEATURES = len(FEATURE_NAMES)
 # named groups of columns, for the fit's ablation (which features carry signal)
@@ -25,6 +30,8 @@ FEATURE_GROUPS = {
     "paper: entropy + top-10 of the parent's q": list(range(PAPER_FEATURES.start, PAPER_FEATURES.stop)),
     **{name: [FEATURE_NAMES.index(name)] for name in ("q_token", "token_rank", "path_logq", "log_position")},
     "tree position: depth, branch": [FEATURE_NAMES.index("depth"), FEATURE_NAMES.index("branch")],
+    "context: n-gram lookups, token seen": [FEATURE_NAMES.index(f"ngram{n}") for n in NGRAMS]
+                                            + [FEATURE_NAMES.index("in_context")],
 }
 
 
@@ -56,7 +63,15 @@ def node_features(level: DraftLevel) -> torch.Tensor:
         level.path_logq.float().to(dev),
         torch.full((k,), float(torch.log1p(torch.tensor(float(level.position), device="cpu"))), device=dev),
     ], dim=-1)
-    return torch.cat([per_parent, per_node], dim=-1)
+    return torch.cat([per_parent, per_node, context_features(level, dev)], dim=-1)
+
+
+def context_features(level: DraftLevel, dev) -> torch.Tensor:
+    """[k, 4] decoding.context's columns as the level's drafting saw them (zeros for a level
+    built by hand, as in unit tests), on `dev`."""
+    if level.context is None or level.prefixes is None:
+        return torch.zeros(len(level.nodes), len(NGRAMS) + 1, device=dev)
+    return level.context.features(level.prefixes, level.tokens).to(dev)
 
 
 def node_hidden(level: DraftLevel) -> torch.Tensor | None:

@@ -173,6 +173,7 @@ def candidate_level(fr: Frontier, width: int) -> DraftLevel:
         parent_nodes=[fr.nodes[r] for r in parent_of], branch=[b for _ in range(P) for b in range(w)],
         path_logq=base + torch.log(q_tok.float().clamp_min(1e-30)),
         parent_hidden=fr.hidden, position=fr.position,
+        prefixes=None if fr.paths is None else [fr.paths[r] for r in parent_of], context=fr.context,
     )
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import CachedModel
+from .context import ContextIndex, Snapshot
 from .sampling import SamplingConfig, draw_candidates, warp
 from .stopping import DraftLevel, Frontier, StopPolicy
 from .tree import ANCHOR, TreeLayout
@@ -53,12 +54,19 @@ class TreeProposer:
 
     def __init__(self, draft, layout: TreeLayout, sampling: SamplingConfig,
                  replacement: bool = False, roots_from_target: bool = False):
-        self.model = CachedModel(draft)
+        self.model = self.cache_for(draft)
         self.layout = layout
         self.sampling = sampling
         self.replacement = replacement
         self.roots_from_target = roots_from_target
         self._layouts: dict[tuple[int, ...], TreeLayout] = {}
+        self.context = ContextIndex()
+        self._snapshot: Snapshot | None = None
+
+    @staticmethod
+    def cache_for(draft):
+        """The draft's incremental cache (a feature head has its own)."""
+        return CachedModel(draft)
 
     def reset(self) -> None:
         self.model.reset()
@@ -67,6 +75,8 @@ class TreeProposer:
                 hidden: bool = False) -> DraftTree:
         tree = DraftTree(TreeLayout(()), [], [])
         grow = _Growth()
+        self.context = self.context.sync(committed)
+        self._snapshot = Snapshot(self.context, len(committed))
         frontier = [ANCHOR]  # nodes whose children are drafted next
         if self.roots_from_target:
             self._fill_level(tree, grow, {ANCHOR: anchor_p}, generator)
@@ -109,7 +119,8 @@ class TreeProposer:
             q=torch.stack([tree.q[p] for p in frontier]),
             path_logq=[0.0 if p == ANCHOR else grow.logq[p] for p in frontier],
             valid=[p == ANCHOR or tree.valid[p] for p in frontier], size=tree.size,
-            hidden=None if h is None else h[[row[p] for p in frontier]], position=position)
+            hidden=None if h is None else h[[row[p] for p in frontier]], position=position,
+            paths=[grow.path(p) for p in frontier], context=self._snapshot)
 
     def _fill_level(self, tree: DraftTree, grow: _Growth, dists: dict, generator, counts=None) -> DraftLevel:
         """Draw the children of every parent in `dists`: as many as the full layout gives it,
@@ -127,7 +138,7 @@ class TreeProposer:
                 tree.tokens.append(t)
                 tree.valid.append(v and parent_ok)
                 grow.add(kid, par, (0.0 if par == ANCHOR else grow.logq[par]) + float(torch.log(q[t].clamp_min(1e-30))),
-                         1 if par == ANCHOR else grow.depth[par] + 1)
+                         1 if par == ANCHOR else grow.depth[par] + 1, t)
                 parent_of.append(row)
                 branch.append(b)
         tree.layout = self._layout(grow)
@@ -138,6 +149,7 @@ class TreeProposer:
             q_token=parent_q[parent_of, toks], parent_q=parent_q, parent_of=parent_of,
             parent_nodes=[grow.parents[n] for n in nodes], branch=branch,
             path_logq=torch.tensor([grow.logq[n] for n in nodes], device=parent_q.device),
+            prefixes=[grow.path(grow.parents[n]) for n in nodes], context=self._snapshot,
         )
 
     def _layout(self, grow: _Growth) -> TreeLayout:
@@ -164,11 +176,17 @@ class _Growth:
     parents: list[int] = field(default_factory=list)
     logq: list[float] = field(default_factory=list)
     depth: list[int] = field(default_factory=list)
+    paths: list[tuple[int, ...]] = field(default_factory=list)
     free: bool = False
 
-    def add(self, full_id: int, parent: int, logq: float, depth: int) -> None:
+    def add(self, full_id: int, parent: int, logq: float, depth: int, token: int) -> None:
         self.full.append(full_id)
         self.parents.append(parent)
         self.logq.append(logq)
         self.depth.append(depth)
+        self.paths.append(self.path(parent) + (token,))
         self.free = self.free or full_id == FREE
+
+    def path(self, node: int) -> tuple[int, ...]:
+        """Tokens from the anchor's child down to `node` (() for the anchor)."""
+        return () if node == ANCHOR else self.paths[node]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .context import Snapshot
 from .options import CONFIDENCE_RULES, GROW, check_threshold  # noqa: F401 (re-exported)
 
 
@@ -44,6 +45,10 @@ class DraftLevel:
     """[P, H] draft last-layer hidden state at each parent (when a policy asks for it)."""
     position: int = 0
     """Number of tokens generated so far in this request."""
+    prefixes: list[tuple[int, ...]] | None = None
+    """[k] each node's ancestors' tokens, anchor side first (for decoding.context)."""
+    context: Snapshot | None = None
+    """The committed text as this level saw it (decoding.context; None: no context columns)."""
 
 
 @dataclass
@@ -64,6 +69,9 @@ class Frontier:
     hidden: torch.Tensor | None = None
     """[P, H] draft hidden state at each parent (when a policy asks for it)."""
     position: int = 0
+    paths: list[tuple[int, ...]] | None = None
+    """[P] tokens from the anchor's first child down to each parent (() for the anchor)."""
+    context: Snapshot | None = None
 
 
 class StopPolicy:

@@ -15,6 +15,7 @@ import yaml
 from synth_traces import PAIR, write_traces
 
 from decoding import decider as D
+from decoding.features import NUM_FEATURES
 from training import fit
 from training.decider import registry
 from training.decider.datamodule import TraceDataModule, prompt_split
@@ -180,7 +181,7 @@ def test_balancing_is_undone_at_export():
         label, balance, hidden_size = "hard", "pos_weight", 0
 
         def train_inputs(self):
-            return torch.randn(100, 17), None
+            return torch.randn(100, NUM_FEATURES), None
 
         def prior_ratio(self):
             return 3.0

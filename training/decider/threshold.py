@@ -113,7 +113,7 @@ def policy_ms(net, vocab: int, width: int, repeats: int = 50) -> float:
     from decoding.stopping import DraftLevel
 
     q = torch.softmax(torch.randn(width, vocab), -1)
-    hid = net.mean.numel() - (F.NUM_FEATURES if net.kind == "hybrid" else 0)
+    hid = net.mean.numel() - (net.num_features if net.kind == "hybrid" else 0)
     h = torch.randn(width, hid) if uses_hidden(net.kind) else None
     level = DraftLevel(depth=2, nodes=list(range(width)), tokens=[0] * width, valid=[True] * width,
                        q_token=q[:, 0], parent_q=q, parent_of=list(range(width)),
