@@ -156,21 +156,35 @@ def sharp_pair():
     return target, noisy_copy(target, 0.005)
 
 
-def grow_engine(target, draft, sampling, scorer="q", width=3, depth=4, max_nodes=24):
-    cfg = StrategyConfig(strategy="ti-mcsd", width=width, depth=depth, stop="confidence",
-                         confidence_rule="grow", max_nodes=max_nodes)
+def grow_engine(target, draft, sampling, scorer="q", width=3, depth=4, max_nodes=24, envelope=None):
+    """envelope: a k-config the tree grows within (strategy mcsd), else ti-mcsd's any-node width."""
+    if envelope is None:
+        cfg = StrategyConfig(strategy="ti-mcsd", width=width, depth=depth, stop="confidence",
+                             confidence_rule="grow", max_nodes=max_nodes)
+    else:
+        cfg = StrategyConfig(strategy="mcsd", k_config=",".join(map(str, envelope)), stop="confidence",
+                             confidence_rule="grow", max_nodes=max_nodes)
     score = q_scores if scorer == "q" else random_decider("tree", 0.0, cut=0.3).scores
-    pol = GrowPolicy(score, CPU_LIKE, max_width=width, max_nodes=max_nodes, label=scorer)
+    pol = GrowPolicy(score, CPU_LIKE, max_width=width if envelope is None else max(envelope),
+                     max_nodes=max_nodes, label=scorer, level_widths=envelope)
     return build_engine(target, draft, cfg, sampling, stop=pol)
 
 
-@pytest.mark.parametrize("scorer", ["q", "decider"])
-def test_grow_greedy_equals_ar_and_varies_the_tree(sharp_pair, scorer):
+@pytest.mark.parametrize("scorer,envelope", [("q", None), ("decider", None), ("q", (3, 2, 1, 1)),
+                                             ("decider", (3, 1, 1, 1))])
+def test_grow_greedy_equals_ar_and_varies_the_tree(sharp_pair, scorer, envelope):
     target, draft = sharp_pair
     greedy = SamplingConfig()
     ar = build_engine(target, None, StrategyConfig(strategy="ar"), greedy)
-    eng = grow_engine(target, draft, greedy, scorer)
-    sizes, depths = Counter(), Counter()
+    eng = grow_engine(target, draft, greedy, scorer, envelope=envelope)
+    sizes, depths, widest = Counter(), Counter(), Counter()
+
+    def watch(tree, *_):  # most children of any node at each depth (0 = the anchor)
+        for i, kids in enumerate(tree.layout.children):
+            d = 0 if i == 0 else tree.layout.depths[i - 1]
+            widest[d] = max(widest[d], len(kids))
+
+    eng.observer = watch
     for prompt in ([1, 2, 3], [5, 9], [7, 7, 7, 1]):
         want, _ = ar.generate(prompt, 40)
         got, stats = eng.generate(prompt, 40)
@@ -179,6 +193,8 @@ def test_grow_greedy_equals_ar_and_varies_the_tree(sharp_pair, scorer):
         sizes.update(stats.tree_sizes)
         depths.update(stats.drafted_depths)
     assert len(sizes) >= 3 and len(depths) >= 2, (sizes, depths)
+    if envelope is not None:  # the k-config caps every node's children at its depth
+        assert all(widest[d] <= envelope[d] for d in widest if d < len(envelope)), (widest, envelope)
 
 
 def test_grow_gives_nodes_different_child_counts(sharp_pair):
@@ -198,8 +214,8 @@ def test_grow_runs_through_session_config(pair):
         build_engine(*pair, cfg, SamplingConfig())  # no cost model without a Session / decider
 
 
-@pytest.mark.parametrize("scorer", ["q", "decider"])
-def test_grow_sampling_is_exact_while_shapes_vary(scorer):
+@pytest.mark.parametrize("scorer,envelope", [("q", None), ("decider", None), ("q", (3, 2, 1))])
+def test_grow_sampling_is_exact_while_shapes_vary(scorer, envelope):
     """Continuations under grow follow the target's exact distribution (chi-square over a tiny
     vocabulary), with the policy really choosing different trees and child counts."""
     from test_sampling_exact import LENGTH, PROMPT, SAMPLES, VOCAB, chi2_pvalue, exact_distribution
@@ -208,7 +224,7 @@ def test_grow_sampling_is_exact_while_shapes_vary(scorer):
     target = tiny_llama(0, vocab=VOCAB, layers=1, hidden=16, scale=10)
     draft = tiny_llama(1, vocab=VOCAB, layers=1, hidden=16, scale=10)
     sampling = SamplingConfig(temperature=1.0)
-    eng = grow_engine(target, draft, sampling, scorer, width=3, depth=3, max_nodes=12)
+    eng = grow_engine(target, draft, sampling, scorer, width=3, depth=3, max_nodes=12, envelope=envelope)
     eng.stop.cost = CostCurve([1, 3, 6, 12], [10.0, 10.5, 11.5, 14.0], [0.5] * 4)  # varied trees here
     counts, sizes, kids = Counter(), Counter(), Counter()
     eng.observer = lambda tree, *_: kids.update(len(c) for c in tree.layout.children)

@@ -86,8 +86,7 @@ def ceiling(cfg: CeilingConfig) -> dict:
     if dconf.get("model_pair") != manifest.get("model_pair"):
         raise ValueError(f"decider {ddir} was trained for another model pair than {cfg.traces}")
     cm = dconf["cost_model"]
-    cost = CostModel(**{k: cm[k] for k in ("sizes", "target_ms", "draft_ms", "overhead_ms", "policy_ms")},
-                     unit=cm.get("unit", "nodes"))
+    cost = CostModel(**cm)  # the fit stores asdict(CostModel); a curve without a unit reads as nodes
     rs = ReplaySet(table)
     feats = np.stack(table.column("features").to_numpy(zero_copy_only=False)).astype(np.float64)
     q = feats[:, Q_TOKEN]
