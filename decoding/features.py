@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from .context import NGRAMS
+from .context import CONTEXT_NAMES, SCHEMA_CONTEXT
 from .stopping import DraftLevel
 
-FEATURE_SCHEMA_VERSION = 2
+FEATURE_SCHEMA_VERSION = 3
 TOP_K = 10
 FEATURE_NAMES = (
     ["q_entropy"] + [f"q_top{i + 1}" for i in range(TOP_K)]  # the paper's 11 features
     + ["q_token", "token_rank", "depth", "branch", "path_logq", "log_position"]
-    + [f"ngram{n}" for n in NGRAMS] + ["in_context"]  # schema 2: what the text so far says
+    + list(CONTEXT_NAMES)  # schemas 2 and 3: what the text so far says (decoding.context)
 )
-SCHEMA_COLUMNS = {1: 17, 2: len(FEATURE_NAMES)}
+SCHEMA_COLUMNS = {v: 17 + n for v, n in SCHEMA_CONTEXT.items()}
 """Columns of each schema: every schema appends to the one before, so a decider trained on an
 older schema reads the first SCHEMA_COLUMNS[its schema] columns of this one."""
 PAPER_FEATURES = slice(0, 1 + TOP_K)
@@ -30,8 +30,9 @@ FEATURE_GROUPS = {
     "paper: entropy + top-10 of the parent's q": list(range(PAPER_FEATURES.start, PAPER_FEATURES.stop)),
     **{name: [FEATURE_NAMES.index(name)] for name in ("q_token", "token_rank", "path_logq", "log_position")},
     "tree position: depth, branch": [FEATURE_NAMES.index("depth"), FEATURE_NAMES.index("branch")],
-    "context: n-gram lookups, token seen": [FEATURE_NAMES.index(f"ngram{n}") for n in NGRAMS]
-                                            + [FEATURE_NAMES.index("in_context")],
+    "context: n-gram lookups, token seen": [FEATURE_NAMES.index(n) for n in CONTEXT_NAMES[:SCHEMA_CONTEXT[2]]],
+    "context+: match lengths, continuation shares, counts":
+        [FEATURE_NAMES.index(n) for n in CONTEXT_NAMES[SCHEMA_CONTEXT[2]:]],
 }
 
 
@@ -39,8 +40,9 @@ def node_features(level: DraftLevel) -> torch.Tensor:
     """[k, NUM_FEATURES] float32 features for the k nodes of one drafted level."""
     q = level.parent_q.float()
     dev = q.device  # every tensor made here goes where the draft's q lives (cpu or cuda)
-    entropy = -(q * torch.log(q.clamp_min(1e-30))).sum(-1, keepdim=True)
-    top = q.topk(min(TOP_K, q.shape[-1]), dim=-1).values
+    entropy = -(q * torch.log(q.clamp_min(1e-30))).sum(-1, keepdim=True)  # vectorised (entr is not: 8x slower)
+    top = level.parent_top[:, :TOP_K].float() if level.parent_top is not None \
+        else q.topk(min(TOP_K, q.shape[-1]), dim=-1).values
     if top.shape[-1] < TOP_K:  # tiny vocabularies (tests)
         top = torch.nn.functional.pad(top, (0, TOP_K - top.shape[-1]))
     per_parent = torch.cat([entropy, top], dim=-1)[level.parent_of]
@@ -67,10 +69,10 @@ def node_features(level: DraftLevel) -> torch.Tensor:
 
 
 def context_features(level: DraftLevel, dev) -> torch.Tensor:
-    """[k, 4] decoding.context's columns as the level's drafting saw them (zeros for a level
+    """[k, len(CONTEXT_NAMES)] decoding.context's columns as the level's drafting saw them (zeros for a level
     built by hand, as in unit tests), on `dev`."""
     if level.context is None or level.prefixes is None:
-        return torch.zeros(len(level.nodes), len(NGRAMS) + 1, device=dev)
+        return torch.zeros(len(level.nodes), len(CONTEXT_NAMES), device=dev)
     return level.context.features(level.prefixes, level.tokens).to(dev)
 
 
