@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .features import TOP_K
 from .stopping import DraftLevel, Frontier, StopPolicy
 from .tree import MAX_TREE_NODES
 
@@ -157,23 +158,26 @@ def measure_cost(target, draft, sizes=COST_SIZES, repeats: int = 3) -> CostCurve
     return CostCurve(sizes, time_forwards(target, sizes, repeats), time_forwards(draft, sizes, repeats), unit=TOKENS)
 
 
-def candidate_level(fr: Frontier, width: int) -> DraftLevel:
+def candidate_level(fr: Frontier, width: int, features: bool = True) -> DraftLevel:
     """The top-`width` tokens of every frontier node's q as a hypothetical level (what greedy
-    would draw), so decider features are computed by the one feature module."""
+    would draw), so decider features are computed by the one feature module (`features`: take
+    the features' top-10 in the same pass)."""
     w = min(width, fr.q.shape[-1])
-    top = fr.q.topk(w, dim=-1)
+    top = fr.q.topk(min(max(w, TOP_K if features else 0), fr.q.shape[-1]), dim=-1)
+    q_top, top = top.values, (top.values[:, :w], top.indices[:, :w])
     P = len(fr.nodes)
     parent_of = [r for r in range(P) for _ in range(w)]
-    q_tok = top.values.reshape(-1)
+    q_tok = top[0].reshape(-1)
     base = torch.tensor(fr.path_logq, dtype=torch.float32, device=q_tok.device)[parent_of]
     return DraftLevel(
-        depth=fr.depth, nodes=list(range(P * w)), tokens=top.indices.reshape(-1).tolist(),
+        depth=fr.depth, nodes=list(range(P * w)), tokens=top[1].reshape(-1).tolist(),
         valid=[fr.valid[r] and bool(q_tok[i] > 0) for i, r in enumerate(parent_of)],
         q_token=q_tok, parent_q=fr.q, parent_of=parent_of,
         parent_nodes=[fr.nodes[r] for r in parent_of], branch=[b for _ in range(P) for b in range(w)],
         path_logq=base + torch.log(q_tok.float().clamp_min(1e-30)),
         parent_hidden=fr.hidden, position=fr.position,
         prefixes=None if fr.paths is None else [fr.paths[r] for r in parent_of], context=fr.context,
+        parent_top=q_top,
     )
 
 
@@ -286,7 +290,7 @@ class GrowPolicy(StopPolicy):
             width = min(width, self.level_widths[fr.depth - 1] if fr.depth <= len(self.level_widths) else 0)
         if width < 1:
             return [0] * len(fr.nodes)
-        cand = candidate_level(fr, width)
+        cand = candidate_level(fr, width, features=self.label != "q")
         scores = self.scorer(cand)
         st["seen"] = {(p, t, b): float(x) for p, t, b, x in
                       zip(cand.parent_nodes, cand.tokens, cand.branch, scores.tolist())}

@@ -49,6 +49,9 @@ class DraftLevel:
     """[k] each node's ancestors' tokens, anchor side first (for decoding.context)."""
     context: Snapshot | None = None
     """The committed text as this level saw it (decoding.context; None: no context columns)."""
+    parent_top: torch.Tensor | None = None
+    """[P, >= 10] each parent's largest q values, descending, where the level's maker already
+    took them (decoding.growth's candidates): the features reuse them instead of a second top-k."""
 
 
 @dataclass

@@ -75,6 +75,21 @@ def test_candidate_level_is_what_greedy_would_draw():
     assert candidate_level(fr, 4).valid == [True, True, True, False]  # a token without mass
 
 
+def test_candidate_features_reuse_the_candidates_top_k_exactly():
+    """The candidates' top-k comes with the features' top-10: the features equal those of the
+    same level drawn by the proposer (parent_top unset), which is what the traces record."""
+    from dataclasses import replace
+
+    from decoding.features import node_features
+
+    g = torch.Generator().manual_seed(0)
+    for vocab, width in ((64, 3), (6, 4)):  # a vocabulary below the top-10 is padded alike
+        q = torch.softmax(3 * torch.randn(2, vocab, generator=g), -1)
+        lv = candidate_level(frontier(q.tolist(), depth=2, nodes=[3, 5]), width)
+        assert lv.parent_top is not None
+        assert torch.equal(node_features(lv), node_features(replace(lv, parent_top=None)))
+
+
 def test_child_values_never_exceed_the_parent():
     # one parent worth 0.5; scores 0.9, 0.8, 0.1: siblings can share at most 0.5 in total
     lv = candidate_level(frontier([[0.5, 0.3, 0.2]], depth=2, nodes=[7]), 3)
