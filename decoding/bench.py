@@ -164,6 +164,10 @@ def run_compare(cfg: BenchConfig, command: str) -> dict:
                               "transformers": __import__("transformers").__version__},
                  "config": as_dict(cfg)},
         "conditions": conditions, "oracle": bound, "sweep": sweep}
+    curve = getattr(sess, "_measured_cost", None)  # what the grow_cost: measure rows were priced by
+    if curve is not None:
+        results["meta"]["grow_cost_measured"] = {"sizes": curve.sizes, "target_ms": curve.target_ms,
+                                                 "draft_ms": curve.draft_ms, "unit": curve.unit}
     add_bound_rows(results, cfg)
     results["goals"] = compute_goals(results, cfg)
     results["drafts"] = compare_drafts(results, cfg)

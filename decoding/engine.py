@@ -42,6 +42,10 @@ class SpeculativeEngine:
         self.observer = None
         """Optional callable(tree, target_logits, outcome, position) after each verified round
         (trace collection); with `observer.hidden` set the draft also returns hidden states."""
+        self.commit_limit: int | None = None
+        """Commit at most this many tokens a round (trace collection: 1 starts a round at every
+        position, so a replay can follow any policy's own rounds). The committed text keeps its
+        law: a prefix of a lossless outcome is a lossless draw."""
 
     @property
     def lossless(self) -> bool:
@@ -68,6 +72,9 @@ class SpeculativeEngine:
             out = self._decide(tree, logits, gen)                                      # decide
             if self.observer is not None and tree.size:
                 self.observer(tree, logits, out, len(committed) - n0)
+            if self.commit_limit is not None and len(out.tokens) > self.commit_limit:
+                k = self.commit_limit  # the k-th token stays pending, as a bonus token does
+                out = Outcome(out.path[:k - 1], out.tokens[:k], None)
             self.target.commit(out.path, tree.size)                                    # commit
             if self.proposer and tree.size:
                 self.proposer.commit(tree, out.path)

@@ -161,3 +161,35 @@ def test_token_rank_matches_a_full_count(vocab):
     rank = node_features(level)[:, FEATURE_NAMES.index("token_rank")]
     expect = [(q[p] > q[p, t]).sum().item() for p, t in zip(parent_of, toks)]
     assert rank.tolist() == expect
+
+
+def test_every_position_walk_replays_the_engine_s_own_rounds(tmp_path, session):
+    """Traces with a round at every position hold the same text as a normal run; walking them
+    with the full tree's policy visits exactly the rounds the engine runs with that tree."""
+    from collections import Counter
+
+    from training.decider.replay import fixed
+
+    C.collect(cfg(tmp_path, max_new_tokens=16), session, PROMPTS[:3], progress=False)
+    C.collect(cfg(tmp_path, out=str(tmp_path / "walk"), max_new_tokens=16, every_position=True),
+              session, PROMPTS[:3], progress=False)
+    m, t = load_traces(tmp_path / "walk")
+    assert m["collect"]["every_position"] is True
+    assert not ReplaySet(load_traces(tmp_path / "traces")[1]).walks  # rounds only where a tree left off
+    rs = ReplaySet(t)
+    assert rs.walks
+    engine = build_engine(session.target, session.draft, StrategyConfig(strategy="ti-mcsd", width=3, depth=4),
+                          SamplingConfig())
+    lengths = Counter()
+    for p in PROMPTS[:3]:
+        ids = session.encode(p.text)
+        out, st = engine.generate(ids, 16, seed=C.prompt_seed(0, p.id))
+        lengths += st.accepted_lengths
+        engine.commit_limit = 1  # the same text, one token a round
+        one, st1 = engine.generate(ids, 16, seed=C.prompt_seed(0, p.id))
+        engine.commit_limit = None
+        assert one == out and st1.rounds == len(out) and st.rounds < len(out)
+    kept = fixed(4)(rs)
+    acc = np.bincount(rs.rid[kept & rs.accepted], minlength=rs.rounds)
+    walked = rs.visited(acc)
+    assert Counter(acc[walked].tolist()) == lengths  # round by round, as the engine ran them

@@ -124,3 +124,29 @@ def test_calibrate_measures_forwards_and_bookkeeping_on_a_tiny_pair(pair, tmp_pa
     p = tmp_path / "cost.json"
     p.write_text(json.dumps(asdict(cm)))
     assert load_cost(ReplayConfig(cost_model=str(p)), {}) == cm
+
+
+def test_a_round_at_every_position_is_walked_as_deployment_runs_it():
+    """Chains of 3 at positions 0..5 of one prompt: a policy's next round starts after what its
+    round commits (accepted + 1), so each policy is scored on its own rounds."""
+    chain = (-1, 0, 1)
+    accepted = [{0, 1}, set(), set(), {0}, {0, 1, 2}, set()]  # per position
+    t = table([(chain, a) for a in accepted])
+    # positions from 1: a feature draft's first round reads the prompt only (no tree, no row)
+    t = t.append_column("position", pa.array([r + 1 for r, a in enumerate(accepted) for _ in chain], pa.int32()))
+    rs = ReplaySet(t)
+    assert rs.walks
+    # depth 3: positions 0 (2 accepted) -> 3 (1) -> 5 (0) -> past the text
+    r3 = replay(rs, fixed(3), COST)
+    assert r3["tokens_per_round"] == (3 + 2 + 1) / 3
+    assert r3["tokens_per_s"] == pytest.approx(1000 * 6 / (3 * (3 + 10)))
+    # depth 1: 0 (1) -> 2 (0) -> 3 (1) -> 5 (0)
+    r1 = replay(rs, fixed(1), COST)
+    assert r1["tokens_per_round"] == 6 / 4 and r1["tokens_per_s"] == pytest.approx(1000 * 6 / (4 * 11))
+    # the oracle walks too: 0 (2) -> 3 (1) -> 5 (0, nothing drafted)
+    assert replay(rs, oracle_tree, COST)["mean_nodes"] == pytest.approx((2 + 1 + 0) / 3)
+    # without a round at every position (here: no position 2), every recorded round counts
+    gap = table([(chain, a) for a in accepted[:2] + accepted[3:]])
+    gap = gap.append_column("position", pa.array([r for r in (0, 1, 3, 4, 5) for _ in chain], pa.int32()))
+    assert not ReplaySet(gap).walks
+    assert replay(ReplaySet(gap), fixed(3), COST)["tokens_per_round"] == (5 + 2 + 0 + 1 + 3 + 0) / 5

@@ -54,6 +54,10 @@ class CollectConfig:
     """Wrap each prompt in the tokenizer's chat template (as users of an instruct model do)."""
     hidden: bool = False
     """Also record the draft's last hidden state (float16) for the hidden-state decider."""
+    every_position: bool = False
+    """Start a round at every position (commit one token a round; ~2.5x the work). A replay of
+    such traces follows each policy's own rounds, as deployment runs them, instead of the rounds
+    the full tree happened to leave (training.decider.replay walks them)."""
     shard_size: int = 16
     """Prompts per shard: the most work an interruption can lose."""
     seed: int = 0
@@ -86,6 +90,9 @@ def collect(cfg: CollectConfig, session, prompts, progress: bool = True) -> dict
                 if k in ("strategy", "k_config", "width", "depth", "gamma", "temperature", "top_p",
                          "max_new_tokens", "hidden", "seed")}
     settings["dtype"] = str(next(session.target.parameters()).dtype).removeprefix("torch.")  # auto resolved
+    if cfg.every_position:  # recorded only when set: older trace sets still resume
+        settings["every_position"] = True
+        engine.commit_limit = 1
     identity = {"feature_schema": FEATURE_SCHEMA_VERSION, "feature_names": list(FEATURE_NAMES),
                 "model_pair": {"target": fingerprint(session.target), "draft": fingerprint(session.draft)},
                 "collect": settings}

@@ -168,7 +168,9 @@ def summary_md(run_id: str, metrics: dict) -> str:
         M.markdown_table({k: v if "alone" in v else {"alone": v["roc_auc"]}
                           for k, v in metrics.get("feature_ablation", {}).items()}, ["alone", "without"]),
         ("## Replay (test prompts; thresholds chosen on val; best fixed depth and "
-         "confidence-test-tuned are hindsight choices on test)"),
+         "confidence-test-tuned are hindsight choices on test; "
+         + ("each policy walks its own rounds, the traces having a round at every position)"
+            if metrics["replay"].get("walked") else "every policy is scored on the rounds the recorded tree left)")),
         M.markdown_table(rows, ["tokens_per_s", "tokens_per_round", "mean_depth", "mean_nodes", "threshold",
                                 "oracle_share"]),
         ("## The grow rule (test prompts, no threshold: replayed as the engine grows, in the traces' "

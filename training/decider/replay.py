@@ -138,6 +138,52 @@ class ReplaySet:
         self.chain = self.branch.copy()
         for rows in self._levels[1:]:
             self.chain[rows] = self.chain[self.parent_row[rows]]
+        if "position" in table.column_names:
+            self._walk_table(pid, col("position").astype(np.int64))
+        else:
+            self.at = None
+
+    def _walk_table(self, pid, position) -> None:
+        """`at[prompt, offset]` = the round that starts `offset` tokens after the prompt's first
+        round. Where every prompt has a round at every position from its first on (`collect
+        --every-position`), `run` walks each policy's own rounds: from the first, the next round
+        starts after what this one commits, as deployment runs them (the rounds a recorded full
+        tree left start only after its rejections)."""
+        self.at = None
+        if not self.rounds:
+            return
+        _, prompt = np.unique(pid.astype(str), return_inverse=True)
+        rp, rpos = np.zeros(self.rounds, np.int64), np.zeros(self.rounds, np.int64)
+        rp[self.rid], rpos[self.rid] = prompt, position
+        first = np.full(int(rp.max()) + 1, np.iinfo(np.int64).max)
+        np.minimum.at(first, rp, rpos)
+        rpos -= first[rp]  # a prompt's first round (a feature draft's first reads the prompt only)
+        at = np.full((int(rp.max()) + 1, int(rpos.max()) + 1), -1, np.int64)
+        at[rp, rpos] = np.arange(self.rounds)
+        starts = (at >= 0).sum(1)
+        if ((at >= 0) == (np.arange(at.shape[1])[None] < starts[:, None])).all():  # 0..n-1 each
+            self.at = at
+
+    @property
+    def walks(self) -> bool:
+        """Does `run` follow each policy's own rounds (a round at every position)?"""
+        return self.at is not None
+
+    def visited(self, accepted: np.ndarray) -> np.ndarray:
+        """[rounds] bool: the rounds a policy that accepts `accepted[r]` drafted tokens in round r
+        runs, walking every prompt from its first round (all rounds when the traces cannot walk)."""
+        if self.at is None:
+            return np.ones(self.rounds, bool)
+        seen = np.zeros(self.rounds, bool)
+        cur = np.zeros(len(self.at), np.int64)
+        live = np.flatnonzero(self.at[:, 0] >= 0)
+        while len(live):
+            r = self.at[live, cur[live]]
+            seen[r] = True
+            cur[live] += accepted[r].astype(np.int64) + 1
+            live = live[cur[live] < self.at.shape[1]]
+            live = live[self.at[live, cur[live]] >= 0]
+        return seen
 
     def __len__(self) -> int:
         return self.rounds
@@ -179,9 +225,11 @@ class ReplaySet:
         below_last = np.arange(1, self.max_depth + 1)[None] < levels[:, None]
         draft = cost.draft(1) + (cost.draft(n) * below_last).sum(1)
         ms = draft + cost.target(1 + n.sum(1)) + cost.overhead_ms + levels * cost.policy_ms
-        tokens = self.rounds + (self.accepted & kept).sum()
-        return {"tokens_per_s": float(1000 * tokens / ms.sum()), "tokens_per_round": float(tokens / self.rounds),
-                "mean_depth": float(levels.mean()), "mean_nodes": float(n.sum(1).mean())}
+        acc = np.bincount(self.rid[kept & self.accepted], minlength=self.rounds)
+        v = self.visited(acc)
+        tokens = v.sum() + acc[v].sum()
+        return {"tokens_per_s": float(1000 * tokens / ms[v].sum()), "tokens_per_round": float(tokens / v.sum()),
+                "mean_depth": float(levels[v].mean()), "mean_nodes": float(n.sum(1)[v].mean())}
 
 
 def fixed(d: int, width: int | None = None):

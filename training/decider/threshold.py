@@ -218,4 +218,5 @@ def select_and_report(val: Split, test: Split, val_scores: dict[str, np.ndarray]
                             for env in GROW_ENVELOPES}},
         "decider_ms_per_level": decider_ms,
         "val_rounds": len(rv.rs), "test_rounds": len(rt.rs),
+        "walked": rt.rs.walks and rv.rs.walks,  # each policy's own rounds (a round at every position)
     }
