@@ -1,6 +1,8 @@
 """The grow rule replayed on traces (training.decider.grow_replay): closed-form cases on
 hand-drawn rounds, and the replayed tree equal to the one the engine grows from the same state."""
 
+from dataclasses import replace
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -25,6 +27,26 @@ def test_a_free_tree_keeps_every_node_worth_something():
     # the chain envelope keeps branch 0 only, whatever the scores
     assert grow_kept(rs, np.full(6, 0.9), FLAT, level_widths=(1, 1, 1)).tolist() == [True, False, True, False, True, False]
     assert grow_kept(rs, np.full(6, 0.9), FLAT, max_nodes=3).sum() == 3
+
+
+def test_a_round_pays_the_forward_of_a_level_it_then_leaves_empty():
+    """The grow rule feeds a level before sizing it: where the fed level then draws nothing,
+    the forward was paid all the same (and every decision costs the policy's ms)."""
+    chain = (-1, 0, 1)
+    rs = ReplaySet(table([(chain, {0})]))
+    cost = CostModel(sizes=[1, 64], target_ms=[10.0, 10.0], draft_ms=[1.0, 1.0], overhead_ms=0.0, unit="tokens")
+    scores = np.array([0.9, 0.0, 0.0])  # level 1 looks worth a deeper level; level 2 is worth nothing
+    spent = {}
+    kept = grow_kept(rs, scores, cost, spent=spent)
+    assert kept.tolist() == [True, False, False]
+    # the round's first forward, then the one that fed node 0 for level 2; three decisions (the
+    # round's start, level 1, level 2)
+    assert spent["draft_ms"].tolist() == [2.0] and spent["consults"].tolist() == [3]
+    paid = replace(cost, policy_ms=0.5)
+    r = replay(rs, grow_policy(scores, cost), paid)
+    assert r["tokens_per_s"] == pytest.approx(1000 * 2 / (2.0 + 3 * 0.5 + 10.0))
+    # counted from the kept nodes alone, the empty level's forward and decisions were free
+    assert rs.run(kept, paid)["tokens_per_s"] == pytest.approx(1000 * 2 / (1.0 + 0.5 + 10.0))
 
 
 def test_sampled_levels_are_sized_by_the_candidates_then_valued_by_the_draws():

@@ -38,21 +38,27 @@ class _Children:
 
 
 def grow_kept(rs: ReplaySet, scores: np.ndarray, cost, max_nodes: int = 64,
-              level_widths: tuple[int, ...] | None = None, count_scores: np.ndarray | None = None) -> np.ndarray:
+              level_widths: tuple[int, ...] | None = None, count_scores: np.ndarray | None = None,
+              spent: dict | None = None) -> np.ndarray:
     """[rows] bool: the nodes the grow rule drafts in each recorded round. `scores` is the
     per-row acceptance estimate (the engine's scorer on that node); `cost` the decision's cost
     model (the one the engine reads: a CostCurve or replay.CostModel); `level_widths` caps the
     children per node at each depth (None: whatever the trace drafted). `count_scores`: what
     the engine scored when it sized a row's level, before drawing it (under sampling the top-k
-    candidates, not the recorded draw; default `scores`, exact for greedy traces)."""
+    candidates, not the recorded draw; default `scores`, exact for greedy traces). `spent`, if
+    given, gets what each round really pays before verifying, as the engine does: "draft_ms"
+    (every draft forward fed, the last one included where its level then drew nothing) and
+    "consults" (the policy's decisions; ReplaySet.run prices each at its cost's policy_ms)."""
     scores = np.asarray(scores, np.float64)
     count_scores = scores if count_scores is None else np.asarray(count_scores, np.float64)
     ch = _Children(rs, rs.branch)
     kept = np.zeros(len(rs.depth), bool)
     room_cap = min(max_nodes, MAX_TREE_NODES)
+    draft_ms, consults = np.zeros(rs.rounds), np.zeros(rs.rounds)
     for rnd in range(rs.rounds):
         value, E, N = {-1: 1.0}, 1.0, 0
         feeds = float(cost.draft(2)) + cost.policy_ms
+        draft_ms[rnd], consults[rnd] = float(cost.draft(2)), 1
         frontier, depth = [-1], 1
         while frontier:
             width = level_widths[depth - 1] if level_widths and depth <= len(level_widths) else None
@@ -69,6 +75,7 @@ def grow_kept(rs: ReplaySet, scores: np.ndarray, cost, max_nodes: int = 64,
             vals = child_values(pv, parent_of, rs.valid[cand].tolist(), count_scores[cand])
             order = candidate_order(vals, parent_of, rs.branch[cand].tolist())
             feeds += cost.policy_ms
+            consults[rnd] += 1
             k = best_count([vals[i] for i in order], E, N, feeds, cost, room_cap - N)
             if k == 0:
                 break
@@ -86,11 +93,18 @@ def grow_kept(rs: ReplaySet, scores: np.ndarray, cost, max_nodes: int = 64,
             if not worth_a_level(guess, E, N, feeds, next_feeds, cost, max_nodes - N):
                 break
             feeds = next_feeds
+            draft_ms[rnd] += float(cost.draft(max(len(drawn), 1)))
             frontier = [c for c in drawn if rs.valid[c] and value[c] > 0.0]
             depth += 1
+    if spent is not None:
+        spent.update(draft_ms=draft_ms, consults=consults)
     return kept
 
 
 def grow_policy(scores: np.ndarray, cost, max_nodes: int = 64, level_widths=None, count_scores=None):
-    """The grow rule as a replay policy (ReplaySet -> kept mask), like replay.fixed et al."""
-    return lambda rs: grow_kept(rs, scores, cost, max_nodes, level_widths, count_scores)
+    """The grow rule as a replay policy (ReplaySet -> kept mask and what each round spent
+    drafting), like replay.fixed et al."""
+    def policy(rs):
+        spent = {}
+        return grow_kept(rs, scores, cost, max_nodes, level_widths, count_scores, spent), spent
+    return policy

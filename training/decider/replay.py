@@ -217,14 +217,20 @@ class ReplaySet:
         return root | (~root & extend[np.maximum(self.parent_row, 0)] & self.valid[np.maximum(self.parent_row, 0)])
 
     # --- the replay itself ------------------------------------------------------------------
-    def run(self, kept: np.ndarray, cost: CostModel) -> dict:
+    def run(self, kept: np.ndarray, cost: CostModel, spent: dict | None = None) -> dict:
+        """Replayed rates of drafting `kept`. `spent`: what each round paid before verifying
+        where the policy knows better than the kept nodes say (grow_replay: forwards fed for a
+        level that then drew nothing, decisions about levels not drafted)."""
         n = np.zeros((self.rounds, self.max_depth + 1))
         np.add.at(n, (self.rid[kept], self.depth[kept]), 1)
         n = n[:, 1:]
         levels = (n > 0).sum(1)
-        below_last = np.arange(1, self.max_depth + 1)[None] < levels[:, None]
-        draft = cost.draft(1) + (cost.draft(n) * below_last).sum(1)
-        ms = draft + cost.target(1 + n.sum(1)) + cost.overhead_ms + levels * cost.policy_ms
+        if spent:
+            pre = spent["draft_ms"] + spent["consults"] * cost.policy_ms
+        else:
+            below_last = np.arange(1, self.max_depth + 1)[None] < levels[:, None]
+            pre = cost.draft(1) + (cost.draft(n) * below_last).sum(1) + levels * cost.policy_ms
+        ms = pre + cost.target(1 + n.sum(1)) + cost.overhead_ms
         acc = np.bincount(self.rid[kept & self.accepted], minlength=self.rounds)
         v = self.visited(acc)
         tokens = v.sum() + acc[v].sum()
@@ -276,7 +282,9 @@ def decider_policy(scores: np.ndarray, threshold: float, rule: str):
 
 
 def replay(rs: ReplaySet, policy, cost: CostModel) -> dict:
-    return rs.run(policy(rs), cost)
+    """A policy gives the kept mask, or (kept, spent) where it knows what its rounds paid."""
+    out = policy(rs)
+    return rs.run(out[0], cost, out[1]) if isinstance(out, tuple) else rs.run(out, cost)
 
 
 def sweep(rs: ReplaySet, make_policy, cost: CostModel, grid) -> tuple[float, dict]:
