@@ -119,3 +119,16 @@ def test_continuations_follow_target(models, monkeypatch, name, cfg, sampling, b
     else:
         assert pvalue < LOSSY_BAR, f"{name} should be detected: p={pvalue:.2e}, TV={tv:.4f}"
         print(f"{name}: detected, chi-square p={pvalue:.2e}, TV={tv:.4f}")
+
+
+def test_one_token_a_round_keeps_the_target_s_law(models):
+    """Trace collection's commit_limit (`collect --every-position`) commits only the first token
+    of each lossless outcome: the continuations still follow the target exactly."""
+    target, draft = models
+    engine = build_engine(target, draft, StrategyConfig(strategy="mcsd", k_config="2,2"), T1)
+    engine.commit_limit = 1
+    out, stats = engine.generate(PROMPT, LENGTH, seed=0)
+    assert stats.rounds == len(out) == LENGTH and stats.drafted > 0  # a tree every round, one token kept
+    counts, _, _ = speculative_counts(engine, SAMPLES)
+    pvalue = chi2_pvalue(counts, exact_distribution(target, T1), SAMPLES)
+    assert pvalue > 1e-3, f"p={pvalue:.2e}"
