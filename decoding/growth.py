@@ -162,22 +162,23 @@ def candidate_level(fr: Frontier, width: int, features: bool = True) -> DraftLev
     """The top-`width` tokens of every frontier node's q as a hypothetical level (what greedy
     would draw), so decider features are computed by the one feature module (`features`: take
     the features' top-10 in the same pass)."""
-    w = min(width, fr.q.shape[-1])
-    top = fr.q.topk(min(max(w, TOP_K if features else 0), fr.q.shape[-1]), dim=-1)
-    q_top, top = top.values, (top.values[:, :w], top.indices[:, :w])
+    V = fr.q.shape[-1]
+    w = min(width, V)
+    top = fr.q.topk(min(max(w, TOP_K if features else 0), V), dim=-1)
     P = len(fr.nodes)
     parent_of = [r for r in range(P) for _ in range(w)]
-    q_tok = top[0].reshape(-1)
+    q_tok = top.values[:, :w].reshape(-1)
     base = torch.tensor(fr.path_logq, dtype=torch.float32, device=q_tok.device)[parent_of]
     return DraftLevel(
-        depth=fr.depth, nodes=list(range(P * w)), tokens=top[1].reshape(-1).tolist(),
+        depth=fr.depth, nodes=list(range(P * w)), tokens=top.indices[:, :w].reshape(-1).tolist(),
         valid=[fr.valid[r] and bool(q_tok[i] > 0) for i, r in enumerate(parent_of)],
         q_token=q_tok, parent_q=fr.q, parent_of=parent_of,
         parent_nodes=[fr.nodes[r] for r in parent_of], branch=[b for _ in range(P) for b in range(w)],
         path_logq=base + torch.log(q_tok.float().clamp_min(1e-30)),
         parent_hidden=fr.hidden, position=fr.position,
         prefixes=None if fr.paths is None else [fr.paths[r] for r in parent_of], context=fr.context,
-        parent_top=q_top,
+        # only a full top-10 may stand in for the features' own top-k
+        parent_top=top.values if top.values.shape[-1] >= min(TOP_K, V) else None,
     )
 
 

@@ -88,6 +88,8 @@ def test_candidate_features_reuse_the_candidates_top_k_exactly():
         lv = candidate_level(frontier(q.tolist(), depth=2, nodes=[3, 5]), width)
         assert lv.parent_top is not None
         assert torch.equal(node_features(lv), node_features(replace(lv, parent_top=None)))
+    # a q-only level takes just its top-w: it offers the features no truncated top-10
+    assert candidate_level(frontier(q.tolist(), depth=2, nodes=[3, 5]), 3, features=False).parent_top is None
 
 
 def test_child_values_never_exceed_the_parent():
