@@ -1,42 +1,45 @@
 """decoding.cost_cache: a grown tree's measured cost curve is timed once per machine, pair,
-dtype and thread count, then read back; anything else is a miss, never a stale hit."""
+dtype and thread count, then read back; anything else is a miss, never a stale hit. (The
+spot check that re-times a stale hit is tested with timings made up, not measured: tiny
+models time too noisily for a tolerance.)"""
 
 import json
 
 import torch
 
 from conftest import tiny_llama
-from decoding.cost_cache import cached_cost, cost_key
+from decoding import growth
+from decoding.cost_cache import SPOT_SIZES, cached_cost, cost_key
 
 
 def test_timed_once_then_read_back_and_keyed_on_what_it_depends_on(tmp_path):
     target, draft = tiny_llama(0, vocab=32, layers=2), tiny_llama(1, vocab=32, layers=1)
-    first, how = cached_cost(target, draft, tmp_path)
+    first, how = cached_cost(target, draft, tmp_path, None)
     assert "now" in how and len(list(tmp_path.glob("*.json"))) == 1
-    again, how = cached_cost(target, draft, tmp_path)
+    again, how = cached_cost(target, draft, tmp_path, None)
     assert "earlier" in how and again == first
     stored = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert stored["key"] == cost_key(target, draft) and stored["key"]["dtype"] == "float32"
     # another draft, another dtype or thread count: a new curve, the first one kept
     other = tiny_llama(2, vocab=32, layers=1)
-    assert "now" in cached_cost(target, other, tmp_path)[1]
+    assert "now" in cached_cost(target, other, tmp_path, None)[1]
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
-        assert "now" in cached_cost(target, draft, tmp_path)[1]
+        assert "now" in cached_cost(target, draft, tmp_path, None)[1]
     finally:
         torch.set_num_threads(threads)
-    assert "now" in cached_cost(target.to(torch.bfloat16), draft.to(torch.bfloat16), tmp_path)[1]
+    assert "now" in cached_cost(target.to(torch.bfloat16), draft.to(torch.bfloat16), tmp_path, None)[1]
     assert len(list(tmp_path.glob("*.json"))) == 4
-    assert "earlier" in cached_cost(target.float(), draft.float(), tmp_path)[1]
+    assert "earlier" in cached_cost(target.float(), draft.float(), tmp_path, None)[1]
 
 
 def test_a_corrupt_or_unwritable_cache_only_costs_a_re_timing(tmp_path):
     target, draft = tiny_llama(0, vocab=32, layers=2), tiny_llama(1, vocab=32, layers=1)
-    cached_cost(target, draft, tmp_path)
+    cached_cost(target, draft, tmp_path, None)
     f = next(tmp_path.glob("*.json"))
     f.write_text("{not json")
-    curve, how = cached_cost(target, draft, tmp_path)
+    curve, how = cached_cost(target, draft, tmp_path, None)
     assert "now" in how and json.loads(f.read_text())["curve"]["sizes"] == curve.sizes
     blocked = tmp_path / "file"
     blocked.write_text("")  # a file where the cache directory should be
@@ -47,10 +50,37 @@ def test_a_corrupt_or_unwritable_cache_only_costs_a_re_timing(tmp_path):
 def test_a_curve_stored_in_the_old_unit_is_a_miss(tmp_path):
     """Curves stored before sizes counted new tokens (no unit, 7 sizes) are re-timed, not read."""
     target, draft = tiny_llama(0, vocab=32, layers=2), tiny_llama(1, vocab=32, layers=1)
-    cached_cost(target, draft, tmp_path)
+    cached_cost(target, draft, tmp_path, None)
     f = next(tmp_path.glob("*.json"))
     stored = json.loads(f.read_text())
     assert stored["curve"]["unit"] == "tokens" and stored["key"]["unit"] == "tokens"
     old_key = {k: v for k, v in stored["key"].items() if k not in ("sizes", "unit")}
     f.write_text(json.dumps({"key": old_key, "curve": {k: v for k, v in stored["curve"].items() if k != "unit"}}))
-    assert "now" in cached_cost(target, draft, tmp_path)[1]
+    assert "now" in cached_cost(target, draft, tmp_path, None)[1]
+
+
+def test_a_hit_whose_spot_check_disagrees_is_timed_again(tmp_path, monkeypatch):
+    """A curve stored while the machine was busy (every size 3x today's) is re-timed and
+    overwritten; one within the tolerance is read back."""
+    target, draft = tiny_llama(0, vocab=32, layers=2), tiny_llama(1, vocab=32, layers=1)
+    today = {n: 30.0 + n for n in range(1, 65)}
+    calls = []
+
+    def fake(model, sizes, repeats=3, context=256):
+        calls.append(list(sizes))
+        return [today[n] for n in sizes]
+
+    monkeypatch.setattr(growth, "time_forwards", fake)
+    first, how = cached_cost(target, draft, tmp_path)
+    assert "now" in how and first.target(8) == today[8]
+    f = next(tmp_path.glob("*.json"))
+    stored = json.loads(f.read_text())
+    busy = {**stored, "curve": {**stored["curve"], "target_ms": [3 * x for x in stored["curve"]["target_ms"]]}}
+    f.write_text(json.dumps(busy))
+    calls.clear()
+    again, how = cached_cost(target, draft, tmp_path)
+    assert "now" in how and again.target(8) == today[8] and list(SPOT_SIZES) in calls
+    assert json.loads(f.read_text())["curve"]["target_ms"] == stored["curve"]["target_ms"]
+    today = {n: 1.2 * v for n, v in today.items()}  # 20% slower today: still the same machine
+    kept, how = cached_cost(target, draft, tmp_path)
+    assert "earlier" in how and kept.target(8) == first.target(8)
