@@ -45,7 +45,7 @@ def weight_config(model) -> dict:
     bookkeeping and keys a newer transformers adds do not change it."""
     from .models import PRUNED_HEAD_TYPE, output_token_ids
 
-    from .feature_draft import FeatureDraftConfig
+    from .drafts.feature import FeatureDraftConfig
 
     c = model.config
     if isinstance(c, FeatureDraftConfig):  # a feature (EAGLE-3) head: its own typed config

@@ -127,7 +127,7 @@ def load_model(path, dtype: str = "float32", device: str = "cpu", head_dtype: st
     """
     from transformers import AutoModelForCausalLM
 
-    from .draft_format import OldDraftFormat, head_ids_of, refuse_old_format
+    from .drafts.format import OldDraftFormat, head_ids_of, refuse_old_format
 
     if dtype not in DTYPES or (head_dtype is not None and head_dtype not in DTYPES):
         raise ModelError(f"unknown dtype {dtype!r}/{head_dtype!r}; choose from {', '.join(DTYPES)}")
@@ -290,7 +290,7 @@ from .fingerprint import (  # noqa: E402,F401  (re-exported: callers import them
 # full-width logits row, keeps the engine and check_pair unchanged: tokens outside the head
 # get a very low logit (q = 0 after softmax), so they are never proposed, and verification
 # stays exactly lossless. Stored as a stock LlamaForCausalLM + the kept ids in
-# specstop_draft.json (decoding/draft_format.py); load_model() puts this head back.
+# specstop_draft.json (decoding/drafts/format.py); load_model() puts this head back.
 PRUNED_HEAD_TYPE = "specstop_pruned_llama"
 MASKED_LOGIT = -1.0e4
 """Logit of tokens the pruned head cannot propose: finite (no NaN in p*log q), exp() == 0."""
@@ -353,7 +353,7 @@ class PrunedHeadLlamaForCausalLM(LlamaForCausalLM):
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
         """Always the standard format: stock Llama files + the kept ids in specstop_draft.json
         (transformers' own writer would store the custom config that stock loaders refuse)."""
-        from .draft_format import save_draft_weights, write_head_ids
+        from .drafts.format import save_draft_weights, write_head_ids
 
         out = Path(save_directory)
         write_head_ids(out, save_draft_weights(self, out))

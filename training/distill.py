@@ -78,7 +78,7 @@ def write_draft(model, out: Path, meta: dict, tokenizer_dir: Path, dtype: str = 
     """An HF draft directory (a stock LlamaForCausalLM in 16-bit, the target's tokenizer files,
     our metadata + the kept head ids), written to a temp dir and swapped in: readers see the
     old draft or the new one."""
-    from decoding.draft_format import DRAFT_SCHEMA, dumps_meta, save_draft_weights
+    from decoding.drafts.format import DRAFT_SCHEMA, dumps_meta, save_draft_weights
     from decoding.models import make_shareable
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -115,7 +115,7 @@ def load_module(ckpt: str | os.PathLike) -> DistillModule:
 
 def build_metadata(module: DistillModule, ckpt: str, corpus: str | None, metrics: dict,
                    train_tokens: int | None, extra_corpora: list[str] = ()) -> dict:
-    from decoding.draft_format import DRAFT_SCHEMA
+    from decoding.drafts.format import DRAFT_SCHEMA
     from decoding.models import output_token_ids
 
     def manifest_sha(c: str | None) -> str | None:

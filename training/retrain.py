@@ -44,7 +44,7 @@ from pathlib import Path
 
 
 from decoding.decider import DECIDERS_DIR, load_decider, uses_hidden
-from decoding.feature_io import is_feature_draft
+from decoding.drafts.io import is_feature_draft
 from decoding.models import ModelError, fingerprint, same_model
 
 from .cli import parse_config

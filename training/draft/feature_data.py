@@ -134,7 +134,7 @@ class FeatureDataModule(L.LightningDataModule):
     def fixed_vocab(self):
         """The vocab_from head's target ids (None: the cache chooses them from the corpora)."""
         if self.vocab_from is not None and self._fixed is None:
-            from decoding.feature_io import head_vocab
+            from decoding.drafts.io import head_vocab
 
             self._fixed = head_vocab(self.vocab_from)
         return self._fixed

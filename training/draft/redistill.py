@@ -254,7 +254,7 @@ def load_target(cfg: RedistillConfig, teacher):
 
 
 def run(cfg: RedistillConfig, teacher=None, log=print) -> int:
-    from decoding.feature_io import load_feature_draft
+    from decoding.drafts.io import load_feature_draft
     from decoding.models import ModelError, fingerprint
 
     from .corpus import CorpusConfig, build_corpus

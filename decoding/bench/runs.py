@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .agreement import check_greedy, count_kinds
-from .bench_config import BenchConfig, StrategySpec
-from .bench_stats import RESAMPLES, speedup_ci
-from .feature_io import is_feature_draft
-from .models import ModelError
-from .sampling import SamplingConfig
+from .config import BenchConfig, StrategySpec
+from .stats import RESAMPLES, speedup_ci
+from ..drafts.io import is_feature_draft
+from ..models import ModelError
+from ..sampling import SamplingConfig
 
 
 class MemorySampler:
@@ -269,7 +269,7 @@ def spread(xs: list[float]) -> dict:
 def row_of(spec: StrategySpec, runner, acc: Acc | None, ar: Acc | None, greedy: bool,
            prompts, loglik: LogLik, resamples: int = RESAMPLES, seed: int = 0, dtype: str = "float32") -> dict:
     """The results.json row of one strategy in one condition. `lossless` is measured where it
-    can be: greedy rows are compared with ar prompt by prompt (decoding.agreement), and a row
+    can be: greedy rows are compared with ar prompt by prompt (decoding.bench.agreement), and a row
     with a mismatch is not lossless whatever its configuration says."""
     row = {"name": spec.name, "strategy": spec.strategy, "kind": "hf" if spec.peer else "engine",
            "lossless": spec.mode == "lossless", "configured_lossless": spec.mode == "lossless", "dynamic": not spec.peer and spec.stop != "fixed",

@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .bench_config import OracleConfig
+from .config import OracleConfig
 
 LABEL = "oracle-stop BOUND (replay, not measured)"
 
 
 def _from_metrics(decider) -> dict:
     """The replay the decider's fit stored in its metrics.json (its TEST prompts)."""
-    from .decider import resolve_decider_dir
+    from ..decider import resolve_decider_dir
 
     d = resolve_decider_dir(decider)
     try:
@@ -34,7 +34,7 @@ def _from_traces(cfg: OracleConfig, sess, decider) -> dict:
     from training.decider.replay import CostModel, ReplaySet, baseline_table, calibrate, cost_dict
     from training.decider.traces import feature_matrix, load_traces
 
-    from .models import fingerprint, same_model
+    from ..models import fingerprint, same_model
 
     manifest, table = load_traces(cfg.traces)
     for role, model in (("target", sess.target), ("draft", sess.draft)):
@@ -44,7 +44,7 @@ def _from_traces(cfg: OracleConfig, sess, decider) -> dict:
     if cfg.cost_model == "measure":
         cost = calibrate(sess.target, sess.draft, collect=manifest.get("collect"))
     elif cfg.cost_model == "decider":
-        from .decider import resolve_decider_dir
+        from ..decider import resolve_decider_dir
 
         cost = CostModel(**json.loads((resolve_decider_dir(decider) / "config.json").read_text())["cost_model"])
     else:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .bench_config import BenchConfig
-from .bench_stats import RESAMPLES, speedup_ci
-from .options import GROW
+from .config import BenchConfig
+from .stats import RESAMPLES, speedup_ci
+from ..options import GROW
 
 DTYPES = ("float32", "bfloat16")
 
@@ -26,7 +26,7 @@ def _grows(d) -> bool:
 
 
 def _decoders(cfg: BenchConfig) -> dict[str, object]:
-    from .api import Decoder
+    from ..api import Decoder
 
     rows = {}
     for dt in DTYPES:
@@ -103,8 +103,8 @@ def dtype_markdown(res: dict) -> str:
 
 
 def dtype_main(cfg: BenchConfig, out: Path, command: str) -> str:
-    from .bench import load_prompts
-    from .bench_report import write_atomic, write_json
+    from .cli import load_prompts
+    from .report import write_atomic, write_json
 
     prompts = [p["prompt"] for path in cfg.prompt_sets.values() for p in load_prompts(path, cfg.prompts_per_set)]
     res = run_dtypes(cfg, prompts, command)

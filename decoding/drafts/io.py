@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .feature_draft import FeatureDraft, FeatureDraftConfig
-from .models import DTYPES, ModelError, fingerprint, make_shareable, same_model
+from .feature import FeatureDraft, FeatureDraftConfig
+from ..models import DTYPES, ModelError, fingerprint, make_shareable, same_model
 
 MARKER = "specstop_draft.json"
 KIND = "eagle3"

@@ -1,9 +1,9 @@
-"""`python -m decoding.bench_ties`: how often bf16 greedy runs reproduce `ar`, with the target's
+"""`python -m decoding.bench.ties`: how often bf16 greedy runs reproduce `ar`, with the target's
 final norm + output layer in bf16 (as loaded) or in fp32 (`models.set_head_dtype`).
 
 For each head dtype: the default pair in bf16, `ar` and each speculative row on held-out
 prompts; every row's outputs are judged against that condition's `ar` (equal / tie /
-mismatch, decoding.agreement) and each condition's `ar` against the fp32 model's `ar`.
+mismatch, decoding.bench.agreement) and each condition's `ar` against the fp32 model's `ar`.
 Writes results.json and results.md (atomic). One pass, no repeats: the tokens/s are a cost
 indication on a shared CPU, not a benchmark.
 """
@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import models
+from .. import models
 from .agreement import check_greedy, count_kinds
-from .bench import load_prompts
-from .bench_report import write_atomic, write_json
-from .sampling import SamplingConfig
-from .session import Session
-from .strategies import StrategyConfig, build_engine
+from .cli import load_prompts
+from .report import write_atomic, write_json
+from ..sampling import SamplingConfig
+from ..session import Session
+from ..strategies import StrategyConfig, build_engine
 
 ROWS = (StrategyConfig(strategy="sd", gamma=4), StrategyConfig(strategy="ti-mcsd", width=4, depth=6))
 
@@ -101,13 +101,13 @@ def markdown(res: dict, command: str) -> str:
             L.append(f"| {c['head_dtype']} | {r['name']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
                      f"{_kinds(r['vs_ar'])} |")
     L += ["", ("equal / tie / mismatch: outputs identical / first differing where the fp32 logits of "
-               "both tokens lie within the tie tolerance of the top logit (decoding.agreement; gap / "
+               "both tokens lie within the tie tolerance of the top logit (decoding.bench.agreement; gap / "
                "tolerance listed, in logits) / differing for any other reason.")]
     return "\n".join(L) + "\n"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m decoding.bench_ties", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m decoding.bench.ties", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", default="data/prompts/heldout_general.jsonl")
     ap.add_argument("-n", "--n-prompts", type=int, default=4)
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     out = Path(a.out)
-    command = "python -m decoding.bench_ties " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m decoding.bench.ties " + " ".join(argv if argv is not None else sys.argv[1:])
     write_json(out / "results.json", res)
     write_atomic(out / "results.md", markdown(res, command.strip()))
     print(markdown(res, command.strip()))

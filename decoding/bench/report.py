@@ -1,4 +1,4 @@
-"""Turning measured rows into the report: bound rows, goals, results.md (plots: bench_plots).
+"""Turning measured rows into the report: bound rows, goals, results.md (plots: bench.plots).
 Every number here is computed from results.json; nothing is hard-coded."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import math
 from pathlib import Path
 
 from .agreement import TIE_ULPS
-from .bench_config import BenchConfig
-from .bench_oracle import LABEL, reference_row
-from .bench_stats import speedup_ci
+from .config import BenchConfig
+from .oracle import LABEL, reference_row
+from .stats import speedup_ci
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -62,7 +62,7 @@ def add_bound_rows(results: dict, cfg: BenchConfig) -> None:
 
 def _paired(a: dict, b: dict, resamples: int, seed: int) -> tuple[float, float, float]:
     """(speedup, 95% CI low, high) of row a over row b: median over the interleaved repeats of
-    the ratio of tokens/s, bootstrap over prompts (decoding.bench_stats)."""
+    the ratio of tokens/s, bootstrap over prompts (decoding.bench.stats)."""
     pa, pb = a["per_prompt"], b["per_prompt"]
     return speedup_ci(pa["tokens"], pa["wall_s"], pb["tokens"], pb["wall_s"], resamples, seed=seed)
 

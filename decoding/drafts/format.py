@@ -83,7 +83,7 @@ def save_draft_weights(model, out: Path) -> list[int] | None:
     model.safetensors) and return its kept head ids (None = full head) for specstop_draft.json."""
     from safetensors.torch import save_file
 
-    from .models import PrunedHead
+    from ..models import PrunedHead
 
     head = model.get_output_embeddings()
     if not isinstance(head, PrunedHead):

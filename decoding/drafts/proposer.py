@@ -24,12 +24,12 @@ from contextlib import contextmanager
 
 import torch
 
-from .aux_capture import capture_aux
-from .feature_draft import DraftKV, FeatureDraft
-from .models import MASKED_LOGIT
-from .proposers import DraftTree, TreeProposer, empty_tree
-from .sampling import SamplingConfig
-from .tree import ANCHOR, TreeLayout
+from .capture import capture_aux
+from .feature import DraftKV, FeatureDraft
+from ..models import MASKED_LOGIT
+from ..proposers import DraftTree, TreeProposer, empty_tree
+from ..sampling import SamplingConfig
+from ..tree import ANCHOR, TreeLayout
 
 
 class FeatureCache:

@@ -13,7 +13,7 @@ target's features at t with the token at t + 1 and predicts the token at t + 2; 
 output `h` is the hidden input of the next draft step (position t + 1).
 
 API for training (h8):
-- `with capture_aux(target, cfg.aux_layers) as cap: target(input_ids=ids)` (decoding.aux_capture); then
+- `with capture_aux(target, cfg.aux_layers) as cap: target(input_ids=ids)` (decoding.drafts.capture); then
   `aux = cap.aux()` is [B, T, 3 * target_hidden] (pre-layer residuals, target dtype).
 - `draft.unroll(input_ids, aux, steps, attention_mask=None, skip=0, logits=True) ->
   list[(logits, h)]`, one pair per step j = 0 .. steps-1 (steps >= 1 cover t >= skip only). input_ids [B, T] is the sequence x_0..x_{T-1}, aux [B, T, 3Ht]
@@ -25,7 +25,7 @@ API for training (h8):
   restricted to `t2d`. Only indices with t + 1 + j < T (and not padding) are meaningful;
   the caller masks the rest.
 - `draft.step(tokens, hidden, positions, cache=None, mask=None)` is the inference forward
-  (used by `decoding.feature_proposer`), with a `DraftKV` cache.
+  (used by `decoding.drafts.proposer`), with a `DraftKV` cache.
 """
 
 from __future__ import annotations

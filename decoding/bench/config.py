@@ -8,10 +8,10 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .decider import RULES
-from .stopping import CONFIDENCE_RULES
-from .strategies import StrategyConfig
-from .tree import layout_from_k_config
+from ..decider import RULES
+from ..stopping import CONFIDENCE_RULES
+from ..strategies import StrategyConfig
+from ..tree import layout_from_k_config
 
 PEERS = ("hf-assisted", "hf-prompt-lookup")
 """Hugging Face `generate` peers; every other strategy name runs on our engine."""

@@ -7,8 +7,8 @@ import math
 import os
 from pathlib import Path
 
-from .bench_oracle import LABEL
-from .bench_report import _finite, ok_rows
+from .oracle import LABEL
+from .report import _finite, ok_rows
 
 
 def _save(fig, path: Path) -> None:

@@ -18,17 +18,17 @@ from pathlib import Path
 
 import torch
 
-from . import models
-from .bench_config import BenchConfig, StrategySpec, as_dict, load_config
-from .bench_engine import engine_markdown, engine_suite, random_draft  # noqa: F401  (public helpers)
-from .bench_oracle import oracle_bound
-from .bench_quick import quick_config
-from .bench_plots import plots
-from .bench_report import add_bound_rows, compare_drafts, compute_goals, markdown, write_atomic, write_json
-from .bench_runs import LogLik, make_runner, measure, row_of
-from .defaults import resolve_dtype
-from .sampling import SamplingConfig
-from .session import Session
+from .. import models
+from .config import BenchConfig, StrategySpec, as_dict, load_config
+from .engine_suite import engine_markdown, engine_suite, random_draft  # noqa: F401  (public helpers)
+from .oracle import oracle_bound
+from .quick import quick_config
+from .plots import plots
+from .report import add_bound_rows, compare_drafts, compute_goals, markdown, write_atomic, write_json
+from .runs import LogLik, make_runner, measure, row_of
+from ..defaults import resolve_dtype
+from ..sampling import SamplingConfig
+from ..session import Session
 
 
 def _log(msg: str) -> None:
@@ -58,7 +58,7 @@ def _needs_draft(specs: list[StrategySpec]) -> bool:
 
 
 def _decider_name(cfg: BenchConfig) -> str | None:
-    from .decider import resolve_decider_dir
+    from ..decider import resolve_decider_dir
 
     try:
         d = resolve_decider_dir(cfg.decider) if cfg.decider else None
@@ -218,7 +218,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _check_defaults_pair(cfg: BenchConfig, path: str) -> None:
-    from .api import is_shipped_pair
+    from ..api import is_shipped_pair
 
     if not path and not is_shipped_pair(cfg.target, cfg.draft):
         raise ValueError("--write-defaults: the defaults are for the shipped pair, and this run measures "
@@ -226,7 +226,7 @@ def _check_defaults_pair(cfg: BenchConfig, path: str) -> None:
 
 
 def _write_defaults(results: dict, cfg: BenchConfig, out: Path, path: str) -> None:
-    from .defaults import device_kind, pick_best, write_defaults
+    from ..defaults import device_kind, pick_best, write_defaults
 
     _check_defaults_pair(cfg, path)
     entry, kind = pick_best(results, source=str(out / "results.json")), device_kind(cfg.device)
@@ -291,7 +291,7 @@ def main(argv=None) -> int:
         if a.suite == "dtype":
             if a.quick or a.write_defaults is not None:
                 raise ValueError("--quick and --write-defaults belong to the compare suite")
-            from .bench_dtype import dtype_main
+            from .dtype import dtype_main
 
             out = Path(a.out or f"reports/dtype-{time.strftime('%Y-%m-%d')}")
             print(dtype_main(_apply_overrides(load_config(a.config), a), out, command))
