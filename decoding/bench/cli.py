@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .. import models
-from .config import BenchConfig, StrategySpec, as_dict, load_config
+from .config import BenchConfig, StrategySpec, as_dict, load_config, load_prompts
 from .engine_suite import engine_markdown, engine_suite, random_draft  # noqa: F401  (public helpers)
 from .oracle import oracle_bound
 from .quick import quick_config
@@ -33,24 +33,6 @@ from ..session import Session
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def load_prompts(path: str, n: int) -> list[dict]:
-    """The first n rows of a prompt JSONL file ({"id", "kind", "prompt"})."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"prompt file not found: {p}")
-    rows = []
-    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip() and len(rows) < n:
-            try:
-                row = json.loads(line)
-                rows.append({"id": str(row["id"]), "prompt": row["prompt"]})
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{p}:{i}: not a prompt row ({e!r})") from None
-    if not rows:
-        raise ValueError(f"{p}: no prompts")
-    return rows
 
 
 def _needs_draft(specs: list[StrategySpec]) -> bool:

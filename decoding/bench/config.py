@@ -284,3 +284,21 @@ def default_strategies() -> list[StrategySpec]:
 
 def as_dict(cfg: BenchConfig) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def load_prompts(path: str, n: int) -> list[dict]:
+    """The first n rows of a prompt JSONL file ({"id", "kind", "prompt"})."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"prompt file not found: {p}")
+    rows = []
+    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip() and len(rows) < n:
+            try:
+                row = json.loads(line)
+                rows.append({"id": str(row["id"]), "prompt": row["prompt"]})
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{p}:{i}: not a prompt row ({e!r})") from None
+    if not rows:
+        raise ValueError(f"{p}: no prompts")
+    return rows

@@ -14,7 +14,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .config import BenchConfig
+from .config import BenchConfig, load_prompts
+from .report import write_atomic, write_json
 from .stats import RESAMPLES, speedup_ci
 from ..options import GROW
 
@@ -103,9 +104,6 @@ def dtype_markdown(res: dict) -> str:
 
 
 def dtype_main(cfg: BenchConfig, out: Path, command: str) -> str:
-    from .cli import load_prompts
-    from .report import write_atomic, write_json
-
     prompts = [p["prompt"] for path in cfg.prompt_sets.values() for p in load_prompts(path, cfg.prompts_per_set)]
     res = run_dtypes(cfg, prompts, command)
     md = dtype_markdown(res)

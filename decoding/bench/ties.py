@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from .. import models
 from .agreement import check_greedy, count_kinds
-from .cli import load_prompts
+from .config import load_prompts
 from .report import write_atomic, write_json
 from ..sampling import SamplingConfig
 from ..session import Session

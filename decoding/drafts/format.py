@@ -1,7 +1,7 @@
 """How a specstop draft is stored: a plain Hugging Face `LlamaForCausalLM` + specstop_draft.json.
 
 The draft's output layer scores only the target's frequent tokens (a row selection of the
-tied embedding, see `decoding.models.PrunedHead`). On disk the model stays standard: full
+tied embedding, see `decoding.drafts.pruned.PrunedHead`). On disk the model stays standard: full
 tied embedding, stock config.json, so `AutoModelForCausalLM.from_pretrained(dir)` loads it
 anywhere (e.g. as `assistant_model=` of `model.generate`). The kept ids live in
 specstop_draft.json (`head_ids`) and `decoding.models.load_model` applies them at load time.
@@ -76,33 +76,6 @@ def dumps_meta(meta: dict) -> str:
         return json.dumps(meta, indent=1) + "\n"
     text = json.dumps(meta | {"head_ids": "@IDS@"}, indent=1)
     return text.replace('"@IDS@"', json.dumps([int(i) for i in ids], separators=(",", ":"))) + "\n"
-
-
-def save_draft_weights(model, out: Path) -> list[int] | None:
-    """Write `model` to `out` as a stock LlamaForCausalLM (config.json, generation_config.json,
-    model.safetensors) and return its kept head ids (None = full head) for specstop_draft.json."""
-    from safetensors.torch import save_file
-
-    from ..models import PrunedHead
-
-    head = model.get_output_embeddings()
-    if not isinstance(head, PrunedHead):
-        model.save_pretrained(out, safe_serialization=True)
-        return None
-    if model.get_input_embeddings().weight is not head.weight:
-        raise ValueError("a pruned-head draft must tie its output layer to the embedding")
-    ids = head.ids.tolist()
-    full = ids == list(range(head.weight.shape[0]))
-    dtype = head.weight.dtype
-    # the tied head is the embedding (transformers stores it once); the ids go to the JSON
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
-             if k not in ("lm_head.weight", "lm_head.ids")}
-    out.mkdir(parents=True, exist_ok=True)
-    standard_config(model.config, dtype).save_pretrained(out)
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(out)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return None if full else ids
 
 
 def write_head_ids(out: Path, ids: list[int] | None) -> None:

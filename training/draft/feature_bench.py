@@ -238,7 +238,7 @@ def load_head(a, target):
         return head.float().eval(), list(head.config.aux_layers)
     from .feature_cache import CacheSettings, default_layers, open_cache
     from .feature_module import FeatureDistillModule
-    from ..distill import target_fingerprint
+    from .corpus import target_fingerprint
 
     layers = default_layers(target.config.num_hidden_layers)
     s = CacheSettings(layers, a.vocab_size, 32, 256)

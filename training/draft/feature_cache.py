@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     from dataclasses import replace
 
     from .corpus import CorpusConfig, load_teacher
-    from ..distill import target_fingerprint
+    from .corpus import target_fingerprint
 
     p = argparse.ArgumentParser(prog="python -m training.draft.feature_cache",
                                 description=__doc__.split("\n")[0])

@@ -152,7 +152,7 @@ class FeatureDataModule(L.LightningDataModule):
 
     def _manifests(self) -> dict[str, dict]:
         from .corpus import read_manifest
-        from ..distill import target_fingerprint
+        from .corpus import target_fingerprint
 
         self.target_info = self.target_info or target_fingerprint(self.target)
         out = {}

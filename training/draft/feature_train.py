@@ -67,7 +67,8 @@ def export(module: FeatureDistillModule, out: Path, meta: dict, dtype: str = "fl
 
 
 def fit(argv: list[str] | None) -> None:
-    from ..distill import _ckpt_metrics, _relative, lightning_cli, target_fingerprint, usage_error
+    from ..cli import ckpt_metrics, lightning_cli, relative_path, usage_error
+    from .corpus import target_fingerprint
 
     run, trainer, module, data, cb, last = lightning_cli(FeatureDistillModule, FeatureDataModule, RunConfig, argv)
     if data.target != module.hp["target"]:
@@ -86,7 +87,7 @@ def fit(argv: list[str] | None) -> None:
     meta = {"corpus_target": target_fingerprint(module.hp["target"]),
             "data": {"corpora": data.corpora, "train_positions": data.positions(),
                      "vocab_sha256": data.vocab.sha256(), "vocab_coverage": data.vocab.coverage},
-            "training": module.hp | {"checkpoint": _relative(best)},
-            "metrics": {"validation": _ckpt_metrics(best)}}
+            "training": module.hp | {"checkpoint": relative_path(best)},
+            "metrics": {"validation": ckpt_metrics(best)}}
     out = export(load_feature_module(best), Path(run.drafts) / run.name, meta, run.dtype)
     print(f"distill: exported {best} -> {out}", file=sys.stderr)
