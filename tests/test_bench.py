@@ -11,6 +11,8 @@ from synth_traces import write_traces
 
 from decoding.bench.cli import main
 from decoding.bench.config import load_config
+from decoding.bench.quick import QUICK_COST
+from training.decider.oracle import main as oracle_main
 
 # one xdist worker runs this module (--dist loadgroup): the quick benchmark (module fixture) runs once
 pytestmark = pytest.mark.xdist_group("test_bench")
@@ -20,6 +22,10 @@ pytestmark = pytest.mark.xdist_group("test_bench")
 def quick(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
     traces = write_traces(root / "traces", n_prompts=6, per_shard=3, width=3, depth=4, pair={})
+    # the bound is replayed by the training stack beside the traces; the bench reads it
+    cost = root / "cost_model.json"
+    cost.write_text(json.dumps(QUICK_COST))
+    assert oracle_main(["--traces", str(traces), "--cost-model", str(cost)]) == 0
     out = root / "report"
     rc = main(["--quick", "--out", str(out), "--oracle-traces", str(traces)])
     assert rc == 0
@@ -314,6 +320,21 @@ def test_named_oracle_traces_that_cannot_be_replayed_are_an_error(tmp_path):
 
     with pytest.raises(ValueError, match="oracle.traces"):
         oracle_bound(OracleConfig(traces=str(tmp_path / "none")), None, None)
+
+
+def test_traces_without_their_replayed_bound_are_refused_before_the_run(tmp_path, capsys):
+    """The bench never replays (that is training code): named traces without oracle.json stop
+    the run at once, with the command that writes it."""
+    traces = write_traces(tmp_path / "traces", n_prompts=2, per_shard=2, width=3, depth=4, pair={})
+    assert main(["--quick", "--out", str(tmp_path / "r"), "--oracle-traces", str(traces)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "python -m training.decider.oracle --traces" in err[0]
+    assert not (tmp_path / "r").exists()
+
+
+def test_oracle_tool_refuses_bad_input_in_one_line(tmp_path, capsys):
+    assert oracle_main(["--traces", str(tmp_path / "none"), "--cost-model", str(tmp_path / "c.json")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
 
 
 # --- the lossless column is measured: a row that differs from ar is reported, not excused ----

@@ -21,7 +21,7 @@ import torch
 from .. import models
 from .config import BenchConfig, StrategySpec, as_dict, load_config, load_prompts
 from .engine_suite import engine_markdown, engine_suite, random_draft  # noqa: F401  (public helpers)
-from .oracle import oracle_bound
+from .oracle import oracle_bound, require_replay
 from .quick import quick_config
 from .plots import plots
 from .report import add_bound_rows, compare_drafts, compute_goals, markdown, write_atomic, write_json
@@ -287,6 +287,7 @@ def main(argv=None) -> int:
             out = Path(a.out or cfg.out.format(date=time.strftime("%Y-%m-%d")))
         if a.write_defaults is not None:
             _check_defaults_pair(cfg, a.write_defaults)  # refused before the (long) run
+        require_replay(cfg.oracle)
         results = run_compare(cfg, command)
         md = write_report(results, out)
         if a.write_defaults is not None:

@@ -132,10 +132,13 @@ class OracleConfig:
 
     enabled: bool = True
     traces: str | None = None
-    """Trace dir (training.collect); null = the replay stored in the decider's metrics.json."""
+    """Trace dir (training.collect) holding the replayed bound, oracle.json, that
+    `python -m training.decider.oracle --traces DIR` writes; null = the replay stored in the
+    decider's metrics.json."""
     cost_model: str = "measure"
-    """measure (time this pair here, ~30 s) | decider (the cost model saved with the decider) |
-    a path to a CostModel JSON file. Only used with `traces`."""
+    """With `traces`: the --cost-model the bench names when DIR/oracle.json is missing:
+    measure (time the pair, ~30 s) | decider (the cost model saved with the decider) | a
+    CostModel JSON file. The report shows the cost model the replay used."""
 
 
 @dataclass

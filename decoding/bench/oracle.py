@@ -1,7 +1,8 @@
 """The oracle-stop upper bound: recorded traces replayed under a cost model with perfect
 knowledge of which drafted tokens the target accepts. It is a BOUND computed by replay,
-never a measurement. The training stack is imported here, lazily: inference (and the rest
-of the benchmark) runs without it.
+never a measurement. The replay belongs to the training stack, which inference never
+imports: the bench reads what it wrote, either the replay stored with the decider
+(metrics.json) or TRACES/oracle.json from `python -m training.decider.oracle --traces TRACES`.
 """
 
 from __future__ import annotations
@@ -30,28 +31,29 @@ def _from_metrics(decider) -> dict:
             "deciders": deciders, "cost_model": m["replay"].get("cost_model")}
 
 
-def _from_traces(cfg: OracleConfig, sess, decider) -> dict:
-    from training.decider.replay import CostModel, ReplaySet, baseline_table, calibrate, cost_dict
-    from training.decider.traces import feature_matrix, load_traces
+ORACLE_FILE = "oracle.json"  # written by python -m training.decider.oracle
 
+
+def require_replay(cfg: OracleConfig) -> None:
+    """Named traces without their replayed bound: refused before the (long) run, with the
+    command that computes it."""
+    if cfg.enabled and cfg.traces and not (Path(cfg.traces) / ORACLE_FILE).is_file():
+        raise ValueError(f"oracle.traces {cfg.traces}: no replayed bound in {ORACLE_FILE}; compute it with "
+                         f"the training stack first: python -m training.decider.oracle --traces {cfg.traces} "
+                         f"--cost-model {cfg.cost_model} [--target DIR --draft DIR | --decider DIR]")
+
+
+def _from_traces(cfg: OracleConfig, sess) -> dict:
+    """The replay training.decider.oracle wrote beside the traces, checked against this pair."""
     from ..models import fingerprint, same_model
 
-    manifest, table = load_traces(cfg.traces)
-    for role, model in (("target", sess.target), ("draft", sess.draft)):
-        want = (manifest.get("model_pair") or {}).get(role)
+    require_replay(cfg)
+    r = json.loads((Path(cfg.traces) / ORACLE_FILE).read_text())
+    for role, model in (("target", getattr(sess, "target", None)), ("draft", getattr(sess, "draft", None))):
+        want = (r.get("model_pair") or {}).get(role)
         if want and model is not None and not same_model(want, fingerprint(model)):
             raise ValueError(f"traces {cfg.traces} were recorded with another {role} ({want.get('name')})")
-    if cfg.cost_model == "measure":
-        cost = calibrate(sess.target, sess.draft, collect=manifest.get("collect"))
-    elif cfg.cost_model == "decider":
-        from ..decider import resolve_decider_dir
-
-        cost = CostModel(**json.loads((resolve_decider_dir(decider) / "config.json").read_text())["cost_model"])
-    else:
-        cost = CostModel(**json.loads(Path(cfg.cost_model).read_text()))
-    tab = baseline_table(ReplaySet(table), feature_matrix(table), cost)
-    return {"source": f"traces {cfg.traces}", "collect": manifest.get("collect") or {}, "table": tab,
-            "deciders": {}, "cost_model": cost_dict(cost)}
+    return r
 
 
 def oracle_bound(cfg: OracleConfig, sess, decider) -> dict:
@@ -63,16 +65,15 @@ def oracle_bound(cfg: OracleConfig, sess, decider) -> dict:
         return {"status": "skipped: disabled in the config", "label": LABEL}
     try:
         if cfg.traces:
-            r = _from_traces(cfg, sess, decider)
+            r = _from_traces(cfg, sess)
         elif decider is None:
             return {"status": "skipped: no traces and no decider configured", "label": LABEL}
         else:
             r = _from_metrics(decider)
-    except ImportError as e:
-        return {"status": f"skipped: the training stack is not importable ({e})", "label": LABEL}
     except (ValueError, OSError, KeyError, TypeError) as e:
         if cfg.traces:  # asked for by name: a bound that cannot be computed fails the run
-            raise ValueError(f"oracle.traces {cfg.traces}: {str(e).splitlines()[0]}") from e
+            msg = str(e).splitlines()[0]
+            raise ValueError(msg if msg.startswith("oracle.traces") else f"oracle.traces {cfg.traces}: {msg}") from e
         return {"status": f"skipped: {str(e).splitlines()[0]}", "label": LABEL}
     tab = r["table"]
     fixed = {k: v["tokens_per_s"] for k, v in tab.items() if k.startswith("fixed-") and isinstance(v, dict)}
