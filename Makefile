@@ -55,7 +55,8 @@ bench: venv
 
 # Reproduce the shipped draft in three warm-started stages, each time-boxed (see its config):
 # finish/resume the committed target corpus and cache the target's top-64 log-probs (bf16
-# prefill); stage 1 distils a new draft (smollm2-135m-draft-v1); v1 writes the first half of
+# prefill); stage 1 distils a new draft (smollm2-135m-draft-v1; v1 and v2 are rebuilt here, not
+# shipped: checkpoints/ holds only the final draft); v1 writes the first half of
 # the committed on-policy corpus, the target scores it, stage 2 warm-starts from v1 (-v2);
 # v2 writes the second half, stage 3 warm-starts from v2 on everything (-v3, not shipped);
 # its output layer cut to the 8192 most frequent ids is checkpoints/drafts/smollm2-135m-draft/.

@@ -43,9 +43,8 @@ def _rope(config) -> dict:
 def weight_config(model) -> dict:
     """The config fields that define a model's weights and what they compute; loader
     bookkeeping and keys a newer transformers adds do not change it."""
-    from .models import PRUNED_HEAD_TYPE, output_token_ids
-
-    from .feature_draft import FeatureDraftConfig
+    from .drafts.feature import FeatureDraftConfig
+    from .drafts.pruned import PRUNED_HEAD_TYPE, output_token_ids
 
     c = model.config
     if isinstance(c, FeatureDraftConfig):  # a feature (EAGLE-3) head: its own typed config

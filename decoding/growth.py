@@ -99,7 +99,7 @@ def time_forwards(model, sizes, repeats: int = 3, context: int = 256) -> list[fl
     so a burst of load hits several sizes once; the first pass warms up and is dropped; the
     result is made non-decreasing in n."""
     from .cache import CachedModel
-    from .feature_draft import FeatureDraft
+    from .drafts.feature import FeatureDraft
     from .tree import TreeLayout, layout_from_k_config
 
     if isinstance(model, FeatureDraft):
@@ -127,7 +127,7 @@ def _time_feature_head(head, sizes, repeats: int, context: int) -> list[float]:
     """time_forwards for a feature (EAGLE-3) head: one tree level of n nodes after `context`
     committed entries, as FeatureCache.feed runs it (head step with the tree mask, q scattered
     to the target vocabulary). The features are random: the cost does not depend on them."""
-    from .feature_draft import DraftKV
+    from .drafts.feature import DraftKV
     from .models import MASKED_LOGIT
     from .tree import layout_from_k_config
 

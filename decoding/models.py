@@ -20,6 +20,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from .defaults import DEFAULT_TARGET  # noqa: F401 (re-exported)
+from .errors import ModelError  # noqa: F401  (re-exported: callers import it from here)
 
 hf_logging.disable_progress_bar()  # per-tensor loading bars drown the CLI's own output
 
@@ -32,10 +33,6 @@ PROBE_TEXTS = (
     "def add(a, b):\n    return a + b  # 42\n",
     "Ünïcödé, 数字 123456789, emojis 🙂 and    spaces\t\n",
 )
-
-
-class ModelError(ValueError):
-    """A model directory or model pair that cannot be used; the message is user-facing."""
 
 
 def cache_root() -> Path:
@@ -125,9 +122,9 @@ def load_model(path, dtype: str = "float32", device: str = "cpu", head_dtype: st
     Any file that cannot be read (missing, truncated, wrong shapes) is one ModelError line.
     `head_dtype` (e.g. float32 for a bf16 target): see `set_head_dtype`.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from .draft_format import OldDraftFormat, head_ids_of, refuse_old_format
+    from .drafts.format import OldDraftFormat, head_ids_of, refuse_old_format
 
     if dtype not in DTYPES or (head_dtype is not None and head_dtype not in DTYPES):
         raise ModelError(f"unknown dtype {dtype!r}/{head_dtype!r}; choose from {', '.join(DTYPES)}")
@@ -284,101 +281,12 @@ from .fingerprint import (  # noqa: E402,F401  (re-exported: callers import them
 )
 
 
-# --- A draft whose output layer scores only the target's frequent tokens -------------------
-# The draft's step cost is dominated by its V x H output layer (49152 x 256 for the default
-# pair: ~half its step). A head over the K most frequent tokens, scattered back into a
-# full-width logits row, keeps the engine and check_pair unchanged: tokens outside the head
-# get a very low logit (q = 0 after softmax), so they are never proposed, and verification
-# stays exactly lossless. Stored as a stock LlamaForCausalLM + the kept ids in
-# specstop_draft.json (decoding/draft_format.py); load_model() puts this head back.
-PRUNED_HEAD_TYPE = "specstop_pruned_llama"
-MASKED_LOGIT = -1.0e4
-"""Logit of tokens the pruned head cannot propose: finite (no NaN in p*log q), exp() == 0."""
-
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-
-class PrunedHeadLlamaConfig(LlamaConfig):
-    """LlamaConfig plus `head_size`: how many token ids the output layer scores."""
-
-    model_type = PRUNED_HEAD_TYPE
-
-    def __init__(self, head_size: int | None = None, **kwargs):
-        self.head_size = head_size
-        super().__init__(**kwargs)
-
-
-class PrunedHead(torch.nn.Module):
-    """Tied output layer over `ids` only; `weight` is the full (tied) embedding matrix."""
-
-    def __init__(self, vocab: int, hidden: int, head_size: int):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(vocab, hidden))
-        self.register_buffer("ids", torch.arange(head_size), persistent=True)
-        self._cache: tuple | None = None
-
-    def pruned_weight(self) -> torch.Tensor:
-        """[K, H] rows of the kept ids; cached when no gradient is needed (inference)."""
-        if torch.is_grad_enabled() and self.weight.requires_grad:
-            return self.weight.index_select(0, self.ids)
-        key = (self.weight.data_ptr(), self.weight._version, self.ids.data_ptr(),
-               self.ids._version, self.weight.dtype, self.weight.device)
-        if self._cache is None or self._cache[0] != key:
-            with torch.no_grad():
-                self._cache = (key, self.weight.index_select(0, self.ids).contiguous())
-        return self._cache[1]
-
-    def pruned_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., K] logits of the kept ids (training uses these: no V-wide tensor)."""
-        return hidden @ self.pruned_weight().T
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        small = self.pruned_logits(hidden)
-        out = small.new_full((*small.shape[:-1], self.weight.shape[0]), MASKED_LOGIT)
-        return out.index_copy_(-1, self.ids, small)
-
-
-class PrunedHeadLlamaForCausalLM(LlamaForCausalLM):
-    """A Llama draft with a PrunedHead; head_size None (or = vocab) is a plain full head."""
-
-    config_class = PrunedHeadLlamaConfig
-    _keys_to_ignore_on_load_missing = [r"lm_head\.ids"]  # stored in specstop_draft.json
-
-    def __init__(self, config):
-        super().__init__(config)
-        k = config.head_size or config.vocab_size
-        self.lm_head = PrunedHead(config.vocab_size, config.hidden_size, k)
-        self.post_init()
-
-    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
-        """Always the standard format: stock Llama files + the kept ids in specstop_draft.json
-        (transformers' own writer would store the custom config that stock loaders refuse)."""
-        from .draft_format import save_draft_weights, write_head_ids
-
-        out = Path(save_directory)
-        write_head_ids(out, save_draft_weights(self, out))
-
-    def set_head_ids(self, ids, resize: bool = False) -> None:
-        """Choose the kept token ids (unique, each < vocab; length head_size unless `resize`:
-        then the head takes len(ids) ids, a row selection of the tied embedding)."""
-        ids = torch.as_tensor(ids, dtype=torch.long)
-        if ids.ndim != 1 or ids.unique().numel() != ids.numel() or not ids.numel():
-            raise ModelError("head ids must be unique token ids")
-        if ids.shape != self.lm_head.ids.shape and not resize:
-            raise ModelError(f"head ids must be {self.lm_head.ids.numel()} unique token ids")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
-            raise ModelError("head ids must lie in [0, vocab_size)")
-        if resize:
-            self.lm_head.ids = ids.to(self.lm_head.ids.device)  # a registered buffer: replaced
-            self.lm_head._cache = None
-            self.config.head_size = int(ids.numel())
-        else:
-            self.lm_head.ids.copy_(ids.to(self.lm_head.ids.device))
-
-
-
-
-def output_token_ids(model) -> torch.Tensor | None:
-    """Token ids a draft's output layer can propose (None = all of them)."""
-    head = model.get_output_embeddings()
-    return head.ids if isinstance(head, PrunedHead) else None
+# the stand-alone draft's pruned output layer (decoding/drafts/pruned.py), re-exported
+from .drafts.pruned import (  # noqa: E402,F401
+    MASKED_LOGIT,
+    PRUNED_HEAD_TYPE,
+    PrunedHead,
+    PrunedHeadLlamaConfig,
+    PrunedHeadLlamaForCausalLM,
+    output_token_ids,
+)

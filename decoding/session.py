@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from . import models
-from .feature_io import draft_kind, load_feature_draft
+from .drafts.io import draft_kind, load_feature_draft
 from .decider import DeciderConfig, DeciderStop, load_decider, resolve_decider_dir
 from .defaults import DEFAULT_DRAFT, resolve_dtype
 from .cost_cache import cached_cost

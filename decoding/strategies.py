@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from .engine import SpeculativeEngine
-from .feature_draft import FeatureDraft
-from .feature_proposer import FeatureProposer
+from .drafts.feature import FeatureDraft
+from .drafts.proposer import FeatureProposer
 from .proposers import TreeProposer
 from .options import MODES, STRATEGIES, SamplingConfig, StrategyConfig  # noqa: F401 (re-exported)
 from .stopping import StopPolicy, make_stop_policy

@@ -1,4 +1,4 @@
-"""decoding.agreement: equal / tie / mismatch on hand-made cases of tiny random models."""
+"""decoding.bench.agreement: equal / tie / mismatch on hand-made cases of tiny random models."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import noisy_copy, tiny_llama
-from decoding.agreement import GreedyCheck, check_greedy, count_kinds, first_difference, fp32_logits, ulp
+from decoding.bench.agreement import GreedyCheck, check_greedy, count_kinds, first_difference, fp32_logits, ulp
 from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine
 

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 from synth_traces import write_traces
 
-from decoding.bench import main
-from decoding.bench_config import load_config
+from decoding.bench.cli import main
+from decoding.bench.config import load_config
+from decoding.bench.quick import QUICK_COST
+from training.decider.oracle import main as oracle_main
 
 # one xdist worker runs this module (--dist loadgroup): the quick benchmark (module fixture) runs once
 pytestmark = pytest.mark.xdist_group("test_bench")
@@ -20,6 +22,10 @@ pytestmark = pytest.mark.xdist_group("test_bench")
 def quick(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
     traces = write_traces(root / "traces", n_prompts=6, per_shard=3, width=3, depth=4, pair={})
+    # the bound is replayed by the training stack beside the traces; the bench reads it
+    cost = root / "cost_model.json"
+    cost.write_text(json.dumps(QUICK_COST))
+    assert oracle_main(["--traces", str(traces), "--cost-model", str(cost)]) == 0
     out = root / "report"
     rc = main(["--quick", "--out", str(out), "--oracle-traces", str(traces)])
     assert rc == 0
@@ -123,8 +129,8 @@ def test_shipped_config_is_valid():
 
 def test_oracle_bound_from_decider_metrics(tmp_path):
     """Without a trace dir the bound is read from the decider's stored replay (no models)."""
-    from decoding.bench_config import OracleConfig
-    from decoding.bench_oracle import oracle_bound
+    from decoding.bench.config import OracleConfig
+    from decoding.bench.oracle import oracle_bound
 
     fixed = {f"fixed-{d}": {"tokens_per_s": 30.0 + d} for d in range(1, 5)}
     metrics = {"traces": {"collect": {"strategy": "ti-mcsd", "width": 4, "depth": 4, "temperature": 0.0}},
@@ -184,7 +190,7 @@ def test_speedup_has_bootstrap_ci_containing_the_estimate(quick):
 
 
 def test_ci_on_synthetic_numbers_with_known_answers():
-    from decoding.bench_stats import paired_speedup, speedup_ci
+    from decoding.bench.stats import paired_speedup, speedup_ci
 
     # identical prompts: every resample is the original sample, zero-width interval
     tok, wall = [[10, 10, 10], [10, 10, 10]], [[1.0, 1.0, 1.0], [1.2, 1.2, 1.2]]
@@ -209,7 +215,7 @@ def test_ci_on_synthetic_numbers_with_known_answers():
 
 
 def test_goal_passes_only_when_the_interval_clears_it():
-    from decoding.bench_report import _verdict
+    from decoding.bench.report import _verdict
 
     assert _verdict(2.2, 2.05, 2.0) == "PASS"
     assert _verdict(2.2, 1.9, 2.0).startswith("NOT SHOWN")
@@ -270,7 +276,7 @@ def test_decider_rows_without_a_decider_are_a_config_error(tmp_path, capsys, row
 
 
 def test_row_selection_and_no_decider():
-    from decoding.bench import _apply_overrides, parser
+    from decoding.bench.cli import _apply_overrides, parser
 
     path = Path(__file__).resolve().parent.parent / "configs" / "bench_feature.yaml"
     cfg = load_config(path)
@@ -309,11 +315,26 @@ def test_shipped_configs_measure_enough_and_tune_the_baselines(name):
 
 
 def test_named_oracle_traces_that_cannot_be_replayed_are_an_error(tmp_path):
-    from decoding.bench_config import OracleConfig
-    from decoding.bench_oracle import oracle_bound
+    from decoding.bench.config import OracleConfig
+    from decoding.bench.oracle import oracle_bound
 
     with pytest.raises(ValueError, match="oracle.traces"):
         oracle_bound(OracleConfig(traces=str(tmp_path / "none")), None, None)
+
+
+def test_traces_without_their_replayed_bound_are_refused_before_the_run(tmp_path, capsys):
+    """The bench never replays (that is training code): named traces without oracle.json stop
+    the run at once, with the command that writes it."""
+    traces = write_traces(tmp_path / "traces", n_prompts=2, per_shard=2, width=3, depth=4, pair={})
+    assert main(["--quick", "--out", str(tmp_path / "r"), "--oracle-traces", str(traces)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "python -m training.decider.oracle --traces" in err[0]
+    assert not (tmp_path / "r").exists()
+
+
+def test_oracle_tool_refuses_bad_input_in_one_line(tmp_path, capsys):
+    assert oracle_main(["--traces", str(tmp_path / "none"), "--cost-model", str(tmp_path / "c.json")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
 
 
 # --- the lossless column is measured: a row that differs from ar is reported, not excused ----
@@ -323,9 +344,9 @@ def test_a_mismatching_row_is_not_reported_lossless(pair):
     longest-branch engine's outputs under a lossless label) is marked MISMATCH and loses
     its lossless flag; the same outputs as ar count as equal."""
     from conftest import noisy_copy
-    from decoding.bench_config import StrategySpec
-    from decoding.bench_report import _table_row
-    from decoding.bench_runs import Acc, LogLik, row_of
+    from decoding.bench.config import StrategySpec
+    from decoding.bench.report import _table_row
+    from decoding.bench.runs import Acc, LogLik, row_of
     from decoding.sampling import SamplingConfig
     from decoding.strategies import StrategyConfig, build_engine
 
@@ -355,9 +376,9 @@ def test_a_mismatching_row_is_not_reported_lossless(pair):
 def test_rows_with_their_own_draft_share_the_run_and_are_checked(quick, tmp_path):
     """Two drafts compared in ONE interleaved run (same target, same repeats); a row's own draft
     is checked against the target, and the run's decider refuses a row with another draft."""
-    from decoding.bench import run_compare
-    from decoding.bench_config import StrategySpec
-    from decoding.bench_quick import quick_config
+    from decoding.bench.cli import run_compare
+    from decoding.bench.config import StrategySpec
+    from decoding.bench.quick import quick_config
 
     out, res = quick
     acc = {c["name"]: {r["name"]: r["acceptance_rate"] for r in c["rows"] if r["name"].startswith("sd")}

@@ -3,9 +3,9 @@ bfloat16, interleaved, on tiny models (which dtype `dtype: auto` should pick is 
 
 import json
 
-from decoding.bench import main
-from decoding.bench_dtype import dtype_markdown, run_dtypes
-from decoding.bench_quick import quick_config
+from decoding.bench.cli import main
+from decoding.bench.dtype import dtype_markdown, run_dtypes
+from decoding.bench.quick import quick_config
 
 
 def test_dtype_suite_rows_ratios_and_equality(tmp_path):

@@ -125,7 +125,7 @@ def test_committed_defaults_are_valid_and_reproduce_their_report():
 
 
 def test_bench_write_defaults(tmp_path, capsys):
-    from decoding.bench import main
+    from decoding.bench.cli import main
 
     f = tmp_path / "defaults.yaml"
     out = tmp_path / "report"

@@ -2,7 +2,7 @@
 
 import json
 
-from decoding.bench_quick import tiny_pair
+from decoding.bench.quick import tiny_pair
 from training import demo
 
 

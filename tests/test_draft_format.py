@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from decoding.draft_format import DRAFT_META, OLD_MODEL_TYPE
+from decoding.drafts.format import DRAFT_META, OLD_MODEL_TYPE
 from decoding.generate import main as generate_main
 from decoding.models import MASKED_LOGIT, ModelError, PrunedHeadLlamaForCausalLM, load_model
 from distill_fixtures import EOS, V, tiny_tokenizer

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import noisy_copy, tiny_llama
-from decoding.agreement import check_greedy
+from decoding.bench.agreement import check_greedy
 from decoding.decider import DeciderConfig, DeciderNet, DeciderStop
 from decoding.sampling import SamplingConfig
 from decoding.stopping import DraftConfidence

@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 
 from conftest import tiny_llama
-from decoding.feature_draft import default_aux_layers
-from decoding.feature_io import save_feature_draft
+from decoding.drafts.feature import default_aux_layers
+from decoding.drafts.io import save_feature_draft
 from decoding.models import ModelError, load_model
 from test_feature_draft import tiny_feature_draft
 from training.export import from_eagle3, main, to_eagle3

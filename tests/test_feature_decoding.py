@@ -10,9 +10,9 @@ from conftest import tiny_llama
 from test_engine_greedy import random_decider
 from test_feature_draft import tiny_feature_draft
 from test_sampling_exact import chi2_pvalue, exact_distribution, speculative_counts
-from decoding.aux_capture import capture_aux
-from decoding.feature_draft import DraftKV
-from decoding.feature_io import draft_kind, load_feature_draft, save_feature_draft
+from decoding.drafts.capture import capture_aux
+from decoding.drafts.feature import DraftKV
+from decoding.drafts.io import draft_kind, load_feature_draft, save_feature_draft
 from decoding.models import ModelError, fingerprint, same_model
 from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine
@@ -240,8 +240,8 @@ def test_each_round_drafts_what_training_time_test_predicts(feature_pair, gamma)
 def test_hf_assisted_refuses_a_feature_head(feature_pair):
     """HF's assisted generation drives stand-alone models only: a bench row that would hand it
     the (now default) feature head fails with one line naming the way out."""
-    from decoding.bench_config import StrategySpec
-    from decoding.bench_runs import HFRunner
+    from decoding.bench.config import StrategySpec
+    from decoding.bench.runs import HFRunner
 
     target, draft = feature_pair
     with pytest.raises(ModelError, match="stand-alone draft .* feature head.*draft: checkpoints/drafts/"):

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from decoding.aux_capture import capture_aux
-from decoding.feature_draft import DraftKV, FeatureDraft, FeatureDraftConfig, default_aux_layers
+from decoding.drafts.capture import capture_aux
+from decoding.drafts.feature import DraftKV, FeatureDraft, FeatureDraftConfig, default_aux_layers
 
 AUX = (0, 1, 3)
 

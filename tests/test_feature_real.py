@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from decoding import models
-from decoding.feature_draft import FeatureDraft, FeatureDraftConfig
-from decoding.feature_io import save_feature_draft
+from decoding.drafts.feature import FeatureDraft, FeatureDraftConfig
+from decoding.drafts.io import save_feature_draft
 from decoding.sampling import SamplingConfig
 from decoding.session import Session
 from decoding.strategies import StrategyConfig, build_engine

@@ -203,7 +203,7 @@ def test_distill_dispatches_eagle3_configs_and_exports(tiny, tmp_path, monkeypat
     meta = json.loads((out / "specstop_draft.json").read_text())
     assert meta["draft_kind"] == "eagle3" and meta["corpus_target"] == target_fingerprint(str(target))
     assert (tmp_path / "ckpt" / "last.ckpt").is_file()
-    from decoding.feature_io import load_feature_draft
+    from decoding.drafts.io import load_feature_draft
 
     head = load_feature_draft(out, load_model(target))  # loads back for its own target
     assert head.config.aux_layers == tuple(LAYERS) and head.config.draft_vocab_size == 40

@@ -5,7 +5,7 @@ import torch
 
 from conftest import tiny_llama
 from decoding import models
-from decoding.agreement import check_greedy
+from decoding.bench.agreement import check_greedy
 from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine
 
@@ -40,7 +40,7 @@ def test_head_dtype_needs_a_final_norm_and_a_known_dtype():
 
 
 def test_ties_report_marks_mismatches_and_refuses_bad_input(capsys):
-    from decoding.bench_ties import main, markdown
+    from decoding.bench.ties import main, markdown
 
     k = {"equal": 1, "tie": 1, "mismatch": 1, "n": 3,
          "differences": [{"prompt": 1, "kind": "tie", "position": 4, "gap": 0.0, "tolerance": 1.0},

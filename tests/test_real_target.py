@@ -1,6 +1,6 @@
 """Marked `real`: the embedded SmolLM2 target. Every strategy gives the same greedy output as
 `ar` in the same dtype: bit for bit in fp32; in bf16 every difference must be a near-tie of the
-target's logits flipped by rounding (decoding.agreement), never a real mismatch."""
+target's logits flipped by rounding (decoding.bench.agreement), never a real mismatch."""
 
 from pathlib import Path
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from decoding import models
-from decoding.agreement import check_greedy
+from decoding.bench.agreement import check_greedy
 from decoding.growth import CostCurve, GrowPolicy, q_scores
 from decoding.sampling import SamplingConfig
 from decoding.session import Session

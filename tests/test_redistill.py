@@ -17,7 +17,7 @@ import yaml
 from test_feature_train import LAYERS, make_target, teacher_of
 from test_retrain import write_prompts
 
-from decoding.feature_io import save_feature_draft
+from decoding.drafts.io import save_feature_draft
 from decoding.models import load_model
 from training.draft import redistill as RD
 from training.draft.feature_module import FeatureDistillModule
@@ -111,7 +111,7 @@ def test_improving_challenger_is_promoted_atomically_and_rerun_is_up_to_date(tmp
     assert not [p for p in champ.parent.iterdir() if p.name.startswith(".")]  # no temp dir left
     marker = json.loads((champ / "specstop_draft.json").read_text())
     assert marker["redistilled_from"]["weights_sha256"] and marker["redistill_run"] == run_dir.name
-    from decoding.feature_io import head_vocab, load_feature_draft
+    from decoding.drafts.io import head_vocab, load_feature_draft
 
     assert torch.equal(head_vocab(champ), USED)  # the champion's vocabulary, kept
     load_feature_draft(champ, load_model(tiny[1]))
@@ -209,7 +209,7 @@ def test_retrain_runs_the_head_redistill_behind_its_gate(tmp_path, tiny, monkeyp
     import retrain_seams
     from conftest import tiny_llama
     from decoding.decider import DeciderConfig, DeciderNet, save_decider
-    from decoding.feature_io import load_feature_draft
+    from decoding.drafts.io import load_feature_draft
     from decoding.models import ModelError, fingerprint
     from training.decider import registry
     from training import retrain as R

@@ -1,9 +1,11 @@
-"""Dataclass configs from a YAML file plus command-line overrides (one flag per field)."""
+"""Command-line helpers every trainer shares: dataclass configs from a YAML file plus overrides
+(one flag per field), the Lightning CLI with a `run:` section, one-line usage errors."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import typing
 from pathlib import Path
 
@@ -54,3 +56,63 @@ def parse_config(cls, argv=None, prog: str = "", description: str = "", aliases=
         return cls(**values)
     except (TypeError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
+
+
+def usage_error(msg: str) -> None:
+    """A config the trainer cannot run: one line, exit 2."""
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def lightning_cli(module_cls, data_cls, run_cls, argv: list[str] | None):
+    """LightningCLI with a `run:` section (`run_cls`), torch threads set before anything is
+    built. Returns run, trainer, module, datamodule, checkpoint callback and its last.ckpt."""
+    import torch
+    from lightning.pytorch.cli import LightningCLI
+
+    class CLI(LightningCLI):
+        def add_arguments_to_parser(self, parser):
+            parser.add_class_arguments(run_cls, "run")
+
+    threads = peek_threads(argv if argv is not None else sys.argv[1:])
+    if threads:
+        torch.set_num_threads(threads)
+    cli = CLI(module_cls, data_cls, run=False, args=argv, save_config_kwargs={"overwrite": True})
+    run = cli.config["run"]
+    run = run_cls(**(run if isinstance(run, dict) else vars(run)))
+    cb = cli.trainer.checkpoint_callback
+    if cb is None or not cb.dirpath:
+        usage_error("the config needs a ModelCheckpoint callback with a dirpath")
+    return run, cli.trainer, cli.model, cli.datamodule, cb, Path(cb.dirpath) / "last.ckpt"
+
+
+def peek_threads(argv: list[str]) -> int | None:
+    """Thread count must be set before torch does any work; read it from argv/the config."""
+    import yaml
+
+    for i, a in enumerate(argv):
+        if a.startswith("--run.threads"):
+            v = a.split("=", 1)[1] if "=" in a else argv[i + 1]
+            return None if v in ("null", "None") else int(v)
+    for i, a in enumerate(argv):
+        if a == "--config" and i + 1 < len(argv) and Path(argv[i + 1]).is_file():
+            conf = yaml.safe_load(Path(argv[i + 1]).read_text()) or {}
+            return (conf.get("run") or {}).get("threads")
+    return None
+
+
+def ckpt_metrics(ckpt: str) -> dict:
+    import torch
+
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    out = {}
+    for cb in state.get("callbacks", {}).values():
+        if isinstance(cb, dict) and "best_model_score" in cb and cb["best_model_score"] is not None:
+            out[str(cb.get("monitor"))] = float(cb["best_model_score"])
+    return out | {"global_step": int(state.get("global_step", 0)), "epoch": int(state.get("epoch", 0))}
+
+
+def relative_path(path) -> str:
+    """A path inside the working directory as a relative one (metadata travels with the repo)."""
+    p = Path(path).resolve()
+    return str(p.relative_to(Path.cwd())) if p.is_relative_to(Path.cwd()) else str(path)

@@ -3,7 +3,7 @@
     python -m training.convert_draft checkpoints/drafts/*
 
 Format 1 stored a `specstop_pruned_llama` config and the kept head ids as an `lm_head.ids`
-tensor; format 2 (decoding/draft_format.py) is a stock LlamaForCausalLM (the same tensors:
+tensor; format 2 (decoding/drafts/format.py) is a stock LlamaForCausalLM (the same tensors:
 the tied embedding was already stored in full) with the ids in specstop_draft.json. Each
 directory is rebuilt beside itself and swapped in atomically; a converted one is left as it
 is (idempotent). Tensors are moved byte for byte, so every logit is unchanged.
@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from decoding.draft_format import (
+from decoding.drafts.format import (
     DRAFT_META,
     DRAFT_SCHEMA,
     dumps_meta,

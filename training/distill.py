@@ -27,6 +27,8 @@ from lightning.pytorch.callbacks import Callback
 
 from .draft.data import CorpusDataModule
 from .draft.module import DistillModule, DraftConfig
+from .cli import ckpt_metrics, lightning_cli, relative_path, usage_error  # noqa: F401  (re-exported)
+from .draft.corpus import target_fingerprint  # noqa: F401  (re-exported)
 from .swap import replace_dir
 
 METADATA = "specstop_draft.json"
@@ -57,14 +59,6 @@ def _sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def target_fingerprint(target: str | None) -> dict:
-    """The same identity training.draft.corpus writes into its manifest."""
-    from .draft.corpus import CorpusConfig, load_teacher
-
-    # bf16, as the corpus is generated (configs/corpus.yaml): the embedding sample is hashed
-    return load_teacher(CorpusConfig(target=target, dtype="bfloat16")).info
-
-
 def export_draft(module: DistillModule, out: Path, meta: dict, dtype: str = "bfloat16") -> Path:
     """Write the (merged) draft + tokenizer + metadata to `out` atomically."""
     from decoding.models import resolve_model_dir
@@ -78,7 +72,7 @@ def write_draft(model, out: Path, meta: dict, tokenizer_dir: Path, dtype: str = 
     """An HF draft directory (a stock LlamaForCausalLM in 16-bit, the target's tokenizer files,
     our metadata + the kept head ids), written to a temp dir and swapped in: readers see the
     old draft or the new one."""
-    from decoding.draft_format import DRAFT_SCHEMA, dumps_meta, save_draft_weights
+    from decoding.drafts.format import DRAFT_SCHEMA, dumps_meta, save_draft_weights
     from decoding.models import make_shareable
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -115,7 +109,7 @@ def load_module(ckpt: str | os.PathLike) -> DistillModule:
 
 def build_metadata(module: DistillModule, ckpt: str, corpus: str | None, metrics: dict,
                    train_tokens: int | None, extra_corpora: list[str] = ()) -> dict:
-    from decoding.draft_format import DRAFT_SCHEMA
+    from decoding.drafts.format import DRAFT_SCHEMA
     from decoding.models import output_token_ids
 
     def manifest_sha(c: str | None) -> str | None:
@@ -129,26 +123,11 @@ def build_metadata(module: DistillModule, ckpt: str, corpus: str | None, metrics
         "data": {"corpus": corpus, "corpus_manifest_sha256": manifest_sha(corpus),
                  "extra_corpora": {c: manifest_sha(c) for c in extra_corpora},
                  "train_completion_tokens": train_tokens},
-        "training": {k: v for k, v in module.hp.items()} | {"checkpoint": _relative(ckpt)},
+        "training": {k: v for k, v in module.hp.items()} | {"checkpoint": relative_path(ckpt)},
         "draft": {"params": sum(p.numel() for p in module.base().parameters()),
                   "head_size": None if head is None else int(head.numel())},
         "metrics": {"validation": metrics},
     }
-
-
-def _relative(path) -> str:
-    """A path inside the working directory as a relative one (metadata travels with the repo)."""
-    p = Path(path).resolve()
-    return str(p.relative_to(Path.cwd())) if p.is_relative_to(Path.cwd()) else str(path)
-
-
-def _ckpt_metrics(ckpt: str) -> dict:
-    state = torch.load(ckpt, map_location="cpu", weights_only=True)
-    out = {}
-    for cb in state.get("callbacks", {}).values():
-        if isinstance(cb, dict) and "best_model_score" in cb and cb["best_model_score"] is not None:
-            out[str(cb.get("monitor"))] = float(cb["best_model_score"])
-    return out | {"global_step": int(state.get("global_step", 0)), "epoch": int(state.get("epoch", 0))}
 
 
 class ThreadsFromFile(Callback):
@@ -166,33 +145,6 @@ class ThreadsFromFile(Callback):
                 print(f"distill: now {n} threads", file=sys.stderr, flush=True)
 
 
-def usage_error(msg: str) -> None:
-    """A config the trainer cannot run: one line, exit 2."""
-    print(f"error: {msg}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def lightning_cli(module_cls, data_cls, run_cls, argv: list[str] | None):
-    """LightningCLI with a `run:` section (`run_cls`), torch threads set before anything is
-    built. Returns run, trainer, module, datamodule, checkpoint callback and its last.ckpt."""
-    from lightning.pytorch.cli import LightningCLI
-
-    class CLI(LightningCLI):
-        def add_arguments_to_parser(self, parser):
-            parser.add_class_arguments(run_cls, "run")
-
-    threads = _peek_threads(argv if argv is not None else sys.argv[1:])
-    if threads:
-        torch.set_num_threads(threads)
-    cli = CLI(module_cls, data_cls, run=False, args=argv, save_config_kwargs={"overwrite": True})
-    run = cli.config["run"]
-    run = run_cls(**(run if isinstance(run, dict) else vars(run)))
-    cb = cli.trainer.checkpoint_callback
-    if cb is None or not cb.dirpath:
-        usage_error("the config needs a ModelCheckpoint callback with a dirpath")
-    return run, cli.trainer, cli.model, cli.datamodule, cb, Path(cb.dirpath) / "last.ckpt"
-
-
 def fit(argv: list[str] | None = None) -> None:
     run, trainer, module, data, cb, last = lightning_cli(DistillModule, CorpusDataModule, RunConfig, argv)
     if run.threads_file:
@@ -202,25 +154,10 @@ def fit(argv: list[str] | None = None) -> None:
         return
     best = cb.best_model_path or str(last)
     best_module = load_module(best)
-    meta = build_metadata(best_module, best, data.corpus, _ckpt_metrics(best), data.train_tokens(),
+    meta = build_metadata(best_module, best, data.corpus, ckpt_metrics(best), data.train_tokens(),
                           data.extra_corpora)
     out = export_draft(best_module, Path(run.drafts) / run.name, meta, run.dtype)
     print(f"distill: exported {best} -> {out}", file=sys.stderr)
-
-
-def _peek_threads(argv: list[str]) -> int | None:
-    """Thread count must be set before torch does any work; read it from argv/the config."""
-    import yaml
-
-    for i, a in enumerate(argv):
-        if a.startswith("--run.threads"):
-            v = a.split("=", 1)[1] if "=" in a else argv[i + 1]
-            return None if v in ("null", "None") else int(v)
-    for i, a in enumerate(argv):
-        if a == "--config" and i + 1 < len(argv) and Path(argv[i + 1]).is_file():
-            conf = yaml.safe_load(Path(argv[i + 1]).read_text()) or {}
-            return (conf.get("run") or {}).get("threads")
-    return None
 
 
 def _peek_kind(argv: list[str]) -> str | None:
@@ -246,7 +183,7 @@ def export_main(argv: list[str]) -> None:
     if not Path(a.ckpt).is_file():
         raise SystemExit(f"error: checkpoint not found: {a.ckpt}")
     module = load_module(a.ckpt)
-    meta = build_metadata(module, a.ckpt, a.corpus, _ckpt_metrics(a.ckpt), None)
+    meta = build_metadata(module, a.ckpt, a.corpus, ckpt_metrics(a.ckpt), None)
     print(export_draft(module, Path(a.drafts) / a.name, meta, a.dtype))
 
 

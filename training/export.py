@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from decoding.feature_draft import FeatureDraft, FeatureDraftConfig, default_aux_layers
+from decoding.drafts.feature import FeatureDraft, FeatureDraftConfig, default_aux_layers
 from decoding.models import DTYPES, ModelError
 
 ARCH = "LlamaForCausalLMEagle3"
@@ -53,7 +53,7 @@ def to_eagle3(draft: FeatureDraft, out, dtype: str = "bfloat16", target_config=N
     """Write `draft` in the EAGLE-3 serving layout (atomic)."""
     from safetensors.torch import save_file
 
-    from decoding.feature_io import atomic_dir
+    from decoding.drafts.io import atomic_dir
 
     cfg = draft.config
     if cfg.aux_layers != default_aux_layers(cfg.target_num_layers):
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
                     help="leave the target's token embeddings out (engines then share the target's)")
     args = ap.parse_args(argv)
     from decoding import models
-    from decoding.feature_io import draft_kind, load_feature_draft
+    from decoding.drafts.io import draft_kind, load_feature_draft
 
     try:
         if draft_kind(models.resolve_model_dir(args.draft)) != "eagle3":

@@ -68,7 +68,7 @@ def migrate_obj(obj, models: dict, unmatched: list) -> bool:
 
 
 def _dump(obj, like: str) -> str:
-    from decoding.draft_format import dumps_meta
+    from decoding.drafts.format import dumps_meta
 
     text = dumps_meta(obj) if isinstance(obj, dict) else json.dumps(obj, indent=1) + "\n"
     return text if like.endswith("\n") else text.rstrip("\n")

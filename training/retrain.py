@@ -44,12 +44,13 @@ from pathlib import Path
 
 
 from decoding.decider import DECIDERS_DIR, load_decider, uses_hidden
-from decoding.feature_io import is_feature_draft
+from decoding.drafts.io import is_feature_draft
 from decoding.models import ModelError, fingerprint, same_model
 
 from .cli import parse_config
 from .collect import CollectConfig, collect
 from .draft.corpus import Prompt
+from .logged import is_heldout, read_logged  # noqa: F401  (re-exported)
 from .decider.registry import LatestMoved, read_registry, register
 from .shards import write_json
 
@@ -100,34 +101,9 @@ class RetrainConfig:
     threads: int | None = None
 
 
-def read_logged(folder: Path) -> list[Prompt]:
-    files = sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
-    if not files:
-        raise ValueError(f"no new prompt files (*.jsonl) in {folder}")
-    seen: dict[str, Prompt] = {}
-    for f in files:
-        for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                text = row["prompt"]
-            except (ValueError, KeyError, TypeError):
-                raise ValueError(f'{f}:{i}: not a prompt row (needs a "prompt" field)') from None
-            pid = str(row.get("id") or hashlib.sha256(text.encode()).hexdigest()[:16])
-            seen.setdefault(pid, Prompt(pid, row.get("kind", "general"), f.stem, text))
-    if not seen:
-        raise ValueError(f"the prompt files in {folder} are empty")
-    return sorted(seen.values(), key=lambda p: p.id)
-
-
 def input_key(cfg: RetrainConfig, prompts: list[Prompt], pair: dict) -> str:
     ident = {"config": asdict(cfg), "prompts": [(p.id, p.text) for p in prompts], "pair": pair}
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def is_heldout(pid: str, fraction: float) -> bool:
-    return int.from_bytes(hashlib.sha256(f"heldout:{pid}".encode()).digest()[:8], "big") / 2**64 < fraction
 
 
 def assess(decider_dir: Path, path: Path, cost, with_hidden: bool) -> dict:

@@ -160,6 +160,12 @@ def with_writer(teacher: Teacher, cfg: CorpusConfig) -> Teacher:
     return replace(teacher, model=draft, info=info)
 
 
+def target_fingerprint(target: str | None) -> dict:
+    """The target's identity as build_corpus writes it into a corpus manifest."""
+    # bf16, as the corpus is generated (configs/corpus.yaml): the embedding sample is hashed
+    return load_teacher(CorpusConfig(target=target, dtype="bfloat16")).info
+
+
 def read_prompts(paths: list[str], max_prompts: int | None = None) -> list[Prompt]:
     """All prompts of the files in order; bad input ends the run with one clear line."""
     out: list[Prompt] = []

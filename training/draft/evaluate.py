@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     if meta_path.is_file():  # the draft carries its own measured figures
         meta = json.loads(meta_path.read_text())
         meta.setdefault("metrics", {})["heldout"] = {k: res[k] for k in ("teacher_forced", "engine", "cost")}
-        from decoding.draft_format import dumps_meta
+        from decoding.drafts.format import dumps_meta
 
         _write(meta_path, dumps_meta(meta))  # the head id list stays on one line
     print(out / "eval.json")

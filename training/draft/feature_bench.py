@@ -127,7 +127,7 @@ def bootstrap(res: dict, base: dict | None = None, resamples: int = 2000, seed: 
         if base["per_prompt"]["prompt_ids"] != res["per_prompt"]["prompt_ids"]:
             raise ValueError("the baseline was measured on other prompts: compare on the same ones")
         c = np.concatenate([c, _counts(base)], 1)
-    from decoding.bench_stats import resample_weights
+    from decoding.bench.stats import resample_weights
 
     def stat(x):
         if base is None:
@@ -232,13 +232,13 @@ def load_head(a, target):
         m = load_feature_module(a.ckpt)
         return m.head.float().eval(), list(m.head.config.aux_layers)
     if a.draft:
-        from decoding import feature_io
+        from decoding.drafts import io as feature_io
 
         head = feature_io.load_feature_draft(a.draft, target)
         return head.float().eval(), list(head.config.aux_layers)
     from .feature_cache import CacheSettings, default_layers, open_cache
     from .feature_module import FeatureDistillModule
-    from ..distill import target_fingerprint
+    from .corpus import target_fingerprint
 
     layers = default_layers(target.config.num_hidden_layers)
     s = CacheSettings(layers, a.vocab_size, 32, 256)

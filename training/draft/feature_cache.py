@@ -79,7 +79,7 @@ def _ids_hash(prompt_ids: list[str]) -> str:
 
 def default_layers(n_layers: int) -> list[int]:
     """EAGLE-3's low / middle / high layers (2, L//2, L-3), the serving engines' default."""
-    from decoding.feature_draft import default_aux_layers
+    from decoding.drafts.feature import default_aux_layers
 
     return list(default_aux_layers(n_layers))
 
@@ -104,7 +104,7 @@ def target_batch(model, ids: torch.Tensor, mask: torch.Tensor, label_start: torc
     top1 [B, W] the target's argmax id; lab_mask [B, W]: position t predicts a completion
     token (label_start[b] <= t < length - 1).
     """
-    from decoding.aux_capture import capture_aux
+    from decoding.drafts.capture import capture_aux
 
     with capture_aux(model, layers) as cap:
         hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     from dataclasses import replace
 
     from .corpus import CorpusConfig, load_teacher
-    from ..distill import target_fingerprint
+    from .corpus import target_fingerprint
 
     p = argparse.ArgumentParser(prog="python -m training.draft.feature_cache",
                                 description=__doc__.split("\n")[0])

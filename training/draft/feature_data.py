@@ -134,7 +134,7 @@ class FeatureDataModule(L.LightningDataModule):
     def fixed_vocab(self):
         """The vocab_from head's target ids (None: the cache chooses them from the corpora)."""
         if self.vocab_from is not None and self._fixed is None:
-            from decoding.feature_io import head_vocab
+            from decoding.drafts.io import head_vocab
 
             self._fixed = head_vocab(self.vocab_from)
         return self._fixed
@@ -152,7 +152,7 @@ class FeatureDataModule(L.LightningDataModule):
 
     def _manifests(self) -> dict[str, dict]:
         from .corpus import read_manifest
-        from ..distill import target_fingerprint
+        from .corpus import target_fingerprint
 
         self.target_info = self.target_info or target_fingerprint(self.target)
         out = {}

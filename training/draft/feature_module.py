@@ -105,7 +105,7 @@ class FeatureDistillModule(L.LightningModule):
         return self._target[0]
 
     def build_head(self, layers: list[int], used: torch.Tensor, init: bool = True):
-        from decoding.feature_draft import FeatureDraft, FeatureDraftConfig
+        from decoding.drafts.feature import FeatureDraft, FeatureDraftConfig
 
         t = self.target()
         self.layers = list(layers)
@@ -123,7 +123,7 @@ class FeatureDistillModule(L.LightningModule):
         return head
 
     def _warm_start(self, cfg, used: torch.Tensor):
-        from decoding.feature_io import load_feature_draft
+        from decoding.drafts.io import load_feature_draft
 
         head = load_feature_draft(self.hp["warm_start"], self.target())  # refuses another target
         if head.config.aux_layers != cfg.aux_layers or not torch.equal(head.used_ids.cpu(), used.cpu()):

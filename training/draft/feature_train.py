@@ -43,7 +43,7 @@ class RunConfig:
 def load_feature_module(ckpt) -> FeatureDistillModule:
     """Rebuild the module from a checkpoint, reading only tensors and plain types (the head's
     token embeddings are the target's: loaded from model.target, never stored)."""
-    from decoding.feature_draft import FeatureDraft, FeatureDraftConfig
+    from decoding.drafts.feature import FeatureDraft, FeatureDraftConfig
 
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
     hp = dict(state["specstop_hparams"])
@@ -58,8 +58,8 @@ def load_feature_module(ckpt) -> FeatureDistillModule:
 
 
 def export(module: FeatureDistillModule, out: Path, meta: dict, dtype: str = "float32") -> Path:
-    """specstop's own feature-draft checkpoint (decoding.feature_io: atomic, target-pinned)."""
-    from decoding import feature_io
+    """specstop's own feature-draft checkpoint (decoding.drafts.io: atomic, target-pinned)."""
+    from decoding.drafts import io as feature_io
     from decoding.models import DTYPES
 
     head = module.head.to(DTYPES[dtype]).eval()
@@ -67,7 +67,8 @@ def export(module: FeatureDistillModule, out: Path, meta: dict, dtype: str = "fl
 
 
 def fit(argv: list[str] | None) -> None:
-    from ..distill import _ckpt_metrics, _relative, lightning_cli, target_fingerprint, usage_error
+    from ..cli import ckpt_metrics, lightning_cli, relative_path, usage_error
+    from .corpus import target_fingerprint
 
     run, trainer, module, data, cb, last = lightning_cli(FeatureDistillModule, FeatureDataModule, RunConfig, argv)
     if data.target != module.hp["target"]:
@@ -82,11 +83,11 @@ def fit(argv: list[str] | None) -> None:
     if not run.export or trainer.global_rank != 0:
         return
     best = cb.best_model_path or str(last)
-    # feature_io records the target's models.fingerprint; the corpus identity goes beside it
+    # decoding.drafts.io records the target's models.fingerprint; the corpus identity goes beside it
     meta = {"corpus_target": target_fingerprint(module.hp["target"]),
             "data": {"corpora": data.corpora, "train_positions": data.positions(),
                      "vocab_sha256": data.vocab.sha256(), "vocab_coverage": data.vocab.coverage},
-            "training": module.hp | {"checkpoint": _relative(best)},
-            "metrics": {"validation": _ckpt_metrics(best)}}
+            "training": module.hp | {"checkpoint": relative_path(best)},
+            "metrics": {"validation": ckpt_metrics(best)}}
     out = export(load_feature_module(best), Path(run.drafts) / run.name, meta, run.dtype)
     print(f"distill: exported {best} -> {out}", file=sys.stderr)

@@ -243,7 +243,7 @@ def load_target(cfg: RedistillConfig, teacher):
     from decoding.models import load_model
 
     from .corpus import CorpusConfig, load_teacher
-    from ..distill import target_fingerprint
+    from .corpus import target_fingerprint
 
     if teacher is None:
         teacher = load_teacher(CorpusConfig(target=cfg.target, dtype=cfg.dtype))
@@ -254,11 +254,11 @@ def load_target(cfg: RedistillConfig, teacher):
 
 
 def run(cfg: RedistillConfig, teacher=None, log=print) -> int:
-    from decoding.feature_io import load_feature_draft
+    from decoding.drafts.io import load_feature_draft
     from decoding.models import ModelError, fingerprint
 
     from .corpus import CorpusConfig, build_corpus
-    from ..retrain import is_heldout, read_logged
+    from ..logged import is_heldout, read_logged
     from ..shards import write_json
     from .feature_bench import agreement
 

@@ -1,0 +1,316 @@
+"""Benchmarks. Figures are measured here, never hard-coded; noisy shared machines mean
+only ratios from ONE run are quoted.
+
+    python -m decoding.bench --config configs/bench.yaml   # every strategy and peer side by side
+    python -m decoding.bench --quick --out DIR             # CI smoke: tiny random models, seconds
+    python -m decoding.bench --suite engine                # ar vs model.generate, per-round time split
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .. import models
+from .config import BenchConfig, StrategySpec, as_dict, load_config, load_prompts
+from .engine_suite import engine_markdown, engine_suite, random_draft  # noqa: F401  (public helpers)
+from .oracle import oracle_bound, require_replay
+from .quick import quick_config
+from .plots import plots
+from .report import add_bound_rows, compare_drafts, compute_goals, markdown, write_atomic, write_json
+from .runs import LogLik, make_runner, measure, row_of
+from ..defaults import resolve_dtype
+from ..sampling import SamplingConfig
+from ..session import Session
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _needs_draft(specs: list[StrategySpec]) -> bool:
+    return any(s.strategy not in ("ar", "hf-prompt-lookup") for s in specs)
+
+
+def _decider_name(cfg: BenchConfig) -> str | None:
+    from ..decider import resolve_decider_dir
+
+    try:
+        d = resolve_decider_dir(cfg.decider) if cfg.decider else None
+    except ValueError:
+        return None
+    return d.name if d is not None and (d / "config.json").is_file() else None
+
+
+def run_sweep(sess, cfg: BenchConfig, prompts: list[list[int]]) -> dict:
+    """Greedy tokens/s of a few tree shapes (fixed depth) next to ar, on a few prompts."""
+    sw, greedy = cfg.sweep, SamplingConfig(0.0, cfg.top_p)
+    specs = [StrategySpec("ar")]
+    specs += [StrategySpec(f"ti-mcsd[W={w},D={d}]", "ti-mcsd", width=w, depth=d) for w, d in sw.ti_mcsd]
+    specs += [StrategySpec(f"mcsd[{k}]", "mcsd", k_config=k) for k in sw.mcsd]
+    runners = {s.name: make_runner(sess, s, greedy, cfg) for s in specs}
+    accs = measure(runners, prompts[: sw.prompts], cfg, sw.max_new_tokens, sw.repeats, cfg.device,
+                   cfg.seed, cfg.warmup_tokens)
+    ar = accs["ar"]
+    ar_tps = sorted(ar.tok_s)[len(ar.tok_s) // 2]
+    points = []
+    for s in specs[1:]:
+        a = accs[s.name]
+        tps = sorted(a.tok_s)[len(a.tok_s) // 2]
+        new = sum(x["new_tokens"] for x in a.stats)
+        calls = sum(x["target_calls"] for x in a.stats)
+        rounds = sum(x["rounds"] for x in a.stats)
+        points.append({"name": s.name, "family": s.strategy, "tree_nodes": s.tree_nodes,
+                       "label": f"{s.width}x{s.depth}" if s.strategy == "ti-mcsd" else s.k_config,
+                       "tokens_per_s": tps, "speedup": tps / ar_tps if ar_tps else None,
+                       "block_efficiency": new / calls if calls else None,
+                       "ms_per_round": 1000 * a.time_split["wall_s"] / (rounds * len(a.tok_s)) if rounds else None})
+        _log(f"  sweep {s.name}: {tps:.1f} tok/s ({s.tree_nodes} nodes)")
+    return {"prompt_set": sw.prompt_set, "prompts": min(sw.prompts, len(prompts)),
+            "max_new_tokens": sw.max_new_tokens, "repeats": sw.repeats, "ar_tokens_per_s": ar_tps,
+            "points": points}
+
+
+def row_sessions(sess, specs: list[StrategySpec]) -> dict:
+    """Each row's session: the config's pair, or the same target with the row's own draft
+    (each draft loaded and checked once, before any row runs)."""
+    drafts = {None: sess}
+    for s in specs:
+        if s.draft is not None and s.draft not in drafts:
+            try:
+                drafts[s.draft] = sess.with_draft(s.draft)
+            except (models.ModelError, OSError) as e:
+                raise ValueError(f"strategy {s.name}: {str(e).splitlines()[0]}") from e
+    return {s.name: drafts[s.draft] for s in specs}
+
+
+def run_compare(cfg: BenchConfig, command: str) -> dict:
+    t0 = time.perf_counter()
+    cfg.dtype, dtype_source = resolve_dtype(cfg.dtype, cfg.device)
+    _log(f"dtype {cfg.dtype} ({dtype_source})")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    sets = {k: load_prompts(v, cfg.prompts_per_set) for k, v in cfg.prompt_sets.items()}
+    sess = Session.open(cfg.target, cfg.draft, cfg.dtype, cfg.device, need_draft=_needs_draft(cfg.strategies))
+    depth = max((len(s.shape_config().k_levels) for s in cfg.strategies if not s.peer), default=0)
+    n_max = max(cfg.max_new_tokens, cfg.sweep.max_new_tokens if cfg.sweep.enabled else 0)
+    ids = {k: [sess.encode(p["prompt"], chat=cfg.chat, max_new_tokens=n_max, tree_depth=depth) for p in v]
+           for k, v in sets.items()}
+    loglik = LogLik(sess.target)
+    sessions = row_sessions(sess, cfg.strategies)
+    conditions, n_cond = [], len(cfg.temperatures) * len(ids)
+    for temp in cfg.temperatures:
+        sampling = SamplingConfig(temp, cfg.top_p)
+        for set_name, prompts in ids.items():
+            name = f"{'greedy' if sampling.greedy else f'T={temp:g}'}/{set_name}"
+            _log(f"[{time.perf_counter() - t0:6.0f}s] {name}: {len(cfg.strategies)} rows x {cfg.repeats} repeats")
+            runners = {s.name: make_runner(sessions[s.name], s, sampling, cfg) for s in cfg.strategies}
+            accs = measure(runners, prompts, cfg, cfg.max_new_tokens, cfg.repeats, cfg.device, cfg.seed,
+                           cfg.warmup_tokens)
+            rows = [row_of(s, runners[s.name], accs.get(s.name), accs.get("ar"), sampling.greedy, prompts, loglik,
+                           cfg.bootstrap_resamples, cfg.seed, cfg.dtype) for s in cfg.strategies]
+            for r in rows:
+                _log(f"  {r['name']}: " + (f"{r['tokens_per_s']['median']:.1f} tok/s, "
+                                           f"{r['speedup']['median']:.2f}x" if r["status"] == "ok" else r["status"])
+                     + (" MISMATCH vs ar" if (r.get("equal_to_ar") or {}).get("mismatch") else ""))
+            conditions.append({"name": name, "temperature": temp, "prompt_set": set_name,
+                               "prompt_ids": [p["id"] for p in sets[set_name]], "n_prompts": len(prompts),
+                               "rows": rows})
+            el = time.perf_counter() - t0
+            _log(f"  {len(conditions)}/{n_cond} conditions in {el / 60:.1f} min; about "
+                 f"{el / len(conditions) * (n_cond - len(conditions)) / 60:.1f} min to go (+ sweep)")
+    _log(f"[{time.perf_counter() - t0:6.0f}s] oracle bound (replay)")
+    bound = oracle_bound(cfg.oracle, sess, cfg.decider)
+    sweep = None
+    if cfg.sweep.enabled:
+        _log(f"[{time.perf_counter() - t0:6.0f}s] tree-size sweep")
+        sw_prompts = load_prompts(cfg.prompt_sets[cfg.sweep.prompt_set], cfg.sweep.prompts)
+        sweep = run_sweep(sess, cfg, [sess.encode(p["prompt"], chat=cfg.chat, max_new_tokens=n_max,
+                                                  tree_depth=depth) for p in sw_prompts])
+    results = {
+        "meta": {"date": time.strftime("%Y-%m-%d"), "command": command, "target": sess.target_dir.name,
+                 "draft": _shown(sess.draft_dir), "dtype": cfg.dtype,
+                 "dtype_source": dtype_source,
+                 "device": cfg.device, "threads": torch.get_num_threads(), "prompts_per_set": cfg.prompts_per_set,
+                 "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "decider": _decider_name(cfg),
+                 "ci": {"level": 0.95, "method": "percentile bootstrap over prompts, paired by repeat",
+                        "resamples": cfg.bootstrap_resamples, "seed": cfg.seed},
+                 "versions": {"torch": torch.__version__, "python": platform.python_version(),
+                              "transformers": __import__("transformers").__version__},
+                 "config": as_dict(cfg)},
+        "conditions": conditions, "oracle": bound, "sweep": sweep}
+    curve = getattr(sess, "_measured_cost", None)  # what the grow_cost: measure rows were priced by
+    if curve is not None:
+        results["meta"]["grow_cost_measured"] = {"sizes": curve.sizes, "target_ms": curve.target_ms,
+                                                 "draft_ms": curve.draft_ms, "unit": curve.unit}
+    add_bound_rows(results, cfg)
+    results["goals"] = compute_goals(results, cfg)
+    results["drafts"] = compare_drafts(results, cfg)
+    results["meta"]["wall_s"] = time.perf_counter() - t0
+    return results
+
+
+def write_report(results: dict, out: Path) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    files = plots(results, out)
+    results["meta"]["files"] = ["results.json", "results.md", *files]
+    md = markdown(results)
+    write_json(out / "results.json", results)
+    write_atomic(out / "results.md", md)
+    return md
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m decoding.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", choices=("compare", "engine", "dtype"), default="compare",
+                    help="compare (default): every strategy and peer; engine: ar vs model.generate; dtype: "
+                         "ar and the default configuration in float32 and bfloat16, interleaved (the "
+                         "config's pair, prompts, repeats)")
+    ap.add_argument("--config", default="configs/bench.yaml", help="compare suite config (YAML)")
+    ap.add_argument("--quick", action="store_true", help="CI smoke: tiny random models, a few seconds")
+    ap.add_argument("--out", default=None, help="output dir (default: the config's out; engine: reports/engine)")
+    ap.add_argument("--target", default=None, help="override the config's target model dir")
+    ap.add_argument("--draft", default=None, help="override the config's draft model dir")
+    ap.add_argument("--decider", default=None, help="override the config's decider (dir, 'latest' or 'none')")
+    ap.add_argument("--row", action="append", default=None, metavar="NAME",
+                    help="run only this row of the config (repeatable; ar always runs)")
+    ap.add_argument("--oracle-traces", default=None, help="trace dir for the oracle-stop bound")
+    ap.add_argument("--prompts", type=int, default=None, help="override prompts_per_set")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="override max_new_tokens")
+    ap.add_argument("--temperatures", default=None, help="override temperatures, e.g. 0 or 0,0.7")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the tokens/s vs tree size sweep")
+    ap.add_argument("--repeats", type=int, default=None, help="repeated runs (engine suite default: 3)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads")
+    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
+                    help="compare suite: override the config's dtype")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="engine suite: dtypes")
+    ap.add_argument("--new-tokens", type=int, default=64, help="engine suite: new tokens")
+    ap.add_argument("--write-defaults", nargs="?", const="", default=None, metavar="PATH",
+                    help="record this run's fastest lossless greedy row as the default configuration "
+                         "of this device kind (decoding/defaults.yaml; the shipped pair only), or in PATH")
+    return ap
+
+
+def _check_defaults_pair(cfg: BenchConfig, path: str) -> None:
+    from ..api import is_shipped_pair
+
+    if not path and not is_shipped_pair(cfg.target, cfg.draft):
+        raise ValueError("--write-defaults: the defaults are for the shipped pair, and this run measures "
+                         "another one; give a PATH to record it elsewhere")
+
+
+def _write_defaults(results: dict, cfg: BenchConfig, out: Path, path: str) -> None:
+    from ..defaults import device_kind, pick_best, write_defaults
+
+    _check_defaults_pair(cfg, path)
+    entry, kind = pick_best(results, source=str(out / "results.json")), device_kind(cfg.device)
+    written = write_defaults(entry, kind, path or None)
+    _log(f"defaults for {kind} in {written}: {entry['strategy']} ({entry['source']})")
+
+
+def _select_rows(specs: list[StrategySpec], want: list[str]) -> list[StrategySpec]:
+    """The config's rows named in `want`, in config order (ar, the reference, always kept)."""
+    known = {s.name for s in specs}
+    unknown = [n for n in want if n not in known]
+    if unknown:
+        raise ValueError(f"--row: no row named {', '.join(map(repr, unknown))} in the config "
+                         f"(rows: {', '.join(s.name for s in specs)})")
+    return [s for s in specs if s.strategy == "ar" or s.name in want]
+
+
+def _apply_overrides(cfg: BenchConfig, a) -> BenchConfig:
+    for key, val in (("target", a.target), ("draft", a.draft), ("decider", a.decider),
+                     ("prompts_per_set", a.prompts), ("max_new_tokens", a.max_new_tokens),
+                     ("repeats", a.repeats), ("threads", a.threads), ("dtype", a.dtype)):
+        if val is not None:
+            setattr(cfg, key, val)
+    if a.decider == "none":
+        cfg.decider = None
+    if a.row:
+        cfg.strategies = _select_rows(cfg.strategies, a.row)
+    if a.oracle_traces:
+        cfg.oracle.traces = a.oracle_traces
+    if a.temperatures:
+        try:
+            cfg.temperatures = [float(t) for t in a.temperatures.split(",")]
+        except ValueError:
+            raise ValueError(f"--temperatures: not a list of numbers: {a.temperatures}") from None
+    if a.no_sweep:
+        cfg.sweep.enabled = False
+    cfg.validate()
+    return cfg
+
+
+def _engine_main(a) -> int:
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    results = [engine_suite(d, a.new_tokens, a.repeats or 3) for d in a.dtypes.split(",")]
+    out = Path(a.out or "reports/engine")
+    write_atomic(out / "results.json", json.dumps(results, indent=2))
+    md = engine_markdown(results, a.new_tokens)
+    write_atomic(out / "results.md", md)
+    print(md)
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parser().parse_args(argv)
+    command = "python -m decoding.bench " + " ".join(argv)
+    try:
+        if a.suite == "engine":
+            if a.quick or a.write_defaults is not None:
+                raise ValueError("--quick and --write-defaults belong to the compare suite")
+            return _engine_main(a)
+        if a.suite == "dtype":
+            if a.quick or a.write_defaults is not None:
+                raise ValueError("--quick and --write-defaults belong to the compare suite")
+            from .dtype import dtype_main
+
+            out = Path(a.out or f"reports/dtype-{time.strftime('%Y-%m-%d')}")
+            print(dtype_main(_apply_overrides(load_config(a.config), a), out, command))
+            return 0
+        if a.quick:
+            root = Path(tempfile.mkdtemp(prefix="specstop-bench-quick-"))
+            cfg = _apply_overrides(quick_config(root, a.oracle_traces), a)
+            out = Path(a.out) if a.out else root / "report"
+        else:
+            cfg = _apply_overrides(load_config(a.config), a)
+            out = Path(a.out or cfg.out.format(date=time.strftime("%Y-%m-%d")))
+        if a.write_defaults is not None:
+            _check_defaults_pair(cfg, a.write_defaults)  # refused before the (long) run
+        require_replay(cfg.oracle)
+        results = run_compare(cfg, command)
+        md = write_report(results, out)
+        if a.write_defaults is not None:
+            _write_defaults(results, cfg, out, a.write_defaults)
+    except (models.ModelError, ValueError, FileNotFoundError) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(md)
+    _log(f"wrote {out}/ ({', '.join(results['meta']['files'])})")
+    return 0
+
+
+def _shown(path) -> str | None:
+    """A path as a report shows it: relative to the working directory when inside it (no
+    machine-specific absolute paths in committed reports)."""
+    if path is None:
+        return None
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

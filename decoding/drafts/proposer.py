@@ -1,0 +1,149 @@
+"""Drafting with an EAGLE-3 feature head, for every strategy and stop policy.
+
+The head reads the target's hidden states, so the engine runs each verify forward inside
+`FeatureProposer.verifying()`: pre-hooks capture the three layers' inputs for the pending
+committed tokens and for every tree node. At the next proposal the rows of the committed
+tokens (pending + accepted path) enter the head's cache as entries built from those TRUE
+features; the entries the head wrote for this round's tree (built from its own h) are all
+dropped at commit, never kept (keeping them costs acceptance: vLLM #14649).
+
+Draft entry at position p = (target features at p, token p + 1), predicting token p + 2. The
+anchor (last committed token) is the token of the newest entry, whose output gives the first
+level; a depth-d node sits at position anchor + d - 1 and reads its parent's h. When the
+anchor's own features are known (longest-branch rounds, where every committed token was
+verified) the first level reads them instead. The first round has no features yet: it
+drafts nothing, and the target's prompt forward provides them.
+
+Draft ids map to target ids through `d2t`; q over the target vocabulary is the draft's
+distribution scattered there (exactly 0 elsewhere), so the acceptance rules stay exact.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from .capture import capture_aux
+from .feature import DraftKV, FeatureDraft
+from ..models import MASKED_LOGIT
+from ..proposers import DraftTree, TreeProposer, empty_tree
+from ..sampling import SamplingConfig
+from ..tree import ANCHOR, TreeLayout
+
+
+class FeatureCache:
+    """The head, its KV cache and the target features it has not consumed yet."""
+
+    def __init__(self, draft: FeatureDraft):
+        self.draft = draft
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = DraftKV()
+        self.length = 0  # committed entries in the cache (positions 0 .. length-1)
+        self.known = 0  # committed positions whose target features are known
+        self.rows: torch.Tensor | None = None  # features of positions length .. known-1
+        self.captured: torch.Tensor | None = None  # rows of the latest verify forward
+        self.path: list[int] = []
+        self.tree_size = 0  # nodes of the tree that verify forward checked
+        self.anchor_out = None  # (logits, h, normed h) of the newest committed entry
+        self.node_h: dict[int, torch.Tensor] = {}
+
+    def ingest(self) -> None:
+        """Append the features of the tokens the last round committed (pending + accepted path)."""
+        if self.captured is None:
+            return
+        rows, n_pend = self.captured, self.captured.shape[0] - self.tree_size
+        new = rows[:n_pend] if not self.path else torch.cat((rows[:n_pend], rows[n_pend + torch.tensor(self.path)]))
+        self.rows = new if self.rows is None else torch.cat((self.rows, new))
+        self.known += new.shape[0]
+        self.captured, self.path = None, []
+
+    def ready(self, n: int) -> bool:
+        """Can draft below committed token n-1: entries up to position n-2 can be built."""
+        return n >= 2 and self.known >= n - 1
+
+    @torch.inference_mode()
+    def feed(self, committed, layout: TreeLayout, node_tokens, start: int, end: int, hidden: bool = False):
+        """Same contract as CachedModel.feed: logits over the TARGET vocabulary for the anchor
+        (when start == end) or for nodes start..end-1, plus normed hidden states if asked."""
+        d, dev = self.draft, self.draft.fc.weight.device
+        n = len(committed)
+        if start == 0:
+            self._catch_up(committed)
+            self.node_h = {}
+        if start == end:
+            logits, _, hn = self.anchor_out
+            return self._out(logits[None], hn[None] if hidden else None)
+        parents = [layout.parents[i] for i in range(start, end)]
+        anchor_h = self._anchor_hidden(n)
+        hid = torch.stack([anchor_h if p == ANCHOR else self.node_h[p] for p in parents])[None]
+        pos = (n - 2 + layout.depth_ids[start:end]).to(dev)[None]
+        mask = torch.cat((torch.ones(end - start, self.length, dtype=torch.bool), layout.mask[start:end, :end]), 1)
+        toks = torch.tensor([list(node_tokens)], device=dev)
+        logits, h = d.step(toks, hid, pos, self.cache, mask)
+        for i, node in enumerate(range(start, end)):
+            self.node_h[node] = h[0, i]
+        return self._out(logits[0], d.norm(h[0]) if hidden else None)
+
+    def _out(self, logits, hn):
+        return self.draft.to_target(logits.float(), MASKED_LOGIT), hn
+
+    def _catch_up(self, committed) -> None:
+        """Build the committed entries whose features and next token are both known."""
+        self.cache.crop(self.length)  # a cut-short round may have left tree entries behind
+        n, e = len(committed), min(self.known, len(committed) - 1)
+        if e <= self.length:
+            return
+        d, dev = self.draft, self.draft.fc.weight.device
+        k = e - self.length
+        toks = torch.tensor([committed[self.length + 1: e + 1]], device=dev)
+        pos = torch.arange(self.length, e, device=dev)[None]
+        logits, h = d.step(toks, d.fuse(self.rows[:k].to(dev))[None], pos, self.cache)
+        self.rows = self.rows[k:]
+        self.length = e
+        if e == n - 1:
+            self.anchor_out = (logits[0, -1], h[0, -1], d.norm(h[0, -1]))
+
+    def _anchor_hidden(self, n: int) -> torch.Tensor:
+        if self.known >= n:  # the anchor itself was verified: its true features
+            return self.draft.fuse(self.rows[0].to(self.draft.fc.weight.device))
+        return self.anchor_out[1]
+
+    def commit(self, path, fed: int) -> None:
+        """Drop every tree entry; the accepted ones come back from the target's features."""
+        self.cache.crop(self.length)
+        self.path = list(path)
+
+
+class FeatureProposer(TreeProposer):
+    """TreeProposer whose draft is a FeatureDraft reading `target`'s hidden states."""
+
+    cache_for = staticmethod(lambda draft: FeatureCache(draft))
+
+    def __init__(self, draft: FeatureDraft, target, layout: TreeLayout, sampling: SamplingConfig,
+                 replacement: bool = False, roots_from_target: bool = False):
+        super().__init__(draft, layout, sampling, replacement, roots_from_target)
+        self.target = target
+        n_layers = len(target.model.layers)
+        if n_layers != draft.config.target_num_layers:
+            raise ValueError(f"feature draft expects a {draft.config.target_num_layers}-layer target, "
+                             f"this one has {n_layers}")
+
+    @contextmanager
+    def verifying(self):
+        """Wrap the engine's verify forward: capture the target's states for the next round."""
+        with capture_aux(self.target, self.model.draft.config.aux_layers) as cap:
+            yield
+        self.model.captured = cap.aux()[0]
+
+    def propose(self, committed, stop, generator, anchor_p=None, position: int = 0,
+                hidden: bool = False) -> DraftTree:
+        self.model.ingest()
+        if not self.model.ready(len(committed)):
+            tree = empty_tree()
+        else:
+            tree = super().propose(committed, stop, generator, anchor_p, position, hidden)
+        self.model.tree_size = tree.size
+        return tree

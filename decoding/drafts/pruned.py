@@ -1,0 +1,131 @@
+"""A stand-alone draft whose output layer scores only the target's frequent tokens
+(saved by `save_draft_weights` in the standard format of decoding/drafts/format.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ..errors import ModelError
+from .format import standard_config, write_head_ids
+
+# The draft's step cost is dominated by its V x H output layer (49152 x 256 for the default
+# pair: ~half its step). A head over the K most frequent tokens, scattered back into a
+# full-width logits row, keeps the engine and check_pair unchanged: tokens outside the head
+# get a very low logit (q = 0 after softmax), so they are never proposed, and verification
+# stays exactly lossless. Stored as a stock LlamaForCausalLM + the kept ids in
+# specstop_draft.json (decoding/drafts/format.py); load_model() puts this head back.
+PRUNED_HEAD_TYPE = "specstop_pruned_llama"
+MASKED_LOGIT = -1.0e4
+"""Logit of tokens the pruned head cannot propose: finite (no NaN in p*log q), exp() == 0."""
+
+
+class PrunedHeadLlamaConfig(LlamaConfig):
+    """LlamaConfig plus `head_size`: how many token ids the output layer scores."""
+
+    model_type = PRUNED_HEAD_TYPE
+
+    def __init__(self, head_size: int | None = None, **kwargs):
+        self.head_size = head_size
+        super().__init__(**kwargs)
+
+
+class PrunedHead(torch.nn.Module):
+    """Tied output layer over `ids` only; `weight` is the full (tied) embedding matrix."""
+
+    def __init__(self, vocab: int, hidden: int, head_size: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(vocab, hidden))
+        self.register_buffer("ids", torch.arange(head_size), persistent=True)
+        self._cache: tuple | None = None
+
+    def pruned_weight(self) -> torch.Tensor:
+        """[K, H] rows of the kept ids; cached when no gradient is needed (inference)."""
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            return self.weight.index_select(0, self.ids)
+        key = (self.weight.data_ptr(), self.weight._version, self.ids.data_ptr(),
+               self.ids._version, self.weight.dtype, self.weight.device)
+        if self._cache is None or self._cache[0] != key:
+            with torch.no_grad():
+                self._cache = (key, self.weight.index_select(0, self.ids).contiguous())
+        return self._cache[1]
+
+    def pruned_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., K] logits of the kept ids (training uses these: no V-wide tensor)."""
+        return hidden @ self.pruned_weight().T
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        small = self.pruned_logits(hidden)
+        out = small.new_full((*small.shape[:-1], self.weight.shape[0]), MASKED_LOGIT)
+        return out.index_copy_(-1, self.ids, small)
+
+
+class PrunedHeadLlamaForCausalLM(LlamaForCausalLM):
+    """A Llama draft with a PrunedHead; head_size None (or = vocab) is a plain full head."""
+
+    config_class = PrunedHeadLlamaConfig
+    _keys_to_ignore_on_load_missing = [r"lm_head\.ids"]  # stored in specstop_draft.json
+
+    def __init__(self, config):
+        super().__init__(config)
+        k = config.head_size or config.vocab_size
+        self.lm_head = PrunedHead(config.vocab_size, config.hidden_size, k)
+        self.post_init()
+
+    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+        """Always the standard format: stock Llama files + the kept ids in specstop_draft.json
+        (transformers' own writer would store the custom config that stock loaders refuse)."""
+        out = Path(save_directory)
+        write_head_ids(out, save_draft_weights(self, out))
+
+    def set_head_ids(self, ids, resize: bool = False) -> None:
+        """Choose the kept token ids (unique, each < vocab; length head_size unless `resize`:
+        then the head takes len(ids) ids, a row selection of the tied embedding)."""
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        if ids.ndim != 1 or ids.unique().numel() != ids.numel() or not ids.numel():
+            raise ModelError("head ids must be unique token ids")
+        if ids.shape != self.lm_head.ids.shape and not resize:
+            raise ModelError(f"head ids must be {self.lm_head.ids.numel()} unique token ids")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ModelError("head ids must lie in [0, vocab_size)")
+        if resize:
+            self.lm_head.ids = ids.to(self.lm_head.ids.device)  # a registered buffer: replaced
+            self.lm_head._cache = None
+            self.config.head_size = int(ids.numel())
+        else:
+            self.lm_head.ids.copy_(ids.to(self.lm_head.ids.device))
+
+
+
+
+def output_token_ids(model) -> torch.Tensor | None:
+    """Token ids a draft's output layer can propose (None = all of them)."""
+    head = model.get_output_embeddings()
+    return head.ids if isinstance(head, PrunedHead) else None
+
+
+def save_draft_weights(model, out: Path) -> list[int] | None:
+    """Write `model` to `out` as a stock LlamaForCausalLM (config.json, generation_config.json,
+    model.safetensors) and return its kept head ids (None = full head) for specstop_draft.json."""
+    from safetensors.torch import save_file
+
+    head = model.get_output_embeddings()
+    if not isinstance(head, PrunedHead):
+        model.save_pretrained(out, safe_serialization=True)
+        return None
+    if model.get_input_embeddings().weight is not head.weight:
+        raise ValueError("a pruned-head draft must tie its output layer to the embedding")
+    ids = head.ids.tolist()
+    full = ids == list(range(head.weight.shape[0]))
+    dtype = head.weight.dtype
+    # the tied head is the embedding (transformers stores it once); the ids go to the JSON
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
+             if k not in ("lm_head.weight", "lm_head.ids")}
+    out.mkdir(parents=True, exist_ok=True)
+    standard_config(model.config, dtype).save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return None if full else ids

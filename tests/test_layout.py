@@ -1,0 +1,122 @@
+"""The layout's rules, read from the source with `ast` (nothing is imported):
+no import circle inside decoding/ and training/ (module-level and function-level imports both
+count), and no arrow from inference (`decoding`) up to `training`."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("decoding", "training")
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve(name: str, modules: set[str]) -> str | None:
+    """The longest known module that `name` lies in (`a.b.func` -> `a.b`)."""
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def imports_of(source: str, module: str, is_package: bool, modules: set[str]) -> set[str]:
+    """Every project module `module` imports anywhere in its source, function bodies included.
+    `from pkg import sub` counts as an edge to `pkg.sub` when that is a module, else to `pkg`."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if (hit := _resolve(alias.name, modules)) is not None:
+                    found.add(hit)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                target = _resolve(f"{base}.{alias.name}", modules)
+                if target is None or target == base and f"{base}.{alias.name}" not in modules:
+                    target = _resolve(base, modules)
+                if target is not None:
+                    found.add(target)
+    found.discard(module)
+    return found
+
+
+def import_graph(root: Path, packages=PACKAGES) -> dict[str, set[str]]:
+    files = {module_name(p, root): p for pkg in packages for p in sorted((root / pkg).rglob("*.py"))}
+    modules = set(files)
+    return {m: imports_of(p.read_text(), m, p.name == "__init__.py", modules)
+            for m, p in files.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as [a, b, ..., a], or None (depth-first search)."""
+    def edges(m):
+        return sorted(graph.get(m, ()))
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for t in edges(m):
+            if state.get(t) == 1:
+                return stack[stack.index(t):] + [t]
+            if t not in state and (c := visit(t)):
+                return c
+        state[m] = 2
+        stack.pop()
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (c := visit(m)):
+            return c
+    return None
+
+
+def test_decoding_and_training_have_no_import_circles():
+    cycle = find_cycle(import_graph(ROOT))
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_inference_never_imports_training():
+    graph = import_graph(ROOT)
+    up = sorted(f"{m} -> {t}" for m, ts in graph.items() if m.split(".")[0] == "decoding"
+                for t in ts if t.split(".")[0] == "training")
+    assert not up, "decoding imports training: " + "; ".join(up)
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def test_checker_sees_circles_in_function_bodies_and_upward_arrows(tmp_path):
+    """The checks above can fail: a circle closed only by an import inside a function, a relative
+    `from . import x` and an inference -> training arrow are all found."""
+    _write(tmp_path, {
+        "decoding/__init__.py": "",
+        "decoding/a.py": "from decoding.b import f\n",
+        "decoding/b.py": "def f():\n    from . import c\n",
+        "decoding/c.py": "def g():\n    import decoding.a\n",
+        "decoding/d.py": "def h():\n    from training.t import x\n",
+        "training/__init__.py": "",
+        "training/t.py": "x = 1\n",
+    })
+    graph = import_graph(tmp_path)
+    assert graph["decoding.b"] == {"decoding.c"}
+    assert find_cycle(graph) == ["decoding.a", "decoding.b", "decoding.c", "decoding.a"]
+    assert graph["decoding.d"] == {"training.t"}
+    (tmp_path / "decoding/c.py").write_text("def g():\n    pass\n")
+    assert find_cycle(import_graph(tmp_path)) is None
