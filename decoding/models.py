@@ -70,14 +70,14 @@ def default_target_dir() -> Path:
     with open(out.parent / ".convert.lock", "w") as lock:  # parallel test workers convert once
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "model.safetensors").exists():
-            _convert_smollm2(out)
+            convert_gguf(smollm2_gguf_path(), out)
     return out
 
 
-def _convert_smollm2(out: Path) -> None:
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """A GGUF file -> a plain fp32 safetensors directory with its tokenizer (atomic)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = smollm2_gguf_path()
     src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # A GGUF-loaded model refuses save_pretrained: rebuild a plain one from its config.
@@ -110,6 +110,10 @@ def make_shareable(root: Path) -> None:
 def resolve_model_dir(path: str | os.PathLike | None) -> Path:
     if path is None or str(path) == DEFAULT_TARGET:
         return default_target_dir()
+    from .named_targets import NAMED, named_target_dir
+
+    if str(path) in NAMED:
+        return named_target_dir(str(path))
     p = Path(path)
     if not p.is_dir():
         raise ModelError(f"model directory not found: {p}")

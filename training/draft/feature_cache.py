@@ -105,9 +105,11 @@ def target_batch(model, ids: torch.Tensor, mask: torch.Tensor, label_start: torc
     token (label_start[b] <= t < length - 1).
     """
     from decoding.aux_capture import capture_aux
+    from decoding.target_layout import target_layout
 
+    layout = target_layout(model)
     with capture_aux(model, layers) as cap:
-        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden = layout.trunk(input_ids=ids, attention_mask=mask).last_hidden_state
     feats = cap.aux().float()
     b, w = ids.shape
     t = torch.arange(w)
@@ -118,7 +120,7 @@ def target_batch(model, ids: torch.Tensor, mask: torch.Tensor, label_start: torc
     top1 = torch.zeros(b, w, dtype=torch.long)
     li, lp, t1 = [], [], []
     for a in range(0, len(rows), chunk):  # full-vocabulary logits are big: a chunk at a time
-        logits = model.lm_head(rows[a: a + chunk]).float()
+        logits = layout.logits(rows[a: a + chunk]).float()
         t1.append(logits.argmax(-1))
         val, idx = F.log_softmax(logits[:, used], -1).topk(min(k, len(used)), -1)
         li.append(idx)
