@@ -1,0 +1,78 @@
+"""The feature (EAGLE-3) head on tiny random Qwen3 and Gemma 3 targets (Gemma 3: local and
+global layers, a scaled embedding): training steps lower the loss, the eagle3 export reads
+back with identical logits, and a head whose embedding scale the engines would not cancel is
+refused in one line."""
+
+import pytest
+import torch
+from arch_fixtures import V, tiny_model
+
+from decoding.feature_draft import default_aux_layers
+from decoding.feature_io import load_feature_draft, save_feature_draft
+from decoding.models import ModelError
+from training.draft.feature_module import FeatureDistillModule
+from training.export import from_eagle3, to_eagle3
+
+FAMILIES = ("qwen3", "gemma3")
+
+
+def module_for(model, steps=3, lr=3e-3):
+    m = FeatureDistillModule(target="unused", steps=steps, lr=lr)
+    m._target.append(model.requires_grad_(False))  # in memory: no directory to load
+    m.build_head(list(default_aux_layers(4)), torch.arange(0, V, 2))
+    m.online_k = 8
+    return m
+
+
+def batch(seed=0, b=4, t=20):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, V, (b, t), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "label_start": torch.full((b,), 3),
+            "code": torch.zeros(b, dtype=torch.bool)}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def trained(request):
+    torch.manual_seed(0)
+    model = tiny_model(request.param, sharp=3.0)
+    m = module_for(model)
+    opt = torch.optim.AdamW([p for p in m.head.parameters() if p.requires_grad], lr=3e-3)
+    data, losses = batch(), []
+    for _ in range(12):
+        loss, _ = m._step(data)
+        assert torch.isfinite(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return request.param, model, m.head.eval(), losses
+
+
+def test_training_steps_lower_the_loss(trained):
+    family, _, head, losses = trained
+    assert losses[-1] < 0.8 * losses[0], (family, losses)
+    assert head.config.embed_scale == (8.0 if family == "gemma3" else 1.0)  # sqrt(64)
+
+
+def test_own_format_and_eagle3_round_trip(trained, tmp_path):
+    family, model, head, _ = trained
+    back = load_feature_draft(save_feature_draft(head, tmp_path / "own", model), model)
+    assert back.config == head.config
+    out = to_eagle3(head, tmp_path / "eagle3", "float32", model.config, embed_tokens=False)
+    again = from_eagle3(out, model)
+    assert again.config.embed_scale == head.config.embed_scale
+    ids, aux = torch.randint(0, V, (2, 7)), torch.randn(2, 7, 3 * 64)
+    with torch.no_grad():
+        for (a, ha), (b, hb), (c, hc) in zip(head.unroll(ids, aux, 3), back.unroll(ids, aux, 3),
+                                             again.unroll(ids, aux, 3)):
+            assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(ha, hc), family
+
+
+def test_a_scale_the_input_norm_does_not_cancel_is_refused(tmp_path):
+    model = tiny_model("gemma3")
+    with torch.no_grad():  # mean square 1e-8 ~ eps: dropping the x8 would change the normed input
+        model.get_input_embeddings().weight.normal_(0, 1e-4)
+    head = module_for(model).head
+    with pytest.raises(ModelError, match=r"scaled by 8 .*not exportable to eagle3") as e:
+        to_eagle3(head, tmp_path / "x", "float32", model.config)
+    assert "\n" not in str(e.value) and not (tmp_path / "x").exists()
