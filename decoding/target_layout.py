@@ -152,4 +152,8 @@ def _measure_embed_scale(target, layout: TargetLayout) -> float:
         raise ModelError(f"feature heads do not support {layout.arch}: its first layer's input is not "
                          "its token embedding times a constant (position embeddings or an embedding "
                          "norm), and an EAGLE-3 head embeds tokens alone")
-    return 1.0 if abs(scale - 1.0) < tol else scale
+    declared = getattr(layout.embed, "scalar_embed_scale", None)  # Gemma's exact sqrt(hidden)
+    for exact in (1.0, declared):
+        if exact is not None and abs(scale - exact) <= tol * exact:
+            return float(exact)
+    return scale
