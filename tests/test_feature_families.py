@@ -65,7 +65,7 @@ def test_own_format_and_eagle3_round_trip(trained, tmp_path):
     with torch.no_grad():
         for (a, ha), (b, hb), (c, hc) in zip(head.unroll(ids, aux, 3), back.unroll(ids, aux, 3),
                                              again.unroll(ids, aux, 3)):
-            assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(ha, hc), family
+            assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(ha, hb) and torch.equal(ha, hc), family
 
 
 def test_a_scale_the_input_norm_does_not_cancel_is_refused(tmp_path):
