@@ -102,3 +102,19 @@ def test_decoding_with_a_head_equals_ar(family):
             assert out == ar.generate(prompt, 20)[0] and stats.lossless, (family, cfg.name)
             accepted += stats.accepted
     assert accepted > 0, family  # the head's drafts were really verified and kept
+
+
+def test_feature_cache_stores_states_float16_overflows_in_bfloat16():
+    """Gemma's residual stream exceeds float16's range (65504): those shards keep bfloat16."""
+    from training.draft.feature_cache import CacheSettings, compute_shard
+
+    settings, used = CacheSettings([0, 1, 3], draft_vocab_size=16, k=4), torch.arange(16)
+    dtypes = []
+    for scale in (1.0, 1e5):  # x 0.2 x sqrt(64): states ~1.6e5
+        model = tiny_model("gemma3")
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(scale)
+        out = compute_shard(model, [[1, 5, 9, 13, 17, 21]], [1], settings, used, 0, 64)
+        assert torch.isfinite(out["feats"]).all()
+        dtypes.append(out["feats"].dtype)
+    assert dtypes == [torch.float16, torch.bfloat16]

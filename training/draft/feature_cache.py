@@ -5,7 +5,8 @@
 
 One fp32 prefill per corpus row (batched by length; bf16 is slower on this AVX2 CPU) with
 `capture_aux` pre-hooks gives, at every position of prompt[-max_prompt_tokens:] + completion,
-the residual stream at the input of the three aux layers (stored float16, [T, 3H]) and, at
+the residual stream at the input of the three aux layers ([T, 3H], float16; bfloat16 where float16
+overflows, as Gemma's does) and, at
 every position that predicts a completion token, the target's top-k log-probs over the
 draft vocabulary (log-softmax of the target logits restricted to it, ids as draft indices)
 plus the target's full-vocabulary argmax (the loss is masked where it is outside the draft
@@ -156,10 +157,11 @@ def compute_shard(model, seqs: list[list[int]], starts: list[int], settings: Cac
             n, m = len(seqs[i]), out["lab_mask"][j]
             per[i] = (out["feats"][j, :n], out["lab_ids"][j][m], out["lab_logp"][j][m], out["top1"][j][m])
     feats = torch.cat([p[0] for p in per])
-    if not torch.isfinite(feats.half()).all():
-        raise ValueError("target states overflow float16; store them in bfloat16 instead")
+    # float16 keeps 3 more mantissa bits, but Gemma's residual stream exceeds its range: bfloat16
+    # there (per shard; readers upcast every row to float32)
+    half = feats.half()
     return {"ids": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
-            "feats": feats.half(),
+            "feats": half if torch.isfinite(half).all() else feats.bfloat16(),
             "offsets": torch.tensor([0] + [len(s) for s in seqs]).cumsum(0),
             "label_start": torch.tensor(starts, dtype=torch.long),
             "lab_ids": torch.cat([p[1] for p in per]).int(),
