@@ -146,7 +146,12 @@ def load_model(path, dtype: str = "float32", device: str = "cpu", head_dtype: st
         refuse_old_format(p)
         ids = head_ids_of(p)
         if ids is None:
-            model, info = AutoModelForCausalLM.from_pretrained(p, **kw)
+            try:
+                model, info = AutoModelForCausalLM.from_pretrained(p, **kw)
+            except ValueError as e:  # no sdpa for this architecture (Gemma 2's soft-capping): eager
+                if "scaled_dot_product_attention" not in str(e):
+                    raise
+                model, info = AutoModelForCausalLM.from_pretrained(p, **(kw | {"attn_implementation": "eager"}))
         else:
             conf = PrunedHeadLlamaConfig(head_size=len(ids), **LlamaConfig.from_pretrained(p).to_dict())
             model, info = PrunedHeadLlamaForCausalLM.from_pretrained(p, config=conf, **kw)

@@ -71,3 +71,11 @@ def test_scale_deviation_known_values():
     want = ((1e-4 + 1e-6) / (1e-4 + 1e-6 / 64)) ** 0.5 - 1
     assert scale_deviation(e, 8.0, 1e-6) == pytest.approx(want) and want > TOLERANCE
     assert scale_deviation(torch.zeros(2, 4), 8.0, 1e-6) == 0.0  # all-zero (padding) rows
+
+
+def test_an_architecture_without_sdpa_loads_with_eager_attention(tmp_path):
+    from decoding.models import load_model
+
+    tiny_model("gemma2").save_pretrained(tmp_path / "g2")
+    model = load_model(tmp_path / "g2")
+    assert model.config._attn_implementation == "eager" and target_layout(model).embed_scale == 8.0
