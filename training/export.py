@@ -25,6 +25,9 @@ import torch
 
 from decoding.drafts.feature import FeatureDraft, FeatureDraftConfig, default_aux_layers
 from decoding.models import DTYPES, ModelError
+from decoding.target_layout import target_layout
+
+from .eagle3_layout import check_exportable
 
 ARCH = "LlamaForCausalLMEagle3"
 
@@ -61,6 +64,7 @@ def to_eagle3(draft: FeatureDraft, out, dtype: str = "bfloat16", target_config=N
                          f"{list(default_aux_layers(cfg.target_num_layers))} (the EAGLE-3 default): retrain on those")
     if dtype not in DTYPES:
         raise ModelError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    check_exportable(draft)  # a scaled embedding (Gemma) only where the engines' head matches
     state = {k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).detach().cpu().contiguous()
              for k, v in draft.state_dict().items()}
     if embed_tokens:
@@ -100,7 +104,8 @@ def from_eagle3(path, target, dtype: str = "float32") -> FeatureDraft:
         intermediate_size=c["intermediate_size"], vocab_size=c["vocab_size"],
         draft_vocab_size=c.get("draft_vocab_size") or c["vocab_size"],
         rope_theta=float(c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-        rms_norm_eps=c["rms_norm_eps"], max_position_embeddings=c["max_position_embeddings"])
+        rms_norm_eps=c["rms_norm_eps"], max_position_embeddings=c["max_position_embeddings"],
+        embed_scale=target_layout(target).embed_scale)  # not in the format: the target's own
     state.pop("embed_tokens.weight", None)  # the target's own embeddings are used
     draft = FeatureDraft(cfg)
     missing, unexpected = draft.load_state_dict(state, strict=False)

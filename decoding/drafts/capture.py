@@ -8,12 +8,7 @@ from contextlib import contextmanager
 
 import torch
 
-
-def decoder_layers(target):
-    layers = getattr(getattr(target, "model", None), "layers", None)
-    if layers is None:
-        raise TypeError(f"cannot find the decoder layers of {type(target).__name__} (expected .model.layers)")
-    return layers
+from ..target_layout import decoder_layers
 
 
 class AuxCapture:

@@ -15,8 +15,8 @@ output `h` is the hidden input of the next draft step (position t + 1).
 API for training (h8):
 - `with capture_aux(target, cfg.aux_layers) as cap: target(input_ids=ids)` (decoding.drafts.capture); then
   `aux = cap.aux()` is [B, T, 3 * target_hidden] (pre-layer residuals, target dtype).
-- `draft.unroll(input_ids, aux, steps, attention_mask=None, skip=0, logits=True) ->
-  list[(logits, h)]`, one pair per step j = 0 .. steps-1 (steps >= 1 cover t >= skip only). input_ids [B, T] is the sequence x_0..x_{T-1}, aux [B, T, 3Ht]
+- `draft.unroll(input_ids, aux, steps, attention_mask=None, skip=0, logits=True) -> list[(logits, h)]`,
+  one pair per step j (steps >= 1 cover t >= skip only). input_ids [B, T] is x_0..x_{T-1}, aux [B, T, 3Ht]
   the target's features at the same positions, attention_mask [B, T] (1 = real token; right
   padding). Step j at index t reads token x_{t+1+j} at position t+j, with hidden fc(aux_t)
   (j = 0) or step j-1's h at t; it attends to step 0's entries 0..t and to its own entries
@@ -43,8 +43,11 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
 
 
 def target_rope_theta(tcfg) -> float:
+    """The target's RoPE base (per layer type, Gemma 3: the global one: the head sees all)."""
     params = getattr(tcfg, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(tcfg, "rope_theta", 10000.0)))
+    if "rope_theta" not in params and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
+    return float(params.get("rope_theta", getattr(tcfg, "rope_theta", None) or 10000.0))
 
 
 @dataclass
@@ -69,6 +72,9 @@ class FeatureDraftConfig:
     """RoPE base actually used (must match what serving engines are told)."""
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 8192
+    embed_scale: float = 1.0
+    """The target's embedding function is embedding(ids) * embed_scale (Gemma: sqrt(hidden);
+    measured by decoding.target_layout)."""
     extra: dict = field(default_factory=dict)
     """Free-form provenance (training run, data); not read by the model."""
 
@@ -80,17 +86,30 @@ class FeatureDraftConfig:
             raise ValueError(f"draft_vocab_size must be in 1..{self.vocab_size} (got {self.draft_vocab_size})")
 
     @classmethod
-    def from_target(cls, tcfg, draft_vocab_size: int = 8192, aux_layers=None) -> FeatureDraftConfig:
-        n = tcfg.num_hidden_layers
+    def from_target(cls, tcfg, draft_vocab_size: int = 8192, aux_layers=None,
+                    embed_scale: float = 1.0) -> FeatureDraftConfig:
+        """Shapes from the target's config (GPT-NeoX names some fields differently)."""
+        n, hidden, heads = tcfg.num_hidden_layers, tcfg.hidden_size, tcfg.num_attention_heads
+        eps = next((getattr(tcfg, k) for k in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
+                    if getattr(tcfg, k, None) is not None), 1e-6)
         return cls(
-            hidden_size=tcfg.hidden_size, target_hidden_size=tcfg.hidden_size, target_num_layers=n,
+            hidden_size=hidden, target_hidden_size=hidden, target_num_layers=n,
             aux_layers=tuple(aux_layers) if aux_layers else default_aux_layers(n),
-            num_attention_heads=tcfg.num_attention_heads, num_key_value_heads=tcfg.num_key_value_heads,
-            head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads,
-            intermediate_size=tcfg.intermediate_size, vocab_size=tcfg.vocab_size,
+            num_attention_heads=heads, num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(tcfg, "head_dim", None) or hidden // heads,
+            intermediate_size=getattr(tcfg, "intermediate_size", None) or 4 * hidden, vocab_size=tcfg.vocab_size,
             draft_vocab_size=min(draft_vocab_size, tcfg.vocab_size), rope_theta=target_rope_theta(tcfg),
-            rms_norm_eps=tcfg.rms_norm_eps, max_position_embeddings=tcfg.max_position_embeddings,
+            rms_norm_eps=eps, max_position_embeddings=tcfg.max_position_embeddings,
+            embed_scale=float(embed_scale),
         )
+
+    @classmethod
+    def for_target(cls, target, draft_vocab_size: int = 8192, aux_layers=None) -> FeatureDraftConfig:
+        """from_target + the loaded target's measured embedding scale (ModelError: a layout no
+        head can read; decoding.target_layout)."""
+        from ..target_layout import target_layout
+
+        return cls.from_target(target.config, draft_vocab_size, aux_layers, target_layout(target).embed_scale)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -259,42 +278,54 @@ class FeatureDraft(nn.Module):
     def init_output(self, target, used_ids) -> FeatureDraft:
         """Vocabulary, embeddings, lm_head = the target's output rows at `used_ids` and norm =
         its final norm; fc and the midlayer keep their fresh initialisation."""
+        from ..target_layout import target_layout
+        layout = target_layout(target)
         self.set_vocab(used_ids)
-        self.attach_embeddings(target.get_input_embeddings().weight)
-        self.lm_head.weight.copy_(target.get_output_embeddings().weight[self.used_ids.cpu()].float())
-        self.norm.weight.copy_(target.model.norm.weight.float())
+        self.attach_embeddings(layout.embed.weight)
+        self.lm_head.weight.copy_(layout.lm_head.weight[self.used_ids.cpu()].float())
+        self.norm.weight.copy_(layout.norm_weight())
         return self
 
     @torch.no_grad()
     def init_from_target(self, target, used_ids) -> FeatureDraft:
         """lm_head = the target's output rows at `used_ids`, norm = its final norm, midlayer
         from the target's last layer (q/k/v: the target's weight on both halves of the 2H
-        input, halved), fc passes the highest captured layer through (when widths match)."""
+        input, halved), fc passes the highest captured layer through (when widths match). A
+        target layer without Llama's layout (decoding.target_layout: Gemma 2/3, Phi3, Mixtral,
+        GPT-NeoX) leaves the midlayer freshly initialised."""
+        from ..target_layout import effective_norm_weight, target_layout
+
         c = self.config
         self.init_output(target, used_ids)
-        src = target.model.layers[-1]
+        layout = target_layout(target)
         if c.target_hidden_size == c.hidden_size:
             self.fc.weight.zero_()
             self.fc.weight[:, 2 * c.hidden_size:].copy_(torch.eye(c.hidden_size))
-        m = self.midlayer
+        if not layout.llama_like_layer(-1):
+            return self
+        src, m = layout.layers[-1], self.midlayer
         for name in ("q_proj", "k_proj", "v_proj"):
             w = getattr(src.self_attn, name).weight.float()
             if getattr(m.self_attn, name).weight.shape == (w.shape[0], 2 * w.shape[1]):
                 getattr(m.self_attn, name).weight.copy_(torch.cat((w, w), dim=1) / 2)
-        pairs = [(m.self_attn.o_proj, src.self_attn.o_proj), (m.mlp.gate_proj, src.mlp.gate_proj),
-                 (m.mlp.up_proj, src.mlp.up_proj), (m.mlp.down_proj, src.mlp.down_proj),
-                 (m.input_layernorm, src.input_layernorm), (m.hidden_norm, src.input_layernorm),
-                 (m.post_attention_layernorm, src.post_attention_layernorm)]
-        for dst, s in pairs:
-            if dst.weight.shape == s.weight.shape:
-                dst.weight.copy_(s.weight.float())
+        pairs = [(m.self_attn.o_proj, src.self_attn.o_proj.weight), (m.mlp.gate_proj, src.mlp.gate_proj.weight),
+                 (m.mlp.up_proj, src.mlp.up_proj.weight), (m.mlp.down_proj, src.mlp.down_proj.weight),
+                 (m.input_layernorm, effective_norm_weight(src.input_layernorm)),
+                 (m.hidden_norm, effective_norm_weight(src.input_layernorm)),
+                 (m.post_attention_layernorm, effective_norm_weight(src.post_attention_layernorm))]
+        for dst, w in pairs:
+            if dst.weight.shape == w.shape:
+                dst.weight.copy_(w.float())
         return self
 
     # -- forward --------------------------------------------------------------------------
     def embed(self, tokens):
         if self.embed_weight is None:
             raise RuntimeError("feature draft has no token embeddings: call attach_embeddings(target's)")
-        return nn.functional.embedding(tokens, self.embed_weight).to(self.fc.weight.dtype)
+        e = nn.functional.embedding(tokens, self.embed_weight)
+        if self.config.embed_scale != 1.0:  # in the embedding's dtype, as the target does
+            e = e * torch.tensor(self.config.embed_scale, dtype=e.dtype)
+        return e.to(self.fc.weight.dtype)
 
     def fuse(self, aux):
         """[.., 3 * target_hidden] captured states -> [.., hidden]."""

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .capture import capture_aux
+from .capture import capture_aux, decoder_layers
 from .feature import DraftKV, FeatureDraft
 from ..models import MASKED_LOGIT
 from ..proposers import DraftTree, TreeProposer, empty_tree
@@ -126,7 +126,7 @@ class FeatureProposer(TreeProposer):
                  replacement: bool = False, roots_from_target: bool = False):
         super().__init__(draft, layout, sampling, replacement, roots_from_target)
         self.target = target
-        n_layers = len(target.model.layers)
+        n_layers = len(decoder_layers(target))
         if n_layers != draft.config.target_num_layers:
             raise ValueError(f"feature draft expects a {draft.config.target_num_layers}-layer target, "
                              f"this one has {n_layers}")

@@ -91,6 +91,9 @@ class CorpusConfig:
     writer: str | None = None
     """None = the target writes; a draft directory = the draft writes (on-policy corpus). It
     must share the target's tokenizer; the target scores its text in the teacher cache."""
+    chat: bool = True
+    """Wrap each prompt in the tokenizer's chat template; false: the plain text (a base model
+    such as gemma3-270m, whose tokenizer has no chat template)."""
 
 
 @dataclass
@@ -130,7 +133,12 @@ def load_teacher(cfg: CorpusConfig) -> Teacher:
     model_dir = resolve_model_dir(cfg.target)
     model, tok = load_model(cfg.target, dtype=cfg.dtype), load_tokenizer(cfg.target)
 
-    def encode(text: str) -> list[int]:
+    def encode(text: str) -> list[int]:  # (scoring alone, e.g. the teacher cache, never encodes)
+        if not cfg.chat:
+            return tok.encode(text)
+        if not tok.chat_template:
+            raise ValueError("the target's tokenizer has no chat template (a base model?): "
+                             "build its corpus from plain text with --chat false")
         enc = tok.apply_chat_template([{"role": "user", "content": text}],
                                       add_generation_prompt=True, tokenize=True)
         return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
@@ -270,6 +278,8 @@ def build_corpus(cfg: CorpusConfig, teacher: Teacher, prompts: list[Prompt],
 
     generation = {"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
                   "dtype": cfg.dtype, "seed": cfg.seed, "sampler": cfg.sampler}
+    if not cfg.chat:  # recorded only when set: chat corpora keep their identity
+        generation["chat"] = False
     target = dict(teacher.info)
     writer_info = target.pop("writer", None)  # the manifest's target is the one to align to
     per_shard = {}

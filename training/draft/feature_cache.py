@@ -5,7 +5,8 @@
 
 One fp32 prefill per corpus row (batched by length; bf16 is slower on this AVX2 CPU) with
 `capture_aux` pre-hooks gives, at every position of prompt[-max_prompt_tokens:] + completion,
-the residual stream at the input of the three aux layers (stored float16, [T, 3H]) and, at
+the residual stream at the input of the three aux layers ([T, 3H], float16; bfloat16 where float16
+overflows, as Gemma's does) and, at
 every position that predicts a completion token, the target's top-k log-probs over the
 draft vocabulary (log-softmax of the target logits restricted to it, ids as draft indices)
 plus the target's full-vocabulary argmax (the loss is masked where it is outside the draft
@@ -105,9 +106,11 @@ def target_batch(model, ids: torch.Tensor, mask: torch.Tensor, label_start: torc
     token (label_start[b] <= t < length - 1).
     """
     from decoding.drafts.capture import capture_aux
+    from decoding.target_layout import target_layout
 
+    layout = target_layout(model)
     with capture_aux(model, layers) as cap:
-        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden = layout.trunk(input_ids=ids, attention_mask=mask).last_hidden_state
     feats = cap.aux().float()
     b, w = ids.shape
     t = torch.arange(w)
@@ -118,7 +121,7 @@ def target_batch(model, ids: torch.Tensor, mask: torch.Tensor, label_start: torc
     top1 = torch.zeros(b, w, dtype=torch.long)
     li, lp, t1 = [], [], []
     for a in range(0, len(rows), chunk):  # full-vocabulary logits are big: a chunk at a time
-        logits = model.lm_head(rows[a: a + chunk]).float()
+        logits = layout.logits(rows[a: a + chunk]).float()
         t1.append(logits.argmax(-1))
         val, idx = F.log_softmax(logits[:, used], -1).topk(min(k, len(used)), -1)
         li.append(idx)
@@ -154,10 +157,11 @@ def compute_shard(model, seqs: list[list[int]], starts: list[int], settings: Cac
             n, m = len(seqs[i]), out["lab_mask"][j]
             per[i] = (out["feats"][j, :n], out["lab_ids"][j][m], out["lab_logp"][j][m], out["top1"][j][m])
     feats = torch.cat([p[0] for p in per])
-    if not torch.isfinite(feats.half()).all():
-        raise ValueError("target states overflow float16; store them in bfloat16 instead")
+    # float16 keeps 3 more mantissa bits, but Gemma's residual stream exceeds its range: bfloat16
+    # there (per shard; readers upcast every row to float32)
+    half = feats.half()
     return {"ids": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
-            "feats": feats.half(),
+            "feats": half if torch.isfinite(half).all() else feats.bfloat16(),
             "offsets": torch.tensor([0] + [len(s) for s in seqs]).cumsum(0),
             "label_start": torch.tensor(starts, dtype=torch.long),
             "lab_ids": torch.cat([p[1] for p in per]).int(),

@@ -109,7 +109,7 @@ class FeatureDistillModule(L.LightningModule):
 
         t = self.target()
         self.layers = list(layers)
-        cfg = FeatureDraftConfig.from_target(t.config, draft_vocab_size=len(used), aux_layers=layers)
+        cfg = FeatureDraftConfig.for_target(t, draft_vocab_size=len(used), aux_layers=layers)
         if self.hp["rope_theta"] is not None:
             cfg.rope_theta = float(self.hp["rope_theta"])
         head = FeatureDraft(cfg, t.get_input_embeddings().weight)
