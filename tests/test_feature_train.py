@@ -242,9 +242,10 @@ def test_skipped_prompt_rows_leave_the_loss_unchanged(tiny, monkeypatch):
         monkeypatch.setattr(fm, "unroll_skip", lambda b, s: 0)
         full, per_full = module._step(batch)
     torch.testing.assert_close(cut, full, rtol=1e-5, atol=1e-5)
-    for (lc, ac, _), (lf, af, _) in zip(per_cut, per_full):
+    for (lc, ac, _, xc), (lf, af, _, xf) in zip(per_cut, per_full):
         torch.testing.assert_close(lc, lf, rtol=1e-5, atol=1e-5)
         assert torch.equal(ac, af)
+        torch.testing.assert_close(xc, xf, rtol=1e-5, atol=1e-5)  # expected acceptance
 
 
 def test_freeze_output_trains_only_fc_and_midlayer(tiny):

@@ -48,6 +48,7 @@ CORPUS_KIND = "specstop-teacher-corpus"
 # on this CPU, which would dominate a draft writing at batch 64).
 SAMPLERS = ("per-prompt-generator-v1", "per-prompt-inverse-cdf-v2")
 SAMPLE_SEP = "#"  # "<prompt id>#<k>": the k-th extra continuation of a prompt
+TURN_SEP = "@"  # "<conversation id>@<k>": the k-th assistant turn of a conversation
 ARROW_SCHEMA = pa.schema([
     ("prompt_id", pa.string()), ("kind", pa.string()), ("split", pa.string()),
     ("seed", pa.int64()), ("prompt_ids", pa.list_(pa.int32())),
@@ -107,6 +108,8 @@ class Teacher:
     pad_token_id: int
     info: dict
     """Identity written to the manifest; a resume must match it exactly."""
+    tokenizer: object = None
+    """The target's tokenizer (the chat tools render conversations with its template)."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +156,7 @@ def load_teacher(cfg: CorpusConfig) -> Teacher:
         "vocab_size": len(tok),
         "chat_template_sha256": _sha256((tok.chat_template or "").encode()),
     }
-    return Teacher(model, encode, eos, pad, info)
+    return Teacher(model, encode, eos, pad, info, tok)
 
 
 def with_writer(teacher: Teacher, cfg: CorpusConfig) -> Teacher:
@@ -205,8 +208,9 @@ def sampled(p: Prompt, k: int) -> Prompt:
 
 
 def base_id(row_id: str) -> str:
-    """The prompt a corpus row continues (splits are decided per prompt, never per sample)."""
-    return row_id.split(SAMPLE_SEP, 1)[0]
+    """The prompt (or conversation) a corpus row continues: splits are decided per prompt,
+    never per sample or turn (a later turn's context holds the earlier ones)."""
+    return row_id.split(SAMPLE_SEP, 1)[0].split(TURN_SEP, 1)[0]
 
 
 def prompt_seed(seed: int, prompt_id: str) -> int:
@@ -271,6 +275,37 @@ def _chunks(items: list, n: int) -> Iterator[list]:
         yield items[i: i + n]
 
 
+@dataclass
+class GenClock:
+    """Tokens generated and seconds spent generating them, over one run."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def stats(self) -> dict:
+        return {"new_tokens": self.tokens, "gen_seconds": round(self.seconds, 1),
+                "tokens_per_s": round(self.tokens / self.seconds, 1) if self.seconds else 0.0}
+
+
+def generate_rows(teacher: Teacher, encoded: list[list[int]], seeds: list[int], cfg: CorpusConfig,
+                  clock: GenClock, bar=None) -> list[tuple[list[int], bool]]:
+    """(completion ids, finished) per prompt, generated in batches of similar length."""
+    order = sorted(range(len(encoded)), key=lambda i: (len(encoded[i]), i))  # less padding
+    results: list = [None] * len(encoded)
+    for idx in _chunks(order, cfg.batch_size):
+        tb = time.time()
+        res = generate_batch(teacher, [encoded[i] for i in idx], [seeds[i] for i in idx], cfg)
+        clock.seconds += time.time() - tb
+        for i, r in zip(idx, res):
+            results[i] = r
+        clock.tokens += sum(len(c) for c, _ in res)
+        if bar is not None:
+            bar.set_postfix(tok_s=f"{clock.tokens / clock.seconds:.0f}", tokens=clock.tokens,
+                            refresh=False)
+            bar.update(len(idx))
+    return results
+
+
 def build_corpus(cfg: CorpusConfig, teacher: Teacher, prompts: list[Prompt],
                  progress: bool = True) -> dict:
     """Generate the prompts not yet in cfg.out; returns counts for this run."""
@@ -291,7 +326,7 @@ def build_corpus(cfg: CorpusConfig, teacher: Teacher, prompts: list[Prompt],
         done = writer.done()
         todo = [p for k in range(cfg.samples) for p in map(lambda p, k=k: sampled(p, k), prompts)
                 if p.id not in done]
-        t0, new_rows, new_tokens, gen_time = time.time(), 0, 0, 0.0
+        t0, new_rows, clock = time.time(), 0, GenClock()
         bar = tqdm(total=len(todo), unit="prompt", disable=not progress, dynamic_ncols=True,
                    mininterval=1 if sys.stderr.isatty() else 30)
         for chunk in _chunks(todo, cfg.shard_size):
@@ -299,17 +334,7 @@ def build_corpus(cfg: CorpusConfig, teacher: Teacher, prompts: list[Prompt],
                 break
             encoded = [teacher.encode(p.text) for p in chunk]
             seeds = [prompt_seed(cfg.seed, p.id) for p in chunk]
-            order = sorted(range(len(chunk)), key=lambda i: (len(encoded[i]), i))  # less padding
-            results: list = [None] * len(chunk)
-            for idx in _chunks(order, cfg.batch_size):
-                tb = time.time()
-                res = generate_batch(teacher, [encoded[i] for i in idx], [seeds[i] for i in idx], cfg)
-                gen_time += time.time() - tb
-                for i, r in zip(idx, res):
-                    results[i] = r
-                new_tokens += sum(len(c) for c, _ in res)
-                bar.set_postfix(tok_s=f"{new_tokens / gen_time:.0f}", tokens=new_tokens, refresh=False)
-                bar.update(len(idx))
+            results = generate_rows(teacher, encoded, seeds, cfg, clock, bar)
             table = pa.table({
                 "prompt_id": [p.id for p in chunk], "kind": [p.kind for p in chunk],
                 "split": [p.split for p in chunk], "seed": seeds, "prompt_ids": encoded,
@@ -320,9 +345,8 @@ def build_corpus(cfg: CorpusConfig, teacher: Teacher, prompts: list[Prompt],
             new_rows += len(chunk)
         bar.close()
         total = sum(s["rows"] for s in writer.manifest["shards"])
-    return {"new_rows": new_rows, "new_tokens": new_tokens, "gen_seconds": round(gen_time, 1),
-            "tokens_per_s": round(new_tokens / gen_time, 1) if gen_time else 0.0,
-            "total_rows": total, "remaining": len(todo) - new_rows}
+    return {"new_rows": new_rows, **clock.stats(), "total_rows": total,
+            "remaining": len(todo) - new_rows}
 
 
 def load_corpus(path: str | os.PathLike):

@@ -45,10 +45,15 @@ class RowDataset(Dataset):
         return self.rows[i]
 
 
+def hash_bucket(prompt_id: str) -> int:
+    """A stable bucket in [0, 10000) of the PROMPT (every sample of a prompt, every turn of a
+    conversation lands in one)."""
+    return int.from_bytes(hashlib.sha256(base_id(prompt_id).encode()).digest()[:4], "big") % 10000
+
+
 def is_val(prompt_id: str, percent: float) -> bool:
-    """Validation rows by a hash of the PROMPT (every sample of a prompt lands on one side)."""
-    h = int.from_bytes(hashlib.sha256(base_id(prompt_id).encode()).digest()[:4], "big")
-    return (h % 10000) < percent * 100
+    """Validation rows by a hash of the prompt (training.draft.chat_data splits by it too)."""
+    return hash_bucket(prompt_id) < percent * 100
 
 
 def collate(rows: list[Row], pad_id: int = 0, max_prompt_tokens: int = 256) -> dict:

@@ -101,7 +101,8 @@ class FeatureDataModule(L.LightningDataModule):
             draft_vocab_size: the head's vocabulary (the target's most frequent ids).
             k: top-k draft-vocabulary log-probs per labelled position (soft labels).
             layers: the three target layers captured (null: 2, L//2, L-3).
-            max_prompt_tokens: prompt context kept before each completion.
+            max_prompt_tokens: prompt context kept before each completion (with a chat corpus,
+                the earlier turns: 1024 or more trains longer windows).
             max_tokens: padded positions per training batch.
             val_percent, max_val_rows: held-out slice of the first corpus (by prompt hash).
             max_rows: train on at most the first N training rows (smoke tests, scaling).
@@ -237,6 +238,12 @@ class FeatureDataModule(L.LightningDataModule):
             r = self._readers[row["path"]] = ShardReader(Path(row["path"]), row["shard"],
                                                          self.vocab.sha256())
         return r.row(row["i"]) | {"code": row["code"]}
+
+    @property
+    def window(self) -> int:
+        """The longest training sequence in tokens (prompt context + completion): the window
+        the head is trained on, recorded as trained_window in its checkpoint and export."""
+        return max((r["n"] for r in self.train_rows), default=0)
 
     def positions(self, rows: list | None = None) -> int:
         return sum(r["n"] for r in (self.train_rows if rows is None else rows))

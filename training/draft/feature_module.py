@@ -18,6 +18,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from .accept_metrics import LOSSES, combine, expected_acceptance
+
 
 def shift(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     """x[:, t + n] at position t (dim 1), `fill` past the end."""
@@ -27,11 +29,13 @@ def shift(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-def step_loss(head, h: torch.Tensor, batch: dict, j: int, skip: int = 0
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(soft CE mean, per-position agreement [n], their mask over the batch) for step j, whose
-    pre-norm outputs `h` cover indices skip.. (0 for step 0). The output layer runs on the
-    labelled rows only."""
+def step_loss(head, h: torch.Tensor, batch: dict, j: int, skip: int = 0, loss: str = "soft_ce",
+              temperature: float = 0.7, lk: tuple[float, float] = (1.0, 3.0)
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, per-position agreement [n], expected acceptance at `temperature` [n], their mask
+    over the batch) for step j, whose pre-norm outputs `h` cover indices skip.. (0 for step 0).
+    The output layer runs on the labelled rows only. loss: accept_metrics.LOSSES; lk: its
+    (kl_scale, kl_decay)."""
     m = shift(batch["lab_mask"], 1 + j, False)
     if j:
         m[:, :skip] = False
@@ -40,9 +44,10 @@ def step_loss(head, h: torch.Tensor, batch: dict, j: int, skip: int = 0
     ids, lp = shift(batch["lab_ids"], 1 + j, 0)[m], shift(batch["lab_logp"], 1 + j, float("-inf"))[m]
     inside = head.t2d[top1]
     ce = -(lp.exp() * lq.gather(1, ids)).sum(-1)
-    loss = (ce * inside).sum() / inside.sum().clamp_min(1)
+    accept = expected_acceptance(ids, lp, lq, temperature)
+    total = combine(loss, ce, accept, inside.float(), *lk)
     agree = (head.used_ids[lq.argmax(-1)] == top1).float()
-    return loss, agree, m
+    return total, agree, accept.detach(), m
 
 
 def unroll_skip(batch: dict, steps: int) -> int:
@@ -56,7 +61,9 @@ class FeatureDistillModule(L.LightningModule):
                  lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.95),
                  weight_decay: float = 0.0, warmup_ratio: float = 0.015, min_lr_ratio: float = 0.1,
                  schedule: str = "time", rope_theta: float | None = None, init: str = "target",
-                 freeze_output: bool = False, warm_start: str | None = None):
+                 freeze_output: bool = False, warm_start: str | None = None,
+                 loss: str = "soft_ce", accept_temperature: float = 0.7, lk_kl_scale: float = 1.0,
+                 lk_kl_decay: float = 3.0):
         """Args:
             target: target model dir (None = embedded SmolLM2): the head's shapes, frozen
                 embedding, initial weights and (source online) the prefill.
@@ -79,6 +86,10 @@ class FeatureDistillModule(L.LightningModule):
                 (how a run continues on another machine or in a later session: runs/ is
                 git-ignored, the exported head is committed). Its vocabulary and aux layers
                 must be the data's; optimiser and schedule start afresh.
+            loss: soft_ce | lk_alpha | lk_lambda (training.draft.accept_metrics).
+            accept_temperature: the sampling temperature of the logged expected acceptance
+                (val/accept_J) and of the LK losses: the one decoding will serve.
+            lk_kl_scale, lk_kl_decay: lk_lambda's CE weight, kl_scale * exp(-kl_decay * acceptance).
         """
         super().__init__()
         if not 1 <= steps <= 16:
@@ -87,10 +98,16 @@ class FeatureDistillModule(L.LightningModule):
             raise ValueError(f"init must be target or output (got {init!r})")
         if schedule not in ("time", "steps"):
             raise ValueError(f"schedule must be time or steps (got {schedule!r})")
+        if loss not in LOSSES:
+            raise ValueError(f"loss must be one of {', '.join(LOSSES)} (got {loss!r})")
+        if accept_temperature <= 0:
+            raise ValueError(f"accept_temperature must be > 0 (got {accept_temperature})")
         self.hp = {"target": target, "steps": steps, "step_decay": step_decay, "lr": lr,
                    "betas": list(betas), "weight_decay": weight_decay, "warmup_ratio": warmup_ratio,
                    "min_lr_ratio": min_lr_ratio, "schedule": schedule, "rope_theta": rope_theta,
-                   "init": init, "freeze_output": freeze_output, "warm_start": warm_start}
+                   "init": init, "freeze_output": freeze_output, "warm_start": warm_start,
+                   "loss": loss, "accept_temperature": accept_temperature,
+                   "lk_kl_scale": lk_kl_scale, "lk_kl_decay": lk_kl_decay}
         self.head = None  # built in setup(): its vocabulary comes from the data
         self._target: list = []  # out of the module tree: never saved, never trained
         self._progress, self.t_start = 0.0, None
@@ -141,9 +158,11 @@ class FeatureDistillModule(L.LightningModule):
             p.requires_grad_(not frozen)
 
     def setup(self, stage: str) -> None:
+        dm = self.trainer.datamodule
         if self.head is None:
-            dm = self.trainer.datamodule
             self.build_head(dm.layers, dm.vocab.used)
+        if stage == "fit" and getattr(dm, "train_rows", None):  # a resume extends the window
+            self.hp["trained_window"] = max(self.hp.get("trained_window", 0), dm.window)
         self.online_k = self.trainer.datamodule.k
 
     def on_save_checkpoint(self, ckpt: dict) -> None:
@@ -165,11 +184,13 @@ class FeatureDistillModule(L.LightningModule):
         skip = unroll_skip(batch, self.hp["steps"])
         outs = self.head.unroll(batch["input_ids"], batch["feats"], self.hp["steps"],
                                 batch["attention_mask"], skip=skip, logits=False)
-        total, per = 0.0, []
+        total, per, hp = 0.0, [], self.hp
         for j, (_, h) in enumerate(outs):
-            loss, agree, m = step_loss(self.head, h, batch, j, skip)
-            total = total + self.hp["step_decay"] ** j * loss
-            per.append((loss, agree, batch["code"][:, None].expand_as(m)[m]))
+            loss, agree, accept, m = step_loss(
+                self.head, h, batch, j, skip, hp.get("loss", "soft_ce"),
+                hp.get("accept_temperature", 0.7), (hp.get("lk_kl_scale", 1.0), hp.get("lk_kl_decay", 3.0)))
+            total = total + hp["step_decay"] ** j * loss
+            per.append((loss, agree, batch["code"][:, None].expand_as(m)[m], accept))
         return total, per
 
     def training_step(self, batch: dict, idx: int):
@@ -178,21 +199,22 @@ class FeatureDistillModule(L.LightningModule):
         loss, per = self._step(batch)
         n = int(batch["lab_mask"].sum()) if "lab_mask" in batch else None
         self.log("train/loss", loss, prog_bar=True, batch_size=n)
-        for j, (_, agree, _) in enumerate(per):
+        for j, (_, agree, _, _) in enumerate(per):
             self.log(f"train/agree_{j + 1}", agree.mean(), prog_bar=j == 0, batch_size=len(agree))
         self.log("train/positions", float(batch["attention_mask"].sum()), reduce_fx="sum")
         return loss
 
     def on_validation_epoch_start(self) -> None:
-        # [step, kind (code, general), (positions, agree sum, loss sum)]
-        self._val = torch.zeros(self.hp["steps"], 2, 3, dtype=torch.float64)
+        # [step, kind (code, general), (positions, agree sum, loss sum, acceptance sum)]
+        self._val = torch.zeros(self.hp["steps"], 2, 4, dtype=torch.float64)
 
     def validation_step(self, batch: dict, idx: int) -> None:
         _, per = self._step(batch)
-        for j, (loss, agree, code) in enumerate(per):
+        for j, (loss, agree, code, accept) in enumerate(per):
             for c, sel in enumerate((code, ~code)):
                 self._val[j, c] += torch.tensor([float(sel.sum()), float(agree[sel].sum()),
-                                                 float(loss) * float(sel.sum())], dtype=torch.float64)
+                                                 float(loss) * float(sel.sum()),
+                                                 float(accept[sel].sum())], dtype=torch.float64)
 
     def on_validation_epoch_end(self) -> None:
         tot = self.trainer.strategy.reduce(self._val.to(self.device), reduce_op="sum").cpu()
@@ -201,6 +223,7 @@ class FeatureDistillModule(L.LightningModule):
             both = tot[j].sum(0)
             out[f"val/agree_{j + 1}"] = both[1] / both[0].clamp_min(1)
             out[f"val/loss_{j + 1}"] = both[2] / both[0].clamp_min(1)
+            out[f"val/accept_{j + 1}"] = both[3] / both[0].clamp_min(1)
             for c, name in enumerate(("code", "general")):
                 out[f"val/agree_{j + 1}_{name}"] = tot[j, c, 1] / tot[j, c, 0].clamp_min(1)
         out["val/agree"] = out["val/agree_1"]  # the checkpoint monitor

@@ -47,8 +47,10 @@ def load_feature_module(ckpt) -> FeatureDistillModule:
 
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
     hp = dict(state["specstop_hparams"])
-    head_cfg = hp.pop("head")
+    head_cfg, window = hp.pop("head"), hp.pop("trained_window", None)
     module = FeatureDistillModule(**hp)
+    if window is not None:
+        module.hp["trained_window"] = window
     cfg = FeatureDraftConfig.from_dict(head_cfg)
     module.head = FeatureDraft(cfg, module.target().get_input_embeddings().weight)
     module.hp["head"], module.layers = head_cfg, list(cfg.aux_layers)

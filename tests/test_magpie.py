@@ -1,0 +1,102 @@
+"""Synthetic user turns (Magpie): the prefix the target reads, the filter, de-duplication and
+the diversity report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from chat_fixtures import make_chat_target
+
+from training.draft import diversity
+from training.draft.chat_template import encode, user_prefix
+from training.draft.corpus import CorpusConfig, load_corpus, load_teacher
+from training.draft.diversity import distinct_n, near_duplicates
+from training.draft.magpie import MagpieConfig, clean, extract, synthesise
+
+
+@pytest.fixture(autouse=True)
+def _datasets_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+
+
+def test_distinct_n_by_hand():
+    assert distinct_n(["a b a b"], 1) == 0.5
+    assert distinct_n(["a b a b"], 2) == pytest.approx(2 / 3)
+    assert distinct_n(["a b c", "a b d"], 3) == 1.0
+    assert distinct_n(["x"], 2) == 0.0
+
+
+def test_near_duplicates_flag_later_copies_only():
+    base = "Explain how photosynthesis turns sunlight, water and carbon dioxide into sugar."
+    texts = [base, "Write a haiku about autumn leaves falling.", base.replace("sugar", "sugars"),
+             base.upper(), "What is the capital of Peru and why was it founded there?"]
+    assert near_duplicates(texts, 0.7) == [False, False, True, True, False]
+    assert near_duplicates(texts, 0.999) == [False, False, False, True, False]
+
+
+def test_clean_counts_every_refusal():
+    cfg = MagpieConfig(min_words=3, max_words=12, max_repeat=0.3, near_dup=0.7)
+    texts = [("How do I bake bread at home?", True),
+             ("How do I bake bread at home", False),            # unfinished
+             ("Hi there", True),                                # too short
+             (" ".join(f"w{i}" for i in range(13)), True),     # too long
+             ("go go go go go go go go", True),                 # repetitive
+             ("how  do I bake BREAD at home?", True),           # exact, case and spacing folded
+             ("How do I bake bread at my home?", True),         # near-duplicate
+             ("Tell me a story about a brave fox.", True)]
+    kept, bad = clean(texts, cfg)
+    assert kept == ["How do I bake bread at home?", "Tell me a story about a brave fox."]
+    assert dict(bad) == {"unfinished": 1, "too_short": 1, "too_long": 1, "repetitive": 1,
+                         "duplicate": 1, "near_duplicate": 1}
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    target = make_chat_target(tmp_path_factory.mktemp("magpie") / "target", seed=1)
+    return load_teacher(CorpusConfig(target=str(target), dtype="float32"))
+
+
+def test_synthesis_reads_the_user_prefix_resumes_and_writes_prompts(tmp_path, teacher):
+    cfg = MagpieConfig(raw=str(tmp_path / "raw"), out=str(tmp_path / "p" / "magpie.jsonl"),
+                       dtype="float32", n=12, batch_size=4, shard_size=4, max_new_tokens=24,
+                       min_words=1, max_words=50, max_repeat=1.0, heldout_percent=30,
+                       report=str(tmp_path / "rep"), compare=None)
+    first = synthesise(cfg, teacher, progress=False)
+    assert first["new_rows"] == 12
+    rows = load_corpus(cfg.raw).to_list()
+    prefix = encode(teacher.tokenizer, user_prefix(teacher.tokenizer))
+    assert all(r["prompt_ids"] == prefix for r in rows)
+    assert len({tuple(r["completion_ids"]) for r in rows}) == 12  # one seed per row
+    grown = synthesise(MagpieConfig(**{**cfg.__dict__, "n": 16}), teacher, progress=False)
+    assert grown["new_rows"] == 4 and grown["total_rows"] == 16
+    assert load_corpus(cfg.raw).to_list()[:12] == rows  # earlier rows untouched
+
+    stats = extract(MagpieConfig(**{**cfg.__dict__, "n": 16}), teacher.tokenizer)
+    train = [json.loads(line) for line in open(cfg.out)]
+    held = [json.loads(line) for line in open(tmp_path / "p" / "magpie_heldout.jsonl")]
+    assert stats["kept"] == len(train) and stats["heldout"] == len(held)
+    assert stats["kept"] + stats["heldout"] + sum(stats["refused"].values()) == 16
+    assert all(r["source"] == "magpie" and r["id"].startswith("m-") for r in train + held)
+    assert not {r["id"] for r in train} & {r["id"] for r in held}
+    rep = json.loads((tmp_path / "rep" / "diversity.json").read_text())
+    assert rep["sources"]["magpie"]["texts"] == len(train) + len(held)
+    assert rep["magpie"] == stats and (tmp_path / "rep" / "diversity.md").exists()
+
+
+def test_diversity_cli_compares_sources(tmp_path, capsys):
+    a = tmp_path / "a.jsonl"
+    a.write_text("".join(json.dumps({"id": str(i), "prompt": f"Name {i} fruits."}) + "\n"
+                         for i in range(30)))
+    b = tmp_path / "b.jsonl"
+    b.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t}]}) + "\n" for t in [
+        "How do volcanoes form?", "Write a limerick about a cat.", "Sort a list in Rust.",
+        "Why is the sky blue at noon?", "Plan a three-day trip to Kyoto."]))
+    diversity.main(["--source", f"templates={a}", "--source", f"chat={b}", "--out",
+                    str(tmp_path / "r")])
+    rep = json.loads((tmp_path / "r" / "diversity.json").read_text())
+    assert rep["texts_per_source"] == 5
+    assert rep["sources"]["chat"]["distinct_2"] > rep["sources"]["templates"]["distinct_2"]
+    assert "| chat | 5 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="NAME=PATH"):
+        diversity.main(["--source", str(a)])
