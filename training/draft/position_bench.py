@@ -67,7 +67,7 @@ def val_rows(corpus: str, rows: int, val_percent: float) -> tuple[list[list[int]
 
 
 def main(argv: list[str] | None = None) -> None:
-    from decoding import feature_io
+    from decoding.drafts import io as feature_io
     from decoding.models import ModelError, load_model
 
     p = argparse.ArgumentParser(prog="python -m training.draft.position_bench",
