@@ -1,8 +1,8 @@
 """KV-cache bookkeeping: keep the accepted path of a verified tree, drop the rest.
 
-Works on transformers' DynamicCache (full-attention layers, tensors [B, H, T, D]). Sliding
-window and recurrent layers cannot be rolled back to an arbitrary tree path, so they are
-refused with a clear error rather than silently corrupting the cache.
+Works on transformers' DynamicCache with full-attention layers (tensors [B, H, T, D]).
+Sliding-window layers get the same growing layers, their window applied in the mask
+(decoding.arch); what cannot be rolled back (recurrent state, unknown caches) is refused there.
 """
 
 from __future__ import annotations
@@ -11,11 +11,19 @@ from collections.abc import Sequence
 
 import torch
 
+from .arch import FULL, SLIDING, AttentionPlan, attention_plan, check_cache_used
 
-def new_cache(model):
+
+def new_cache(model, plan: AttentionPlan | None = None):
+    """The model's DynamicCache; with a sliding window, growing layers in place of the rolling
+    ones (a rolling layer drops tokens a rejected tree node pushed out of its window)."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 
-    return DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config)
+    if plan is not None and plan.window is not None:
+        cache.layers = [DynamicLayer() if getattr(lay, "is_sliding", False) else lay for lay in cache.layers]
+    return cache
 
 
 def _layers(cache):
@@ -71,6 +79,12 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype, device) -> torch.Tenso
     return out[None, None]
 
 
+def windowed(rows: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor, window: int) -> torch.Tensor:
+    """`rows` restricted to a sliding window: a query at position P keeps keys at positions
+    > P - window (transformers' sliding_window_overlay, by position, so tree nodes too)."""
+    return rows & ((qpos[:, None] - kpos[None, :]) < window)
+
+
 class CachedModel:
     """A causal LM plus its KV cache and how many committed tokens that cache holds.
 
@@ -80,10 +94,11 @@ class CachedModel:
 
     def __init__(self, model):
         self.model = model
+        self.plan = attention_plan(model)  # refuses what cannot be rolled back, before any forward
         self.reset()
 
     def reset(self) -> None:
-        self.cache = new_cache(self.model)
+        self.cache = new_cache(self.model, self.plan)
         self.length = 0  # committed tokens held by the cache; tree nodes of this round follow
 
     @torch.inference_mode()
@@ -102,12 +117,17 @@ class CachedModel:
         dev = self.model.device
         ids = torch.tensor([pending + list(node_tokens)], device=dev)
         pos = torch.arange(self.length, len(committed), device=dev)
-        if n_new:
+        if self.plan.window is not None:
+            mask = self._window_masks(len(committed), layout, start, end)
+            if n_new:
+                pos = torch.cat([pos, anchor + layout.depth_ids[start:end].to(dev)])
+        elif n_new:
             pos = torch.cat([pos, anchor + layout.depth_ids[start:end].to(dev)])
             rows = attention_rows(self.length, len(pending), layout.mask, start, end)
             mask = additive_mask(rows, self.model.dtype, dev)
         else:  # plain causal step: let transformers build its fast default mask
             mask = None
+        first = self.length == 0
         out = self.model(
             input_ids=ids,
             position_ids=pos[None],
@@ -117,9 +137,27 @@ class CachedModel:
             logits_to_keep=n_new + (1 if pending else 0),
             output_hidden_states=hidden,
         )
+        if first:
+            check_cache_used(self.model, self.cache, len(pending) + n_new, out.past_key_values)
         self.length = len(committed)
         h = out.hidden_states[-1][0, -(n_new + (1 if pending else 0)):] if hidden else None
         return out.logits[0].float(), h
+
+    def _window_masks(self, committed: int, layout, start: int, end: int):
+        """Masks of a model with sliding layers: the tree (or causal) rows, windowed for the
+        sliding layers; a dict keyed by layer type when full layers need the plain rows."""
+        from .tree import attention_rows
+
+        pending = committed - self.length
+        rows = attention_rows(self.length, pending, layout.mask, start, end)
+        anchor = committed - 1
+        qpos = torch.cat([torch.arange(self.length, committed), anchor + layout.depth_ids[start:end]])
+        kpos = torch.cat([torch.arange(committed), anchor + layout.depth_ids[:end]])
+        dt, dev = self.model.dtype, self.model.device
+        sliding = additive_mask(windowed(rows, qpos, kpos, self.plan.window), dt, dev)
+        if not self.plan.hybrid:
+            return sliding
+        return {FULL: additive_mask(rows, dt, dev), SLIDING: sliding}
 
     def commit(self, path: Sequence[int], fed: int) -> None:
         """Keep the accepted tree nodes that were fed this round; drop every other node."""
