@@ -36,11 +36,11 @@ GPT2_NAMES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_atte
               "num_key_value_heads", "max_position_embeddings")  # GPT-2 calls them n_embd, n_layer, ...
 
 
-def tiny(name: str, seed: int = 0, scale: float = 20.0):
+def tiny(name: str, seed: int = 0, scale: float = 20.0, **overrides):
     """A random model of architecture `name` (ARCHS) in fp32 eval mode; `scale` sharpens its
     next-token distributions (the output layer is untied, so only the logits change)."""
     conf, cls, extra = ARCHS[name]
-    kw = {**COMMON, **extra}
+    kw = {**COMMON, **extra, **overrides}
     kw = {k: v for k, v in kw.items() if v is not DROP and not (name == "gpt2" and k in GPT2_NAMES)}
     torch.manual_seed(seed)
     model = getattr(T, cls)(getattr(T, conf)(**kw)).eval()
