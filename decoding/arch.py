@@ -10,7 +10,9 @@ keys and values that can be cut and re-ordered:
   layer, which a rejected tree node would push out for good. These layers get a plain growing
   cache instead, and the window is applied in the mask (a query at position P sees keys at
   positions > P - window, tree ancestors included), so rollback stays a crop and every output
-  equals plain decoding. The cost: those layers' caches grow with the context like full ones.
+  equals plain decoding. Once a round is committed the tokens that fell out of every future
+  window are cut, so between rounds such a layer holds what transformers' rolling layer holds
+  (the last window - 1 tokens); during a round it holds those plus the tree.
 
 Refused before generation, in one line (ModelError): recurrent / SSM / linear-attention state
 (Mamba, RWKV, Jamba, Qwen3-Next, ...), chunked attention, KV sharing across layers,
@@ -45,6 +47,8 @@ class AttentionPlan:
     > P - window); None: every layer attends to the whole context."""
     hybrid: bool = False
     """Both kinds of layers: the forward gets one mask per layer type, as a dict."""
+    sliding: tuple[int, ...] = ()
+    """Indices of the sliding layers."""
 
 
 def arch_name(model) -> str:
@@ -79,7 +83,8 @@ def attention_plan(model) -> AttentionPlan:
     hybrid = FULL in types
     if hybrid and not _takes_mask_per_layer_type(model):
         raise refuse(model, "full and sliding layers, but its forward takes one mask for both")
-    return AttentionPlan(window=windows.pop(), hybrid=hybrid)
+    return AttentionPlan(window=windows.pop(), hybrid=hybrid,
+                         sliding=tuple(i for i, t in enumerate(types) if t == SLIDING))
 
 
 def _takes_mask_per_layer_type(model) -> bool:

@@ -42,24 +42,34 @@ def cache_len(cache) -> int:
 
 
 @torch.inference_mode()
-def keep_path(cache, start: int, path: Sequence[int], fed: int) -> int:
+def keep_path(cache, start: int, path: Sequence[int], fed: int, front: Sequence[int] | None = None) -> int:
     """Keep cache[:start] and the entries of tree nodes `path` (offsets from `start`).
 
     Only nodes with offset < `fed` are in the cache; since a path goes down the tree in BFS
-    order, those are a prefix of it. Returns the new cache length.
+    order, those are a prefix of it. `front[i]`: tokens cut from the front of layer i (a
+    sliding layer, see `CachedModel.commit`). Returns the new cache length.
     """
     kept = [i for i in path if i < fed]
-    for layer in _layers(cache):
+    for n, layer in enumerate(_layers(cache)):
         if not layer.is_initialized:
             continue
+        s = start - front[n] if front else start
         if kept:
-            idx = torch.tensor(kept, device=layer.keys.device) + start
+            idx = torch.tensor(kept, device=layer.keys.device) + s
             # advanced indexing copies first, so the in-place write cannot alias its source
-            layer.keys[..., start : start + len(kept), :] = layer.keys[..., idx, :]
-            layer.values[..., start : start + len(kept), :] = layer.values[..., idx, :]
-        layer.keys = layer.keys[..., : start + len(kept), :]
-        layer.values = layer.values[..., : start + len(kept), :]
+            layer.keys[..., s : s + len(kept), :] = layer.keys[..., idx, :]
+            layer.values[..., s : s + len(kept), :] = layer.values[..., idx, :]
+        layer.keys = layer.keys[..., : s + len(kept), :]
+        layer.values = layer.values[..., : s + len(kept), :]
     return start + len(kept)
+
+
+def cut_front(cache, layers: Sequence[int], n: int) -> None:
+    """Drop the `n` oldest entries of `layers` (a view: the memory goes at the next append)."""
+    for i in layers:
+        layer = cache.layers[i]
+        if layer.is_initialized:
+            layer.keys, layer.values = layer.keys[..., n:, :], layer.values[..., n:, :]
 
 
 def crop(cache, length: int) -> None:
@@ -100,6 +110,7 @@ class CachedModel:
     def reset(self) -> None:
         self.cache = new_cache(self.model, self.plan)
         self.length = 0  # committed tokens held by the cache; tree nodes of this round follow
+        self.cut = 0  # oldest tokens dropped from the sliding layers (outside every future window)
 
     @torch.inference_mode()
     def feed(self, committed: Sequence[int], layout, node_tokens: Sequence[int], start: int, end: int,
@@ -117,12 +128,11 @@ class CachedModel:
         dev = self.model.device
         ids = torch.tensor([pending + list(node_tokens)], device=dev)
         pos = torch.arange(self.length, len(committed), device=dev)
+        if n_new:
+            pos = torch.cat([pos, anchor + layout.depth_ids[start:end].to(dev)])
         if self.plan.window is not None:
             mask = self._window_masks(len(committed), layout, start, end)
-            if n_new:
-                pos = torch.cat([pos, anchor + layout.depth_ids[start:end].to(dev)])
         elif n_new:
-            pos = torch.cat([pos, anchor + layout.depth_ids[start:end].to(dev)])
             rows = attention_rows(self.length, len(pending), layout.mask, start, end)
             mask = additive_mask(rows, self.model.dtype, dev)
         else:  # plain causal step: let transformers build its fast default mask
@@ -154,11 +164,22 @@ class CachedModel:
         qpos = torch.cat([torch.arange(self.length, committed), anchor + layout.depth_ids[start:end]])
         kpos = torch.cat([torch.arange(committed), anchor + layout.depth_ids[:end]])
         dt, dev = self.model.dtype, self.model.device
-        sliding = additive_mask(windowed(rows, qpos, kpos, self.plan.window), dt, dev)
+        c = self.cut  # the sliding layers' cache starts at position c
+        sliding = additive_mask(windowed(rows[:, c:], qpos, kpos[c:], self.plan.window), dt, dev)
         if not self.plan.hybrid:
             return sliding
         return {FULL: additive_mask(rows, dt, dev), SLIDING: sliding}
 
     def commit(self, path: Sequence[int], fed: int) -> None:
-        """Keep the accepted tree nodes that were fed this round; drop every other node."""
-        self.length = keep_path(self.cache, self.length, path, fed)
+        """Keep the accepted tree nodes that were fed this round; drop every other node.
+        Sliding layers then keep the last window - 1 committed tokens (as transformers' rolling
+        layers do): the next query, at position >= length, sees nothing older."""
+        if self.plan.window is None:
+            self.length = keep_path(self.cache, self.length, path, fed)
+            return
+        front = [self.cut if i in self.plan.sliding else 0 for i in range(len(self.cache.layers))]
+        self.length = keep_path(self.cache, self.length, path, fed, front)
+        drop = max(0, self.length - self.plan.window + 1) - self.cut
+        if drop > 0:
+            cut_front(self.cache, self.plan.sliding, drop)
+            self.cut += drop

@@ -2,6 +2,7 @@
 strategy and stop rule reproduces plain greedy decoding (HF's own `generate`, fp32) token for
 token, sliding windows shorter than the prompt included."""
 
+from dataclasses import replace
 from functools import lru_cache
 
 import pytest
@@ -88,10 +89,35 @@ def test_strategy_equals_ar(arch, case):
 
 @pytest.mark.parametrize("arch", WINDOWED)
 def test_the_window_bites(arch, monkeypatch):
-    """Without the window in the mask the same engine leaves HF's output: the prompts are long
+    """Without the window (a window longer than any context) the same engine leaves HF's output: the prompts are long
     enough for the window to change what the model says (so the tests above can fail)."""
-    monkeypatch.setattr(cache_mod, "windowed", lambda rows, qpos, kpos, window: rows)
+    monkeypatch.setattr(cache_mod, "attention_plan", lambda m: replace(attention_plan(m), window=10**9))
     target, draft = models(arch)
     assert max(map(len, PROMPTS)) > WINDOW + 1
     ar = build_engine(target, None, StrategyConfig(strategy="ar"), GREEDY)
     assert any(ar.generate(p, N)[0] != reference(arch, tuple(p)) for p in PROMPTS)
+
+
+@pytest.mark.parametrize("arch", ["mistral+window", "gemma3+window"])
+def test_rollback_leaves_the_cache_plain_decoding_leaves(arch):
+    """After a speculative run, each layer holds what HF's own cache holds for the committed
+    tokens: all of them in a full layer, the last window - 1 in a sliding one."""
+    target, draft = models(arch)
+    prompt = PROMPTS[0]
+    eng = build_engine(target, draft, StrategyConfig(strategy="mcsd", k_config="2,2,1"), GREEDY)
+    out, stats = eng.generate(prompt, N)
+    assert stats.accepted > 0
+    with torch.no_grad():  # the cache may hold a few accepted tokens past N (of the last round)
+        longer = target.generate(torch.tensor([prompt]), max_new_tokens=N + 8, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)[0].tolist()
+    assert longer[len(prompt):][:N] == out
+    held = longer[:eng.target.length]  # committed tokens in the cache (the newest is pending)
+    assert len(prompt) + N - 1 <= len(held) < len(longer)
+    with torch.no_grad():
+        hf = target(torch.tensor([held]), use_cache=True).past_key_values
+    plan = attention_plan(target)
+    for i, (ours, theirs) in enumerate(zip(eng.target.cache.layers, hf.layers)):
+        assert ours.keys.shape[-2] == (WINDOW - 1 if i in plan.sliding else len(held))
+        assert ours.keys.shape == theirs.keys.shape
+        torch.testing.assert_close(ours.keys, theirs.keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ours.values, theirs.values, atol=1e-4, rtol=1e-4)
