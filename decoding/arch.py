@@ -28,13 +28,14 @@ from dataclasses import dataclass
 from .models import ModelError
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+ROLLBACK = "cannot be rolled back to the accepted tokens of a round"
 _WHY = {
-    "linear_attention": "recurrent (linear-attention / SSM) state",
-    "conv": "recurrent convolution state",
-    "hybrid": "recurrent (linear-attention) state beside attention",
-    "hybrid_sliding": "recurrent (linear-attention) state beside attention",
-    "chunked_attention": "chunked attention",
-    "dummy": "layers without their own KV cache (KV sharing or attention-free layers)",
+    "linear_attention": f"its recurrent (linear-attention / SSM) state {ROLLBACK}",
+    "conv": f"its recurrent convolution state {ROLLBACK}",
+    "hybrid": f"its recurrent (linear-attention) state {ROLLBACK}",
+    "hybrid_sliding": f"its recurrent (linear-attention) state {ROLLBACK}",
+    "chunked_attention": "chunked attention is not supported",
+    "dummy": "layers without a KV cache of their own (KV sharing or attention-free layers) are not supported",
 }
 
 
@@ -56,8 +57,7 @@ def arch_name(model) -> str:
 
 
 def refuse(model, why: str) -> ModelError:
-    return ModelError(f"{arch_name(model)} ({type(model).__name__}) cannot be used for tree speculation: "
-                      f"{why}, which cannot be rolled back to the accepted tokens of a round")
+    return ModelError(f"{arch_name(model)} ({type(model).__name__}) cannot be used for tree speculation: {why}")
 
 
 def attention_plan(model) -> AttentionPlan:
@@ -71,18 +71,18 @@ def attention_plan(model) -> AttentionPlan:
     try:
         types, kwargs = get_layer_types_and_kwargs(cfg)
     except Exception as e:  # a config transformers cannot describe: we cannot either
-        raise refuse(model, f"its cache layout is unknown ({type(e).__name__}: {e})") from None
+        raise refuse(model, f"its cache layout is unknown ({type(e).__name__}: {str(e).splitlines()[0]})") from None
     unknown = sorted(set(types) - {FULL, SLIDING})
     if unknown:
-        raise refuse(model, _WHY.get(unknown[0], f"cache layers of type {unknown[0]!r}"))
+        raise refuse(model, _WHY.get(unknown[0], f"cache layers of type {unknown[0]!r} are unknown"))
     windows = {kw["sliding_window"] for t, kw in zip(types, kwargs) if t == SLIDING}
     if not windows:
         return AttentionPlan()
     if len(windows) > 1 or not all(isinstance(w, int) and w > 0 for w in windows):
-        raise refuse(model, f"sliding windows of several sizes ({sorted(windows, key=str)})")
+        raise refuse(model, f"sliding windows of several sizes ({sorted(windows, key=str)}) are not supported")
     hybrid = FULL in types
     if hybrid and not _takes_mask_per_layer_type(model):
-        raise refuse(model, "full and sliding layers, but its forward takes one mask for both")
+        raise refuse(model, "it has full and sliding layers, but its forward takes one attention mask for both")
     return AttentionPlan(window=windows.pop(), hybrid=hybrid,
                          sliding=tuple(i for i, t in enumerate(types) if t == SLIDING))
 
@@ -102,4 +102,4 @@ def check_cache_used(model, cache, fed: int, returned) -> None:
     (a model keeping state elsewhere could not be rolled back)."""
     lengths = {layer.get_seq_length() for layer in cache.layers}
     if returned is not cache or lengths != {fed}:
-        raise refuse(model, "it keeps state outside the KV cache it is given")
+        raise refuse(model, f"it keeps state outside the KV cache it is given, which {ROLLBACK}")

@@ -58,7 +58,7 @@ def test_unknown_layers_and_hybrids_without_a_mask_per_layer_type_are_refused():
     one_line_error(lambda: build_engine(odd, None, AR, SamplingConfig()), "llama", "chunked attention")
     # Llama's forward builds one mask for every layer: its local layers would see the full context
     odd.config.layer_types, odd.config.sliding_window = ["sliding_attention", "full_attention"], 4
-    one_line_error(lambda: build_engine(odd, None, AR, SamplingConfig()), "llama", "one mask")
+    one_line_error(lambda: build_engine(odd, None, AR, SamplingConfig()), "llama", "one attention mask")
 
 
 def test_a_model_that_keeps_state_outside_its_cache_is_refused_at_the_first_forward():
@@ -76,7 +76,22 @@ def test_cli_exits_2_with_one_line(tmp_path, capsys):
     d = save_tiny(tmp_path / "mamba", WORDS, tiny_mamba())
     rc = main(["--prompt", "w1 w2", "--target", d, "--strategy", "ar", "--max-new-tokens", "4"])
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1 and "mamba" in err, err
+    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "mamba" in err and "recurrent" in err, err
+
+
+def test_cli_serves_a_local_global_model_without_sdpa(tmp_path, capsys):
+    """Gemma 2 has no sdpa path in transformers (loaded eager) and a window that bites: the
+    CLI's speculative output equals its plain decoding."""
+    target = tiny("gemma2+window", vocab_size=len(WORDS), scale=6)
+    t = save_tiny(tmp_path / "t", WORDS, target)
+    d = save_tiny(tmp_path / "d", WORDS, noisy_copy(target, 0.003))
+    base = ["--prompt", "w3 w9 w4 w12 w7 w20 w5", "--target", t, "--draft", d, "--max-new-tokens", "12", "--json"]
+    outs = []
+    for extra in (["--strategy", "ar"], ["--strategy", "ti-mcsd", "--width", "2", "--depth", "4"]):
+        assert main(base + extra) == 0
+        outs.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert outs[0] == outs[1] and len(outs[0]) > 0
 
 
 @pytest.fixture(scope="module")
