@@ -117,7 +117,8 @@ class Session:
     def grow_policy(self, cfg: StrategyConfig, decider=None, scorer: DeciderStop | None = None) -> GrowPolicy:
         """The cost-aware growth policy over the decider's scores, or over the draft's own q
         (scorer None), with the cost model the decider's fit measured for this pair, or this
-        machine's, timed now (cfg.grow_cost)."""
+        machine's, timed now (cfg.grow_cost). Over q with no decider named, a pair the registry's
+        latest decider was not fitted for (a user's own) is priced by this machine's curve too."""
         if cfg.mode != "lossless":
             raise ValueError("the grow rule sizes lossless trees only (not the longest-branch mode)")
         if cfg.grow_cost == "measure":

@@ -31,6 +31,9 @@ ARCHS = {
     "mixtral+window": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
                                                                    sliding_window=WINDOW + 1)),
     "cohere2+window": ("Cohere2Config", "Cohere2ForCausalLM", LOCAL_GLOBAL),
+    # attention sinks, eager only; its YaRN factor of 32 wants a 32 x 4096 context to stay quiet
+    "gpt_oss+window": ("GptOssConfig", "GptOssForCausalLM", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                                                 max_position_embeddings=32 * 4096, **LOCAL_GLOBAL)),
 }
 GPT2_NAMES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "max_position_embeddings")  # GPT-2 calls them n_embd, n_layer, ...

@@ -3,7 +3,7 @@ strategy and stop rule reproduces plain greedy decoding (HF's own `generate`, fp
 token, sliding windows shorter than the prompt included."""
 
 from dataclasses import replace
-from functools import lru_cache
+from functools import cache
 
 import pytest
 import torch
@@ -46,13 +46,13 @@ CASES = {
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def models(arch):
     target = tiny(arch)
     return target, noisy_copy(target, 0.003)
 
 
-@lru_cache(maxsize=None)
+@cache
 def reference(arch, prompt):
     with torch.no_grad():
         out = models(arch)[0].generate(torch.tensor([prompt]), max_new_tokens=N, do_sample=False,

@@ -23,9 +23,9 @@ from decoding.strategies import StrategyConfig, build_engine
 AR = StrategyConfig(strategy="ar")
 
 
-def tiny_mamba(vocab=len(WORDS)):
+def tiny_mamba():
     torch.manual_seed(0)
-    return MambaForCausalLM(MambaConfig(vocab_size=vocab, hidden_size=32, state_size=4, num_hidden_layers=2,
+    return MambaForCausalLM(MambaConfig(vocab_size=len(WORDS), hidden_size=32, state_size=4, num_hidden_layers=2,
                                         bos_token_id=None, eos_token_id=None, pad_token_id=None)).eval()
 
 
