@@ -62,14 +62,12 @@ def refuse(model, why: str) -> ModelError:
 
 def attention_plan(model) -> AttentionPlan:
     """The model's plan, or a ModelError naming the architecture and what cannot be rolled back."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
     cfg = model.config.get_text_config(decoder=True)
     if getattr(cfg, "is_encoder_decoder", False) or getattr(cfg, "use_bidirectional_attention", False):
         raise ModelError(f"{arch_name(model)} ({type(model).__name__}) is not a causal decoder-only "
                          f"language model: tree speculation needs one")
     try:
-        types, kwargs = get_layer_types_and_kwargs(cfg)
+        types, kwargs = _layer_types(cfg)
     except Exception as e:  # a config transformers cannot describe: we cannot either
         raise refuse(model, f"its cache layout is unknown ({type(e).__name__}: {str(e).splitlines()[0]})") from None
     unknown = sorted(set(types) - {FULL, SLIDING})
@@ -85,6 +83,17 @@ def attention_plan(model) -> AttentionPlan:
         raise refuse(model, "it has full and sliding layers, but its forward takes one attention mask for both")
     return AttentionPlan(window=windows.pop(), hybrid=hybrid,
                          sliding=tuple(i for i, t in enumerate(types) if t == SLIDING))
+
+
+def _layer_types(cfg) -> tuple[list[str], list[dict]]:
+    """Each layer's cache type and its arguments, as transformers' DynamicCache reads them."""
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+    except ImportError:  # transformers 5 before 5.16: the same inference, for attention layers
+        window = getattr(cfg, "sliding_window", None)
+        types = getattr(cfg, "layer_types", None) or [SLIDING if window else FULL] * cfg.num_hidden_layers
+        return list(types), [{"sliding_window": window} if t == SLIDING else {} for t in types]
+    return get_layer_types_and_kwargs(cfg)
 
 
 def _takes_mask_per_layer_type(model) -> bool:

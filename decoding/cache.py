@@ -21,8 +21,8 @@ def new_cache(model, plan: AttentionPlan | None = None):
     from transformers.cache_utils import DynamicLayer
 
     cache = DynamicCache(config=model.config)
-    if plan is not None and plan.window is not None:
-        cache.layers = [DynamicLayer() if getattr(lay, "is_sliding", False) else lay for lay in cache.layers]
+    for i in plan.sliding if plan is not None else ():
+        cache.layers[i] = DynamicLayer()
     return cache
 
 
