@@ -1,8 +1,8 @@
 """KV-cache bookkeeping: keep the accepted path of a verified tree, drop the rest.
 
-Works on transformers' DynamicCache (full-attention layers, tensors [B, H, T, D]). Sliding
-window and recurrent layers cannot be rolled back to an arbitrary tree path, so they are
-refused with a clear error rather than silently corrupting the cache.
+Works on transformers' DynamicCache with full-attention layers (tensors [B, H, T, D]).
+Sliding-window layers get the same growing layers, their window applied in the mask
+(decoding.arch); what cannot be rolled back (recurrent state, unknown caches) is refused there.
 """
 
 from __future__ import annotations
@@ -11,11 +11,19 @@ from collections.abc import Sequence
 
 import torch
 
+from .arch import FULL, SLIDING, AttentionPlan, attention_plan, check_cache_used
 
-def new_cache(model):
+
+def new_cache(model, plan: AttentionPlan | None = None):
+    """The model's DynamicCache; with a sliding window, growing layers in place of the rolling
+    ones (a rolling layer drops tokens a rejected tree node pushed out of its window)."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 
-    return DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config)
+    for i in plan.sliding if plan is not None else ():
+        cache.layers[i] = DynamicLayer()
+    return cache
 
 
 def _layers(cache):
@@ -34,24 +42,34 @@ def cache_len(cache) -> int:
 
 
 @torch.inference_mode()
-def keep_path(cache, start: int, path: Sequence[int], fed: int) -> int:
+def keep_path(cache, start: int, path: Sequence[int], fed: int, front: Sequence[int] | None = None) -> int:
     """Keep cache[:start] and the entries of tree nodes `path` (offsets from `start`).
 
     Only nodes with offset < `fed` are in the cache; since a path goes down the tree in BFS
-    order, those are a prefix of it. Returns the new cache length.
+    order, those are a prefix of it. `front[i]`: tokens cut from the front of layer i (a
+    sliding layer, see `CachedModel.commit`). Returns the new cache length.
     """
     kept = [i for i in path if i < fed]
-    for layer in _layers(cache):
+    for n, layer in enumerate(_layers(cache)):
         if not layer.is_initialized:
             continue
+        s = start - front[n] if front else start
         if kept:
-            idx = torch.tensor(kept, device=layer.keys.device) + start
+            idx = torch.tensor(kept, device=layer.keys.device) + s
             # advanced indexing copies first, so the in-place write cannot alias its source
-            layer.keys[..., start : start + len(kept), :] = layer.keys[..., idx, :]
-            layer.values[..., start : start + len(kept), :] = layer.values[..., idx, :]
-        layer.keys = layer.keys[..., : start + len(kept), :]
-        layer.values = layer.values[..., : start + len(kept), :]
+            layer.keys[..., s : s + len(kept), :] = layer.keys[..., idx, :]
+            layer.values[..., s : s + len(kept), :] = layer.values[..., idx, :]
+        layer.keys = layer.keys[..., : s + len(kept), :]
+        layer.values = layer.values[..., : s + len(kept), :]
     return start + len(kept)
+
+
+def cut_front(cache, layers: Sequence[int], n: int) -> None:
+    """Drop the `n` oldest entries of `layers` (a view: the memory goes at the next append)."""
+    for i in layers:
+        layer = cache.layers[i]
+        if layer.is_initialized:
+            layer.keys, layer.values = layer.keys[..., n:, :], layer.values[..., n:, :]
 
 
 def crop(cache, length: int) -> None:
@@ -71,6 +89,12 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype, device) -> torch.Tenso
     return out[None, None]
 
 
+def windowed(rows: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor, window: int) -> torch.Tensor:
+    """`rows` restricted to a sliding window: a query at position P keeps keys at positions
+    > P - window (transformers' sliding_window_overlay, by position, so tree nodes too)."""
+    return rows & ((qpos[:, None] - kpos[None, :]) < window)
+
+
 class CachedModel:
     """A causal LM plus its KV cache and how many committed tokens that cache holds.
 
@@ -80,11 +104,13 @@ class CachedModel:
 
     def __init__(self, model):
         self.model = model
+        self.plan = attention_plan(model)  # refuses what cannot be rolled back, before any forward
         self.reset()
 
     def reset(self) -> None:
-        self.cache = new_cache(self.model)
+        self.cache = new_cache(self.model, self.plan)
         self.length = 0  # committed tokens held by the cache; tree nodes of this round follow
+        self.cut = 0  # oldest tokens dropped from the sliding layers (outside every future window)
 
     @torch.inference_mode()
     def feed(self, committed: Sequence[int], layout, node_tokens: Sequence[int], start: int, end: int,
@@ -104,10 +130,14 @@ class CachedModel:
         pos = torch.arange(self.length, len(committed), device=dev)
         if n_new:
             pos = torch.cat([pos, anchor + layout.depth_ids[start:end].to(dev)])
+        if self.plan.window is not None:
+            mask = self._window_masks(len(committed), layout, start, end)
+        elif n_new:
             rows = attention_rows(self.length, len(pending), layout.mask, start, end)
             mask = additive_mask(rows, self.model.dtype, dev)
         else:  # plain causal step: let transformers build its fast default mask
             mask = None
+        first = self.length == 0
         out = self.model(
             input_ids=ids,
             position_ids=pos[None],
@@ -117,10 +147,39 @@ class CachedModel:
             logits_to_keep=n_new + (1 if pending else 0),
             output_hidden_states=hidden,
         )
+        if first:
+            check_cache_used(self.model, self.cache, len(pending) + n_new, out.past_key_values)
         self.length = len(committed)
         h = out.hidden_states[-1][0, -(n_new + (1 if pending else 0)):] if hidden else None
         return out.logits[0].float(), h
 
+    def _window_masks(self, committed: int, layout, start: int, end: int):
+        """Masks of a model with sliding layers: the tree (or causal) rows, windowed for the
+        sliding layers; a dict keyed by layer type when full layers need the plain rows."""
+        from .tree import attention_rows
+
+        pending = committed - self.length
+        rows = attention_rows(self.length, pending, layout.mask, start, end)
+        anchor = committed - 1
+        qpos = torch.cat([torch.arange(self.length, committed), anchor + layout.depth_ids[start:end]])
+        kpos = torch.cat([torch.arange(committed), anchor + layout.depth_ids[:end]])
+        dt, dev = self.model.dtype, self.model.device
+        c = self.cut  # the sliding layers' cache starts at position c
+        sliding = additive_mask(windowed(rows[:, c:], qpos, kpos[c:], self.plan.window), dt, dev)
+        if not self.plan.hybrid:
+            return sliding
+        return {FULL: additive_mask(rows, dt, dev), SLIDING: sliding}
+
     def commit(self, path: Sequence[int], fed: int) -> None:
-        """Keep the accepted tree nodes that were fed this round; drop every other node."""
-        self.length = keep_path(self.cache, self.length, path, fed)
+        """Keep the accepted tree nodes that were fed this round; drop every other node.
+        Sliding layers then keep the last window - 1 committed tokens (as transformers' rolling
+        layers do): the next query, at position >= length, sees nothing older."""
+        if self.plan.window is None:
+            self.length = keep_path(self.cache, self.length, path, fed)
+            return
+        front = [self.cut if i in self.plan.sliding else 0 for i in range(len(self.cache.layers))]
+        self.length = keep_path(self.cache, self.length, path, fed, front)
+        drop = max(0, self.length - self.plan.window + 1) - self.cut
+        if drop > 0:
+            cut_front(self.cache, self.plan.sliding, drop)
+            self.cut += drop

@@ -236,8 +236,9 @@ def load_decider(path, target=None, draft=None) -> tuple[DeciderNet, DeciderConf
                              f"`python -m training.migrate_fingerprints {d}` (see --help)")
         if model is not None and want is not None and not same_model(want, fingerprint(model)):
             hint = _registered_for(role, fingerprint(model).get("name")) if path in (None, "latest") else ""
-            raise ModelError(f"decider {d} was trained for another {role} model "
-                             f"({want.get('name')}): {hint or 'collect traces and fit one for this pair'}")
+            hint = hint or ("collect traces and fit one for this pair (python -m training.collect, then "
+                            "python -m training.fit), or stop with fixed or confidence")
+            raise ModelError(f"decider {d} was trained for another {role} model ({want.get('name')}): {hint}")
     net = DeciderNet(cfg)
     try:
         net.load_state_dict(load_file(str(d / "model.safetensors")))

@@ -54,7 +54,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--confidence-rule", choices=CONFIDENCE_RULES, default=None,
                     help="(*) level: HF's rule (stop once no node of a level has q >= threshold); tree: extend "
                          "each node while its path's draft probability is >= threshold; grow: size the tree "
-                         "from q and the cost model stored with --decider (no threshold)")
+                         "from q and the cost model stored with --decider (no threshold; a pair without "
+                         "its own decider times this machine's once and stores it)")
     ap.add_argument("--decider", default=None,
                     help="decider checkpoint dir, or 'latest' (the default) from checkpoints/deciders/registry.json")
     ap.add_argument("--decider-rule", choices=RULES, default=None,

@@ -107,6 +107,8 @@ def time_forwards(model, sizes, repeats: int = 3, context: int = 256) -> list[fl
     if min(sizes) < 1:
         raise ValueError(f"forward sizes must be >= 1 (got {sorted(sizes)})")
     vocab = model.get_output_embeddings().weight.shape[0]
+    limit = getattr(model.config, "max_position_embeddings", None)  # learned positions end there
+    context = max(2, min(context, limit - max(sizes))) if limit else context
     prompt = [(10 + i) % vocab for i in range(context)]
     m = CachedModel(model)
     times: dict[int, list[float]] = {n: [] for n in sizes}

@@ -55,7 +55,8 @@ def resolve_model_dir(path: str | os.PathLike | None) -> Path:
 
 
 def load_model(path, dtype: str = "float32", device: str = "cpu", head_dtype: str | None = None):
-    """Load a causal LM from a local directory, in eval mode, with sdpa attention.
+    """Load a causal LM from a local directory, in eval mode, with sdpa attention (eager for
+    an architecture without it, e.g. Gemma 2).
 
     A specstop draft (head_ids in specstop_draft.json) gets its reduced output layer here.
     Any file that cannot be read (missing, truncated, wrong shapes) is one ModelError line.
@@ -78,12 +79,7 @@ def load_model(path, dtype: str = "float32", device: str = "cpu", head_dtype: st
         refuse_old_format(p)
         ids = head_ids_of(p)
         if ids is None:
-            try:
-                model, info = AutoModelForCausalLM.from_pretrained(p, **kw)
-            except ValueError as e:  # no sdpa for this architecture (Gemma 2's soft-capping): eager
-                if "scaled_dot_product_attention" not in str(e):
-                    raise
-                model, info = AutoModelForCausalLM.from_pretrained(p, **(kw | {"attn_implementation": "eager"}))
+            model, info = _from_pretrained(AutoModelForCausalLM, p, kw)
         else:
             conf = PrunedHeadLlamaConfig(head_size=len(ids), **LlamaConfig.from_pretrained(p).to_dict())
             model, info = PrunedHeadLlamaForCausalLM.from_pretrained(p, config=conf, **kw)
@@ -101,6 +97,15 @@ def load_model(path, dtype: str = "float32", device: str = "cpu", head_dtype: st
         hf_logging.set_verbosity(level)
     model = model.to(device).eval()
     return set_head_dtype(model, head_dtype) if head_dtype and head_dtype != dtype else model
+
+
+def _from_pretrained(cls, p: Path, kw: dict):
+    try:
+        return cls.from_pretrained(p, **kw)
+    except ValueError as e:  # this architecture has no sdpa path: the eager one adds the same float masks
+        if "scaled_dot_product_attention" not in str(e):
+            raise
+    return cls.from_pretrained(p, **{**kw, "attn_implementation": "eager"})
 
 
 class _UpcastNorm(torch.nn.Module):

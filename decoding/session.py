@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from . import models
+from .arch import attention_plan
 from .drafts.io import draft_kind, load_feature_draft
+from .fingerprint import fingerprint, same_model, stale_fingerprint
 from .decider import DeciderConfig, DeciderStop, load_decider, resolve_decider_dir
 from .defaults import DEFAULT_DRAFT, resolve_dtype
 from .cost_cache import cached_cost
@@ -40,6 +43,13 @@ class Session:
     cost_cache: bool = False
     """grow_cost measure: reuse the curve timed on an earlier load (decoding.cost_cache), as
     Decoder does; False (benchmarks) times it afresh once per loaded pair."""
+
+    def __post_init__(self):
+        from transformers import PreTrainedModel
+
+        for m in (self.target, self.draft):  # an architecture we cannot verify: refused at load
+            if isinstance(m, PreTrainedModel):
+                attention_plan(m)
 
     @classmethod
     def open(cls, target=None, draft=None, dtype="float32", device="cpu", need_draft=False) -> Session:
@@ -107,14 +117,14 @@ class Session:
     def grow_policy(self, cfg: StrategyConfig, decider=None, scorer: DeciderStop | None = None) -> GrowPolicy:
         """The cost-aware growth policy over the decider's scores, or over the draft's own q
         (scorer None), with the cost model the decider's fit measured for this pair, or this
-        machine's, timed now (cfg.grow_cost)."""
+        machine's, timed now (cfg.grow_cost). Over q with no decider named, a pair the registry's
+        latest decider was not fitted for (a user's own) is priced by this machine's curve too."""
         if cfg.mode != "lossless":
             raise ValueError("the grow rule sizes lossless trees only (not the longest-branch mode)")
         if cfg.grow_cost == "measure":
-            if not hasattr(self, "_measured_cost"):  # once per loaded pair
-                self._measured_cost = (cached_cost(self.target, self.draft)[0] if self.cost_cache
-                                       else measure_cost(self.target, self.draft))
-            cost = self._measured_cost
+            cost = self.measured_cost()
+        elif scorer is None and decider is None and not self._latest_decider_fits():
+            cost = self.measured_cost()  # a pair without its own decider: this machine's curve
         else:
             where = resolve_decider_dir(decider or "latest")
             dcfg = scorer.cfg if scorer is not None else load_decider(decider or "latest", self.target, self.draft)[1]
@@ -130,6 +140,27 @@ class Session:
                           max_width=cfg.width if env is None else max(env), level_widths=env,
                           max_nodes=cfg.max_nodes, label="q" if scorer is None else "decider",
                           needs_hidden=scorer is not None and scorer.needs_hidden)
+
+    def measured_cost(self) -> CostCurve:
+        """This machine's cost curve for the pair, timed once per loaded pair (and, with
+        `cost_cache`, stored per machine for later loads)."""
+        if not hasattr(self, "_measured_cost"):
+            self._measured_cost = (cached_cost(self.target, self.draft)[0] if self.cost_cache
+                                   else measure_cost(self.target, self.draft))
+        return self._measured_cost
+
+    def _latest_decider_fits(self) -> bool:
+        """Whether the registry's latest decider was fitted for this pair (the shipped pair's
+        is not for a user's own pair, whose grown tree then times its own cost curve)."""
+        try:
+            pair = json.loads((resolve_decider_dir("latest") / "config.json").read_text())["model_pair"]
+        except (models.ModelError, OSError, ValueError, KeyError, TypeError):
+            return False  # no registry or no readable latest decider: nothing priced this pair
+        for role, model in (("target", self.target), ("draft", self.draft)):
+            want = pair.get(role) if isinstance(pair, dict) else None
+            if want and not stale_fingerprint(want) and not same_model(want, fingerprint(model)):
+                return False
+        return True  # this pair's (or one load_decider explains the trouble with)
 
     def tuned_confidence_threshold(self, decider, confidence_rule: str) -> float:
         """The draft-confidence threshold the decider's fit tuned on its validation replay

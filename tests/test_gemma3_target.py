@@ -55,9 +55,6 @@ def test_feature_head_reads_gemmas_scaled_embedding(gemma):
 
 @pytest.mark.gemma3
 @needs_gemma
-@pytest.mark.xfail(strict=True, raises=(TypeError, models.ModelError),  # the refusal only: a mismatch fails
-                   reason="the engine refuses sliding-window caches until tree verification handles them "
-                   "(issue 30 item 1): remove this mark when it does")
 def test_ar_greedy_equals_hf_generate(gemma):
     from decoding.sampling import SamplingConfig
     from decoding.strategies import StrategyConfig, build_engine

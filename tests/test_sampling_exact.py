@@ -10,6 +10,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from arch_models import tiny
 from conftest import tiny_llama
 from test_engine_greedy import random_decider
 from decoding import acceptance
@@ -132,3 +133,22 @@ def test_one_token_a_round_keeps_the_target_s_law(models):
     counts, _, _ = speculative_counts(engine, SAMPLES)
     pvalue = chi2_pvalue(counts, exact_distribution(target, T1), SAMPLES)
     assert pvalue > 1e-3, f"p={pvalue:.2e}"
+
+
+def test_sliding_window_that_bites_keeps_the_target_s_law():
+    """A Gemma 3 target with local (window 2) and global layers, and a draft of its own kind:
+    the third new token no longer sees the prompt's first token in the local layer, and a tree
+    node's window counts from its own position. The window changes the law (checked), and the
+    speculative continuations follow the windowed one."""
+    small = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, head_dim=4, sliding_window=2)
+    target = tiny("gemma3+window", 0, scale=3, **small)
+    draft = tiny("gemma3+window", 1, scale=3, **small)
+    wide = tiny("gemma3+window", 0, scale=3, **{**small, "sliding_window": 64})
+    exact = exact_distribution(target, T1)
+    unwindowed = exact_distribution(wide, T1)
+    assert 0.5 * sum(abs(exact[s] - unwindowed[s]) for s in exact) > 0.02
+    cfg = StrategyConfig(strategy="mcsd", k_config="2,2")
+    counts, _, _ = speculative_counts(build_engine(target, draft, cfg, T1), SAMPLES)
+    pvalue = chi2_pvalue(counts, exact, SAMPLES)
+    assert pvalue > 1e-3, f"p={pvalue:.2e}"
+    assert chi2_pvalue(counts, unwindowed, SAMPLES) < LOSSY_BAR  # the test tells the two laws apart
