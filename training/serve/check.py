@@ -141,8 +141,9 @@ def contract(rows, mine: dict, theirs: dict, eos: set[int]) -> list[str]:
     return fails
 
 
-def check(cfg: CheckConfig, out_dir: Path | None, log=print) -> dict:
-    """Export, run both halves, compare; returns the results (written to out_dir when given)."""
+def check(cfg: CheckConfig, out_dir: Path | None, log=print, rows: list[dict] | None = None) -> dict:
+    """Export, run both halves, compare; returns the results (written to out_dir when given).
+    rows: [{"id", "kind", "ids"}] prompts already tokenised (default: the held-out files)."""
     import torch
 
     from decoding import models
@@ -160,8 +161,9 @@ def check(cfg: CheckConfig, out_dir: Path | None, log=print) -> dict:
     from decoding import Decoder
 
     base = Decoder.load(cfg.target, cfg.draft, dtype="float32", strategy="ar")
-    rows = [r | {"ids": base.prompt_ids(r["prompt"], chat=True, max_new_tokens=cfg.max_new_tokens)}
-            for r in prompts(cfg.per_domain)]
+    chat = bool(getattr(base.tokenizer, "chat_template", None))
+    rows = rows or [r | {"ids": base.prompt_ids(r["prompt"], chat=chat, max_new_tokens=cfg.max_new_tokens)}
+                    for r in prompts(cfg.per_domain)]
     eos = {int(base.session.eos_token_id)} if base.session.eos_token_id is not None else set()
     from decoding.feature_io import load_feature_draft
 
