@@ -12,9 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_redistill import RD, setup_run, teacher_of, tiny  # noqa: F401 (fixture)
+import test_redistill
+from test_redistill import RD, setup_run, teacher_of
 
 from training.serve import gate
+
+tiny = test_redistill.tiny  # the module-scoped tiny target and damaged champion
 
 FAKE = '''#!{python}
 import json, os, sys, torch

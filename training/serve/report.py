@@ -20,7 +20,7 @@ def summarise(cfg, rows, mine: dict, theirs: dict, eos: set[int], fails: list[st
     runs, speed = theirs["runs"], {}
     for dtype in cfg.dtypes:
         plain = runs.get(f"{dtype}/plain")
-        for name, r in (("vLLM plain", plain), (f"vLLM + head", runs.get(f"{dtype}/head")),
+        for name, r in (("vLLM plain", plain), ("vLLM + head", runs.get(f"{dtype}/head")),
                         ("specstop ar", mine.get(f"{dtype}/ar")), ("specstop default", mine.get(f"{dtype}/default")),
                         ("specstop sd --gamma 3 --stop fixed", mine.get(f"{dtype}/sd"))):
             if r is None:
