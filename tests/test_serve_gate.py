@@ -66,7 +66,7 @@ def test_gate_passes_fails_and_skips(tmp_path, tiny, fake, monkeypatch):
     assert ok["status"] == "passed" and ok["accepted"] == acc, ok
     (tmp_path / "acc.json").write_text(json.dumps([a + 1 for a in acc]))
     bad = gate.serve_gate(champ, cfg.target, str(fake), rows, 12, log=lambda m: None)
-    assert bad["status"] == "failed" and len(bad["failures"]) == 3 and "vLLM accepted" in bad["reason"]
+    assert bad["status"] == "failed" and len(bad["failures"]) == 3 and "vLLM + head accepted" in bad["reason"]
     monkeypatch.setenv("FAKE_VLLM_FAIL", "1")
     broken = gate.serve_gate(champ, cfg.target, str(fake), rows, 12, log=lambda m: None)
     assert broken["status"] == "failed" and "cannot load the draft" in broken["reason"]

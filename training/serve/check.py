@@ -43,6 +43,8 @@ class CheckConfig:
     max_new_tokens: int = 96
     gamma: int = 3
     dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
+    speculators: bool = True
+    """Also serve a `--format speculators` export as `vllm serve DIR` would (fp32, in the contract)."""
     contract_only: bool = False
     """Only the fp32 contract (no bf16, no specstop default): the re-distillation gate."""
     timeout_s: int = 3600
@@ -130,14 +132,19 @@ def contract(rows, mine: dict, theirs: dict, eos: set[int]) -> list[str]:
     """Contract failures, one line each (empty: it holds)."""
     fails = []
     ref = [trim(o, eos) for o in theirs["float32/plain"]["outputs"]]
-    for name, outs in (("vLLM + head", theirs["float32/head"]["outputs"]), ("specstop ar", mine["float32/ar"]["outputs"]),
-                       ("specstop sd", mine["float32/sd"]["outputs"])):
-        for r, a, b in zip(rows, ref, outs):
+    heads = {"vLLM + head": theirs["float32/head"]}
+    if "float32/speculators" in theirs:
+        heads["vLLM speculators export"] = theirs["float32/speculators"]
+    outs = {**{k: v["outputs"] for k, v in heads.items()}, "specstop ar": mine["float32/ar"]["outputs"],
+            "specstop sd": mine["float32/sd"]["outputs"]}
+    for name, got in outs.items():
+        for r, a, b in zip(rows, ref, got):
             if trim(b, eos) != a:
                 fails.append(f"fp32 {name} differs from plain vLLM on {r['id']}")
-    for r, a, b in zip(rows, theirs["float32/head"]["accepted"], mine["float32/sd"]["accepted"]):
-        if a != b:
-            fails.append(f"{r['id']}: vLLM accepted {a} draft tokens, specstop sd --gamma 3 --stop fixed {b}")
+    for name, run in heads.items():
+        for r, a, b in zip(rows, run["accepted"], mine["float32/sd"]["accepted"]):
+            if a != b:
+                fails.append(f"{r['id']}: {name} accepted {a} draft tokens, specstop sd --gamma 3 --stop fixed {b}")
     return fails
 
 
@@ -169,13 +176,15 @@ def check(cfg: CheckConfig, out_dir: Path | None, log=print, rows: list[dict] | 
 
     with tempfile.TemporaryDirectory(prefix="serve-head-") as tmp:
         head = load_feature_draft(cfg.draft, base.session.target)
-        export = to_eagle3(head, Path(tmp) / "head", "float32", base.session.target.config,
-                           window=trained_window(Path(cfg.draft)))
+        tcfg, window = base.session.target.config, trained_window(Path(cfg.draft))
+        export = to_eagle3(head, Path(tmp) / "head", "float32", tcfg, window=window)
+        spec = to_eagle3(head, Path(tmp) / "speculators", "float32", tcfg, window=window, fmt="speculators",
+                         verifier=target_dir, speculative_tokens=cfg.gamma) if cfg.speculators else None
         del base
         log(f"serve-check: export + prompts {time.perf_counter() - t0:.0f} s")
         theirs = run_vllm(cfg, {"target": target_dir, "draft": str(export), "prompts": [r["ids"] for r in rows],
                                 "max_tokens": cfg.max_new_tokens, "dtypes": cfg.dtypes, "eos": sorted(eos),
-                                "speculative_tokens": cfg.gamma}, log)
+                                "speculative_tokens": cfg.gamma, "speculators": spec and str(spec)}, log)
     mine = run_ours(cfg, rows, log)
     fails = contract(rows, mine, theirs["runs"], eos)
     result = summarise(cfg, rows, mine, theirs, eos, fails, time.perf_counter() - t0)

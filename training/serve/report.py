@@ -47,8 +47,10 @@ def summarise(cfg, rows, mine: dict, theirs: dict, eos: set[int], fails: list[st
                     "threads": 1, "note": "timings of one run; shared-machine figures unless rerun quietly"},
         "config": asdict(cfg), "prompts": [{"id": r["id"], "kind": r["kind"]} for r in rows],
         "contract": {"ok": not fails, "failures": fails,
-                     "checks": "fp32: vLLM + head == plain vLLM == specstop ar == specstop sd (tokens); "
-                               "vLLM accepted draft tokens == specstop sd --gamma 3 --stop fixed (per prompt)"},
+                     "checks": "fp32: vLLM + head (eagle3 export; and the speculators export served as "
+                               "`vllm serve DIR` does) == plain vLLM == specstop ar == specstop sd (tokens); "
+                               "their accepted draft tokens == specstop sd --gamma 3 --stop fixed (per prompt)",
+                     "speculators_export_checked": "float32/speculators" in runs},
         "accepted_per_prompt": per_prompt, "vllm_mean_acceptance_length": acc_len,
         "bf16_head_equals_plain": None if bf16 is None else f"{bf16}/{len(rows)}",
         "tokens_per_s": speed,

@@ -4,7 +4,8 @@ standard library: specstop's own venv has another transformers).
     python vllm_side.py REQUEST.json RESULT.json
 
 REQUEST: {"target": DIR, "draft": DIR | null, "prompts": [[ids]], "max_tokens": 96,
-"dtypes": ["float32", ...], "speculative_tokens": 3, "eos": [ids], "max_model_len": 1024}. For each dtype,
+"dtypes": ["float32", ...], "speculative_tokens": 3, "eos": [ids], "max_model_len": 1024,
+"speculators": DIR | null}. For each dtype,
 plain vLLM and (with a draft) vLLM + the EAGLE-3 head generate greedily, one prompt at a time
 (batch 1, as specstop's engine). RESULT: per dtype and mode the new token ids, seconds per
 prompt (generation only) and, with the head, the draft tokens accepted per prompt (the
@@ -28,7 +29,9 @@ def counter(llm, name: str) -> int:
     return total
 
 
-def run_mode(req: dict, dtype: str, draft: str | None) -> dict:
+def run_mode(req: dict, dtype: str, draft: str | None, model: str | None = None) -> dict:
+    """model: a speculators-format head dir given as the model (vLLM finds target and head
+    in its config, as `vllm serve DIR` does)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -36,7 +39,7 @@ def run_mode(req: dict, dtype: str, draft: str | None) -> dict:
     spec = None
     if draft:
         spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": req["speculative_tokens"]}
-    llm = LLM(model=req["target"], dtype=dtype, speculative_config=spec, seed=0,
+    llm = LLM(model=model or req["target"], dtype=dtype, speculative_config=spec, seed=0,
               max_model_len=req.get("max_model_len", 1024), skip_tokenizer_init=True,
               disable_log_stats=False, max_num_seqs=1)
     built = time.perf_counter() - t0
@@ -46,6 +49,7 @@ def run_mode(req: dict, dtype: str, draft: str | None) -> dict:
     llm.generate([TokensPrompt(prompt_token_ids=req["prompts"][0])], params, use_tqdm=False)  # warm-up
     out = {"outputs": [], "seconds": [], "accepted": [], "drafted": [], "construct_s": built}
     for ids in req["prompts"]:
+        draft = draft or model
         a0 = counter(llm, "vllm:spec_decode_num_accepted_tokens") if draft else 0
         d0 = counter(llm, "vllm:spec_decode_num_draft_tokens") if draft else 0
         t = time.perf_counter()
@@ -73,6 +77,9 @@ def main(argv: list[str]) -> int:
                     continue
                 print(f"vllm_side: {dtype} {mode} ...", file=sys.stderr, flush=True)
                 result["runs"][f"{dtype}/{mode}"] = run_mode(req, dtype, draft)
+        if req.get("speculators"):  # the `vllm serve DIR` path, fp32: part of the contract
+            print("vllm_side: float32 speculators ...", file=sys.stderr, flush=True)
+            result["runs"]["float32/speculators"] = run_mode(req, "float32", None, req["speculators"])
         rc = 0
     except Exception as e:  # reported to the driver in one line, the trace on stderr
         traceback.print_exc()
