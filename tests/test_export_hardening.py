@@ -78,6 +78,8 @@ def test_other_aux_layers_are_written_and_honoured(target, tmp_path):
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelError, match="must be 3 layers of the target's 8"):
         from_eagle3(out, t)
+    with pytest.raises(ModelError, match="repeat a layer"):  # vLLM would feed fc two states
+        to_eagle3(tiny_feature_draft(t, aux=(2, 3, 3)), tmp_path / "dup")
 
 
 @pytest.mark.parametrize("key,value", [

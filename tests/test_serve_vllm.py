@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from distill_fixtures import tiny_tokenizer
-from test_feature_draft import tiny_feature_draft
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from decoding.feature_draft import default_aux_layers
+from decoding.feature_draft import FeatureDraft, FeatureDraftConfig
 from decoding.feature_io import save_feature_draft
 from decoding.models import load_model
 from training.serve.check import VLLM_PYTHON, CheckConfig, check
@@ -22,7 +21,7 @@ PYTHON = os.environ.get("SPECSTOP_VLLM_PYTHON", VLLM_PYTHON)
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     os.environ.get("SPECSTOP_VLLM_TESTS") != "1" or not Path(PYTHON).is_file(),
     reason="opt-in: SPECSTOP_VLLM_TESTS=1 with vLLM's venv (make serve-check)")]
-LAYERS = 6
+LAYERS = 8  # default aux layers 2, 4, 5: distinct (vLLM captures each layer once)
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +35,9 @@ def target(tmp_path_factory) -> Path:
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         model.model.norm.weight.mul_(4)  # sharp: greedy far from ties
+        for layer in model.model.layers[4:]:  # the output is the residual at layer 4's input:
+            layer.self_attn.o_proj.weight.zero_()  # a head reading the aux layers can predict it
+            layer.mlp.down_proj.weight.zero_()
     model.save_pretrained(out)
     tiny_tokenizer(out)
     return out
@@ -44,7 +46,10 @@ def target(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("vocab,aux", [(64, None), (48, (1, 2, 4))], ids=["full-vocab", "aux-1-2-4"])
 def test_vllm_serves_the_exported_head_as_specstop(target, tmp_path, vocab, aux):
     t = load_model(target)
-    head = tiny_feature_draft(t, draft_vocab=vocab, aux=aux or default_aux_layers(LAYERS))
+    torch.manual_seed(1)
+    cfg = FeatureDraftConfig.from_target(t.config, draft_vocab_size=vocab, aux_layers=aux)
+    used = torch.cat([torch.tensor([0, 1, 2]), 3 + torch.randperm(61)[:vocab - 3]])
+    head = FeatureDraft(cfg).init_from_target(t, used)  # fc passes the highest aux layer through
     save_feature_draft(head, tmp_path / "head", t)
     rows = [{"id": f"p{i}", "kind": "general", "ids": [1] + [3 + (7 * i + 3 * j) % 60 for j in range(20)]}
             for i in range(4)]

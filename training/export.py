@@ -121,6 +121,8 @@ def to_eagle3(draft: FeatureDraft, out, dtype: str = "bfloat16", target_config=N
         raise ModelError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     if fmt not in FORMATS:
         raise ModelError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
+    if len(set(cfg.aux_layers)) != 3:  # vLLM captures each layer once: fc would get too few
+        raise ModelError(f"aux layers {list(cfg.aux_layers)} repeat a layer: engines cannot serve it")
     if window is not None and not 0 < window <= cfg.max_position_embeddings:
         raise ModelError(f"trained window {window} must be in 1..{cfg.max_position_embeddings}")
     if fmt == "speculators":

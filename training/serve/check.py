@@ -89,8 +89,10 @@ def run_vllm(cfg: CheckConfig, request: dict, log) -> dict:
         log(f"serve-check: vLLM half {time.perf_counter() - t:.0f} s")
         out = json.loads(res.read_text()) if res.is_file() else {}
         if proc.returncode or out.get("error") or not out.get("runs"):
-            tail = "\n".join(proc.stdout.splitlines()[-15:])
-            raise CheckError(f"vLLM failed: {out.get('error') or f'exit {proc.returncode}'}\n{tail}")
+            fd, logf = tempfile.mkstemp(prefix="serve-check-vllm-", suffix=".log")
+            with os.fdopen(fd, "w") as f:
+                f.write(proc.stdout)
+            raise CheckError(f"vLLM failed: {out.get('error') or f'exit {proc.returncode}'} (its log: {logf})")
         return out
 
 
@@ -184,7 +186,8 @@ def check(cfg: CheckConfig, out_dir: Path | None, log=print, rows: list[dict] | 
         log(f"serve-check: export + prompts {time.perf_counter() - t0:.0f} s")
         theirs = run_vllm(cfg, {"target": target_dir, "draft": str(export), "prompts": [r["ids"] for r in rows],
                                 "max_tokens": cfg.max_new_tokens, "dtypes": cfg.dtypes, "eos": sorted(eos),
-                                "speculative_tokens": cfg.gamma, "speculators": spec and str(spec)}, log)
+                                "speculative_tokens": cfg.gamma, "speculators": spec and str(spec),
+                                "max_model_len": min(1024, tcfg.max_position_embeddings)}, log)
     mine = run_ours(cfg, rows, log)
     fails = contract(rows, mine, theirs["runs"], eos)
     result = summarise(cfg, rows, mine, theirs, eos, fails, time.perf_counter() - t0)
