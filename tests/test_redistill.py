@@ -60,7 +60,8 @@ def setup_run(tmp_path, tiny, **kw) -> tuple[RD.RedistillConfig, Path]:
     args = dict(new_prompts=str(tmp_path / "logged"), work=str(tmp_path / "work"), draft=str(champ),
                 target=str(target), heldout_fraction=0.3, distill_config=str(root / "distill.yaml"),
                 max_minutes=None, max_steps=30, dtype="float32", temperature=1.0, max_new_tokens=24,
-                batch_size=8, shard_size=16, depth=2, threads=1)
+                batch_size=8, shard_size=16, depth=2, threads=1,
+                serve_check_python=str(tmp_path / "no-vllm" / "python"))  # test_serve_gate runs one
     return RD.RedistillConfig(**(args | kw)), champ
 
 
@@ -102,6 +103,7 @@ def test_improving_challenger_is_promoted_atomically_and_rerun_is_up_to_date(tmp
     assert swaps == [champ]
     dec = json.loads((run_dir / RD.DECISION).read_text())
     assert dec["promoted"] and not (run_dir / RD.PENDING).exists()
+    assert dec["serve_check"]["status"] == "skipped"  # no vLLM: promoted, and the skip recorded
     m = dec["challenger_metrics"]
     assert m["accepted_length"] > dec["champion_metrics"]["accepted_length"]
     # the chain counts leading runs: step 1 alone is its agreement, step 2 needs both

@@ -88,7 +88,9 @@ def fit(argv: list[str] | None) -> None:
     # decoding.drafts.io records the target's models.fingerprint; the corpus identity goes beside it
     meta = {"corpus_target": target_fingerprint(module.hp["target"]),
             "data": {"corpora": data.corpora, "train_positions": data.positions(),
-                     "vocab_sha256": data.vocab.sha256(), "vocab_coverage": data.vocab.coverage},
+                     "vocab_sha256": data.vocab.sha256(), "vocab_coverage": data.vocab.coverage,
+                     # the longest trained row (prompt tail + completion): exports record it
+                     "window": max(r["n"] for r in data.train_rows)},
             "training": module.hp | {"checkpoint": relative_path(best)},
             "metrics": {"validation": ckpt_metrics(best)}}
     out = export(load_feature_module(best), Path(run.drafts) / run.name, meta, run.dtype)

@@ -16,7 +16,8 @@ Speculative Decoding idea: the head keeps learning the traffic it serves).
    of depth `depth`, counted per position as the leading run of agreeing steps (conditioned
    exactly, not the product of per-step agreements, which assumes independence; exact for
    greedy continuations). Promote when the score is above the champion's and at least
-   (1 + margin) times it, and step-1 agreement is at most step1_tolerance below.
+   (1 + margin) times it, and step-1 agreement is at most step1_tolerance below. Then the
+   serve gate (training/serve/gate.py; decision.json's serve_check): vLLM must serve it as specstop.
 4. Promotion: decision.pending.json, then the champion directory is swapped for a copy of the
    challenger (training.swap.replace_dir) if it still holds the head it was judged against,
    then decision.json. A re-run that finds a pending record completes it, never re-compares.
@@ -91,6 +92,11 @@ class RedistillConfig:
     """... and its step-1 agreement is at most this much below the champion's."""
     threads: int | None = None
     """torch intra-op threads (None = torch's default)."""
+    serve_check_python: str | None = ".venv-vllm/bin/python"
+    """vLLM's python (make serve-check): a challenger about to be promoted must serve there as in
+    specstop (training/serve/gate.py); absent = skipped and recorded, null = off."""
+    serve_check_prompts: int = 4  # held-out prompts, and new tokens each, the serve gate runs
+    serve_check_tokens: int = 48
 
 
 def dir_sha(path: Path) -> str:
@@ -259,6 +265,7 @@ def run(cfg: RedistillConfig, teacher=None, log=print) -> int:
 
     from .corpus import CorpusConfig, build_corpus
     from ..logged import is_heldout, read_logged
+    from ..serve.gate import gate_promotion
     from ..shards import write_json
     from .feature_bench import agreement
 
@@ -310,10 +317,12 @@ def run(cfg: RedistillConfig, teacher=None, log=print) -> int:
         champ_m = agreement(target, head, rows, layers, cfg.depth)
         chall_m = agreement(target, load_feature_draft(run_dir / CHALLENGER, target), rows, layers, cfg.depth)
         promote, reason = decide(champ_m, chall_m, cfg)
+        promote, reason, serve = gate_promotion(cfg, run_dir / CHALLENGER, rows, promote, reason, log)
         decision = {"promoted": promote, "reason": reason, "champion": str(champ),
                     "champion_sha": champ_sha, "challenger": str(run_dir / CHALLENGER),
                     "challenger_sha": dir_sha(run_dir / CHALLENGER), "champion_metrics": champ_m,
-                    "challenger_metrics": chall_m, "prompts": {"train": len(train), "heldout": len(held)},
+                    "challenger_metrics": chall_m, "serve_check": serve,
+                    "prompts": {"train": len(train), "heldout": len(held)},
                     "corpus": stats, "decided": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         if promote:
             write_json(run_dir / PENDING, decision)  # recorded before the swap it describes

@@ -1,0 +1,89 @@
+"""The serve gate (training/serve/gate.py) and its use by training.draft.redistill, with vLLM's
+half replaced by a fake interpreter (the test seam: `serve_check_python`). The fake answers
+the request as vllm_side.py does: greedy tokens from transformers' own `generate` (not
+specstop's engine) and the accepted counts the test tells it (vLLM's counter)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+import test_redistill
+from test_redistill import RD, setup_run, teacher_of
+
+from training.serve import gate
+
+tiny = test_redistill.tiny  # the module-scoped tiny target and damaged champion
+
+FAKE = '''#!{python}
+import json, os, sys, torch
+from transformers import AutoModelForCausalLM
+req = json.load(open(sys.argv[2]))
+if os.environ.get("FAKE_VLLM_FAIL"):
+    json.dump({{"error": "ValueError: cannot load the draft"}}, open(sys.argv[3], "w")); sys.exit(1)
+m = AutoModelForCausalLM.from_pretrained(req["target"], dtype=torch.float32).eval()
+outs = []
+for ids in req["prompts"]:
+    g = m.generate(torch.tensor([ids]), max_new_tokens=req["max_tokens"], do_sample=False,
+                   eos_token_id=req["eos"] or None, pad_token_id=0)
+    outs.append(g[0, len(ids):].tolist())
+acc = json.load(open(os.environ["FAKE_VLLM_ACCEPTED"]))
+run = lambda a: {{"outputs": outs, "seconds": [1.0] * len(outs), "accepted": a,
+                 "drafted": [3 * len(o) for o in outs], "construct_s": 0.0}}
+runs = {{"float32/plain": run([]), "float32/head": run(acc)}}
+json.dump({{"vllm": "fake", "runs": runs}}, open(sys.argv[3], "w"))
+'''
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    path = tmp_path / "fake-python"
+    path.write_text(FAKE.format(python=sys.executable))
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(sys.path))
+    return path
+
+
+def ours_accepted(champ: Path, target: str, rows: list[dict], tokens: int) -> list[int]:
+    from decoding import Decoder
+
+    dec = Decoder.load(target, str(champ), dtype="float32", strategy="sd", gamma=3, stop="fixed")
+    return [dec.generate(r["ids"], max_new_tokens=tokens).stats["accepted"] for r in rows]
+
+
+def test_gate_passes_fails_and_skips(tmp_path, tiny, fake, monkeypatch):
+    cfg, champ = setup_run(tmp_path, tiny)
+    rows = [{"id": f"p{i}", "kind": "general", "ids": [1] + [3 + (5 * i + j) % 60 for j in range(8)]}
+            for i in range(3)]
+    acc = ours_accepted(champ, cfg.target, rows, 12)
+    (tmp_path / "acc.json").write_text(json.dumps(acc))
+    monkeypatch.setenv("FAKE_VLLM_ACCEPTED", str(tmp_path / "acc.json"))
+    ok = gate.serve_gate(champ, cfg.target, str(fake), rows, 12, log=lambda m: None)
+    assert ok["status"] == "passed" and ok["accepted"] == acc, ok
+    (tmp_path / "acc.json").write_text(json.dumps([a + 1 for a in acc]))
+    bad = gate.serve_gate(champ, cfg.target, str(fake), rows, 12, log=lambda m: None)
+    assert bad["status"] == "failed" and len(bad["failures"]) == 3 and "vLLM + head accepted" in bad["reason"]
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "1")
+    broken = gate.serve_gate(champ, cfg.target, str(fake), rows, 12, log=lambda m: None)
+    assert broken["status"] == "failed" and "cannot load the draft" in broken["reason"]
+    assert gate.serve_gate(champ, cfg.target, str(tmp_path / "none"), rows, 12)["status"] == "skipped"
+    assert gate.serve_gate(champ, cfg.target, None, rows, 12)["status"] == "skipped"
+
+
+def test_redistill_keeps_the_champion_when_vllm_would_serve_it_differently(tmp_path, tiny, fake, monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "1")  # vLLM cannot load the challenger
+    cfg, champ = setup_run(tmp_path, tiny, serve_check_python=str(fake), serve_check_prompts=2,
+                           serve_check_tokens=8)
+    before = {p.name: p.read_bytes() for p in champ.iterdir()}
+    assert RD.run(cfg, teacher_of(tiny[1]), log=lambda m: None) == RD.EXIT_KEPT
+    (dec,) = (tmp_path / "work").glob(f"*/{RD.DECISION}")
+    d = json.loads(dec.read_text())
+    # the quality gate alone would have promoted it (a damaged champion)
+    assert d["challenger_metrics"]["accepted_length"] > d["champion_metrics"]["accepted_length"]
+    assert not d["promoted"] and d["serve_check"]["status"] == "failed"
+    assert d["reason"].startswith("serve contract broken")
+    assert {p.name: p.read_bytes() for p in champ.iterdir()} == before

@@ -1,0 +1,218 @@
+"""`make serve-check`: the exported head in vLLM beside the embedded target, checked against
+specstop's own engine (a contract, not a format on paper).
+
+    python -m training.serve.check [--python .venv-vllm/bin/python] [--out reports/serve-check]
+        [--per-domain 6] [--max-new-tokens 96] [--contract-only]
+
+On the project's held-out prompts (the first `per_domain` of heldout_general / heldout_code,
+chat template applied by specstop, the same token ids to both engines), greedy, one thread:
+- contract (fp32): vLLM + head == plain vLLM == specstop `ar` == specstop `sd --gamma 3
+  --stop fixed` token for token, and the draft tokens vLLM accepts per prompt == those of
+  specstop's `sd --gamma 3 --stop fixed`;
+- report: tokens/s of vLLM plain, vLLM + head, specstop `ar` and specstop's default, fp32 and
+  bf16, one run each (bf16 equality to plain vLLM is reported, not required).
+The vLLM half runs in its own venv (training/serve/vllm_side.py, JSON in and out).
+Exit codes: 0 contract holds | 1 contract broken | 2 bad input or vLLM unusable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .report import summarise, trim, write_report  # noqa: F401 (trim re-exported)
+
+SIDE = Path(__file__).with_name("vllm_side.py")
+VLLM_PYTHON = ".venv-vllm/bin/python"
+DOMAINS = {"general": "data/prompts/heldout_general.jsonl", "code": "data/prompts/heldout_code.jsonl"}
+# CPU libraries vLLM wants preloaded (speculative decoding loses much without Intel OpenMP)
+PRELOAD = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "lib/libiomp5.so")
+
+
+@dataclass
+class CheckConfig:
+    python: str = VLLM_PYTHON
+    draft: str | None = None
+    target: str | None = None
+    per_domain: int = 6
+    max_new_tokens: int = 96
+    gamma: int = 3
+    dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
+    speculators: bool = True
+    """Also serve a `--format speculators` export as `vllm serve DIR` would (fp32, in the contract)."""
+    contract_only: bool = False
+    """Only the fp32 contract (no bf16, no specstop default): the re-distillation gate."""
+    timeout_s: int = 3600
+
+
+class CheckError(Exception):
+    """Bad input or an unusable vLLM (exit 2), one line."""
+
+
+def prompts(per_domain: int) -> list[dict]:
+    out = []
+    for kind, path in DOMAINS.items():
+        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        out += [{"id": r["id"], "kind": kind, "prompt": r["prompt"]} for r in rows[:per_domain]]
+    return out
+
+
+def vllm_env(python: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    venv = Path(python).parent.parent
+    libs = [str(p) for p in (Path(PRELOAD[0]), venv / PRELOAD[1]) if p.is_file()]
+    if libs:
+        env["LD_PRELOAD"] = ":".join([*libs, env.get("LD_PRELOAD", "")]).rstrip(":")
+    return env
+
+
+def run_vllm(cfg: CheckConfig, request: dict, log) -> dict:
+    """The vLLM half in its own interpreter; CheckError when it cannot run."""
+    if not Path(cfg.python).is_file():
+        raise CheckError(f"no vLLM python at {cfg.python} (make serve-check builds .venv-vllm)")
+    with tempfile.TemporaryDirectory(prefix="serve-check-") as tmp:
+        req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        req.write_text(json.dumps(request))
+        t = time.perf_counter()
+        try:
+            proc = subprocess.run([cfg.python, str(SIDE), str(req), str(res)], env=vllm_env(cfg.python),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  timeout=cfg.timeout_s)
+        except subprocess.TimeoutExpired:
+            raise CheckError(f"vLLM did not finish in {cfg.timeout_s} s") from None
+        log(f"serve-check: vLLM half {time.perf_counter() - t:.0f} s")
+        out = json.loads(res.read_text()) if res.is_file() else {}
+        if proc.returncode or out.get("error") or not out.get("runs"):
+            fd, logf = tempfile.mkstemp(prefix="serve-check-vllm-", suffix=".log")
+            with os.fdopen(fd, "w") as f:
+                f.write(proc.stdout)
+            raise CheckError(f"vLLM failed: {out.get('error') or f'exit {proc.returncode}'} (its log: {logf})")
+        return out
+
+
+def ours(dec, rows: list[dict], max_new: int) -> dict:
+    out = {"outputs": [], "seconds": [], "accepted": [], "tokens": []}
+    for r in rows:
+        res = dec.generate(r["ids"], max_new_tokens=max_new)
+        out["outputs"].append(res.token_ids)
+        out["seconds"].append(res.stats["wall_s"])
+        out["accepted"].append(res.stats.get("accepted", 0))
+        out["tokens"].append(res.stats["new_tokens"])
+    return out
+
+
+def run_ours(cfg: CheckConfig, rows: list[dict], log) -> dict:
+    from decoding import Decoder
+
+    runs = {}
+    for dtype in cfg.dtypes:
+        t = time.perf_counter()
+        sd = Decoder.load(cfg.target, cfg.draft, dtype=dtype, strategy="sd", gamma=cfg.gamma, stop="fixed")
+        runs[f"{dtype}/sd"] = ours(sd, rows, cfg.max_new_tokens)
+        runs[f"{dtype}/ar"] = ours(sd.variant("ar"), rows, cfg.max_new_tokens)
+        if not cfg.contract_only:
+            runs[f"{dtype}/default"] = ours(sd.default_variant(), rows, cfg.max_new_tokens)
+        log(f"serve-check: specstop {dtype} {time.perf_counter() - t:.0f} s")
+    return runs
+
+
+def contract(rows, mine: dict, theirs: dict, eos: set[int]) -> list[str]:
+    """Contract failures, one line each (empty: it holds)."""
+    fails = []
+    ref = [trim(o, eos) for o in theirs["float32/plain"]["outputs"]]
+    heads = {"vLLM + head": theirs["float32/head"]}
+    if "float32/speculators" in theirs:
+        heads["vLLM speculators export"] = theirs["float32/speculators"]
+    outs = {**{k: v["outputs"] for k, v in heads.items()}, "specstop ar": mine["float32/ar"]["outputs"],
+            "specstop sd": mine["float32/sd"]["outputs"]}
+    for name, got in outs.items():
+        for r, a, b in zip(rows, ref, got):
+            if trim(b, eos) != a:
+                fails.append(f"fp32 {name} differs from plain vLLM on {r['id']}")
+    for name, run in heads.items():
+        for r, a, b in zip(rows, run["accepted"], mine["float32/sd"]["accepted"]):
+            if a != b:
+                fails.append(f"{r['id']}: {name} accepted {a} draft tokens, specstop sd --gamma 3 --stop fixed {b}")
+    return fails
+
+
+def check(cfg: CheckConfig, out_dir: Path | None, log=print, rows: list[dict] | None = None) -> dict:
+    """Export, run both halves, compare; returns the results (written to out_dir when given).
+    rows: [{"id", "kind", "ids"}] prompts already tokenised (default: the held-out files)."""
+    import torch
+
+    from decoding import models
+    from decoding.defaults import DEFAULT_DRAFT
+
+    from ..export import to_eagle3, trained_window
+
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    cfg.draft = str(models.resolve_model_dir(cfg.draft or DEFAULT_DRAFT))
+    target_dir = str(models.resolve_model_dir(cfg.target) if cfg.target else models.default_target_dir())
+    if cfg.contract_only:
+        cfg.dtypes = ["float32"]
+    from decoding import Decoder
+
+    base = Decoder.load(cfg.target, cfg.draft, dtype="float32", strategy="ar")
+    chat = bool(getattr(base.tokenizer, "chat_template", None))
+    rows = rows or [r | {"ids": base.prompt_ids(r["prompt"], chat=chat, max_new_tokens=cfg.max_new_tokens)}
+                    for r in prompts(cfg.per_domain)]
+    eos = {int(base.session.eos_token_id)} if base.session.eos_token_id is not None else set()
+    from decoding.drafts.io import load_feature_draft
+
+    with tempfile.TemporaryDirectory(prefix="serve-head-") as tmp:
+        head = load_feature_draft(cfg.draft, base.session.target)
+        tcfg, window = base.session.target.config, trained_window(Path(cfg.draft))
+        export = to_eagle3(head, Path(tmp) / "head", "float32", tcfg, window=window)
+        spec = to_eagle3(head, Path(tmp) / "speculators", "float32", tcfg, window=window, fmt="speculators",
+                         verifier=target_dir, speculative_tokens=cfg.gamma) if cfg.speculators else None
+        del base
+        log(f"serve-check: export + prompts {time.perf_counter() - t0:.0f} s")
+        theirs = run_vllm(cfg, {"target": target_dir, "draft": str(export), "prompts": [r["ids"] for r in rows],
+                                "max_tokens": cfg.max_new_tokens, "dtypes": cfg.dtypes, "eos": sorted(eos),
+                                "speculative_tokens": cfg.gamma, "speculators": spec and str(spec),
+                                "max_model_len": min(1024, tcfg.max_position_embeddings)}, log)
+    mine = run_ours(cfg, rows, log)
+    fails = contract(rows, mine, theirs["runs"], eos)
+    result = summarise(cfg, rows, mine, theirs, eos, fails, time.perf_counter() - t0)
+    if out_dir is not None:
+        write_report(out_dir, result)
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m training.serve.check", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--python", default=VLLM_PYTHON, help="python of the venv vLLM is installed in")
+    ap.add_argument("--draft", default=None, help="specstop feature head (default: the shipped one)")
+    ap.add_argument("--target", default=None, help="target model dir (default: the embedded SmolLM2)")
+    ap.add_argument("--out", default="reports/serve-check", help="report directory")
+    ap.add_argument("--per-domain", type=int, default=6, help="held-out prompts per domain")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--contract-only", action="store_true", help="fp32 contract only (no speed rows)")
+    a = ap.parse_args(argv)
+    cfg = CheckConfig(python=a.python, draft=a.draft, target=a.target, per_domain=a.per_domain,
+                      max_new_tokens=a.max_new_tokens, contract_only=a.contract_only)
+    from decoding.models import ModelError
+
+    try:
+        result = check(cfg, Path(a.out))
+    except (CheckError, ModelError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for line in result["contract"]["failures"]:
+        print(f"contract: {line}", file=sys.stderr)
+    print(f"serve-check: contract {'holds' if result['contract']['ok'] else 'BROKEN'}; report in {a.out}")
+    return 0 if result["contract"]["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
