@@ -11,7 +11,8 @@
 `target` / `draft` are model directories or already-loaded Hugging Face causal LMs (then pass
 `tokenizer=`; they are used in the dtype and on the device they are in). Options left None come
 from `decoding/defaults.yaml` for the shipped pair on this device kind, else its `other-pairs`
-entry. Every bad input raises ValueError (models.ModelError for models) with one clear line.
+entry, as a whole and only when no strategy or shape is named: `strategy="sd", gamma=3` is sd
+g3 at fixed depth, whatever the defaults' stop rule. Every bad input raises ValueError (models.ModelError for models) with one clear line.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ class Decoder:
              defaults_file=None, **options) -> Decoder:
         """Load once. options: StrategyConfig fields (gamma, k_config, width, depth, mode,
         replacement, stop, confidence_threshold, confidence_rule); unset ones come from the
-        defaults. decider: checkpoint dir or 'latest' (used when stop is 'decider')."""
+        defaults entry when neither `strategy` nor a shape (gamma, k_config, width, depth) is
+        given, else from the strategy's own built-in values (fixed depth unless `stop` is set). decider: checkpoint dir or 'latest' (used when stop is 'decider')."""
         bad = set(options) - _STRATEGY_KEYS
         if bad:
             raise TypeError(f"unknown option(s): {', '.join(sorted(bad))}")
@@ -95,7 +97,8 @@ class Decoder:
         sess.cost_cache = True  # a grown tree's measured cost curve is timed once per machine
         if given_strategy is None and sess.draft is None:
             cfg = replace(cfg, strategy="ar")  # no draft shipped or given: plain decoding
-        if d.decider_rule and decider_rule is None and cfg.stop == "decider":
+        if d.decider_rule and decider_rule is None and cfg.stop == "decider" \
+                and not dflt.names_strategy(strategy, options):
             decider_rule = d.decider_rule
         return cls(sess, cfg, decider, decider_rule, decider_threshold, d)
 

@@ -163,13 +163,27 @@ def is_shipped_pair(target, draft) -> bool:
     return draft is None or (isinstance(draft, (str, Path)) and Path(draft).resolve() == DEFAULT_DRAFT.resolve())
 
 
+SHAPE_KEYS = ("gamma", "k_config", "width", "depth")
+"""Options that name a strategy's shape: setting one (or the strategy) opts out of the entry."""
+_STRATEGY_KEYS = (*SHAPE_KEYS, "stop", "confidence_threshold", "confidence_rule", "max_nodes", "grow_cost")
+
+
+def names_strategy(strategy: str | None, options: dict) -> bool:
+    """Whether the user named a strategy or a shape: then the entry fills nothing of the
+    strategy (its stop rule included), so `--strategy sd --gamma 3` is sd g3 at fixed depth."""
+    return strategy is not None or any(options.get(k) is not None for k in SHAPE_KEYS)
+
+
 def strategy_config(d: Defaults, strategy: str | None, options: dict) -> StrategyConfig:
-    """The StrategyConfig of the given options over the entry's (None = unset); raises
-    ValueError on a bad value. Torch-free, so a CLI checks its options before heavy imports."""
-    base = {k: getattr(d, k) for k in ("gamma", "k_config", "width", "depth", "stop", "confidence_threshold",
-                                       "confidence_rule", "max_nodes", "grow_cost")}
-    base.update({k: v for k, v in options.items() if v is not None})
-    return StrategyConfig(strategy=strategy or d.strategy, **base)
+    """The StrategyConfig of the given options (None = unset) over the entry's, when the user
+    named neither a strategy nor a shape; over the strategy's own built-in values (fixed depth
+    unless `stop` is given) when they did. Raises ValueError on a bad value. Torch-free, so a
+    CLI checks its options before heavy imports."""
+    given = {k: v for k, v in options.items() if v is not None}
+    if names_strategy(strategy, options):
+        return StrategyConfig(strategy=strategy or d.strategy, **given)
+    base = {k: getattr(d, k) for k in _STRATEGY_KEYS}
+    return StrategyConfig(strategy=d.strategy, **{**base, **given})
 
 
 def _spec_entry(spec: dict, row: dict) -> dict | None:

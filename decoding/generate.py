@@ -28,7 +28,10 @@ def defaults_help() -> str:
             f"recorded per device kind in decoding/defaults.yaml (rewritten by\n"
             f"python -m decoding.bench --write-defaults). On this machine's CPU ({kind}): {d.describe()}\n"
             f"  from {d.source}\n"
-            f"Another target or draft (not measured): {other.describe()}.")
+            f"Another target or draft (not measured): {other.describe()}.\n"
+            f"The defaults apply only when you name neither --strategy nor a shape (--gamma, --k-config,\n"
+            f"--width, --depth). A named strategy runs as named, with its own built-in values for what\n"
+            f"you leave unset (stop: fixed depth unless --stop is given); --dtype still defaults as above.")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -140,3 +140,19 @@ def test_bench_write_defaults(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "shipped pair" in err and not (tmp_path / "r2").exists()
     assert yaml.safe_load(D.DEFAULTS_PATH.read_text())  # untouched and readable
+
+
+def test_a_named_strategy_or_shape_runs_as_named():
+    """Issue 34: `--strategy sd --gamma 3` once inherited the defaults' grow rule."""
+    d = D.Defaults(strategy="ti-mcsd", width=4, depth=8, stop="confidence", confidence_rule="grow",
+                   max_nodes=48, grow_cost="measure")
+    unset = dict.fromkeys(("gamma", "k_config", "width", "depth", "stop", "confidence_rule"))
+    assert D.strategy_config(d, None, unset).name == "ti-mcsd[W=4,D=8]+confidence(grow)"  # nothing named
+    sd = D.strategy_config(d, "sd", {**unset, "gamma": 3})
+    assert (sd.name, sd.stop, sd.k_levels) == ("sd[g=3]", "fixed", (1, 1, 1))
+    same = D.strategy_config(d, "ti-mcsd", unset)  # the default's strategy, named: its own values
+    assert (same.width, same.depth, same.stop, same.max_nodes) == (4, 6, "fixed", 64)
+    shaped = D.strategy_config(d, None, {**unset, "width": 2, "depth": 3})  # a shape alone
+    assert (shaped.strategy, shaped.k_levels, shaped.stop) == ("ti-mcsd", (2, 1, 1), "fixed")
+    asked = D.strategy_config(d, "sd", {**unset, "stop": "confidence"})  # a stop rule given is kept
+    assert (asked.stop, asked.confidence_rule) == ("confidence", "level")
