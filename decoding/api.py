@@ -75,11 +75,13 @@ class Decoder:
     def load(cls, target=None, draft=None, decider=None, *, tokenizer=None, draft_tokenizer=None,
              dtype: str | None = None, device: str = "cpu", strategy: str | None = None,
              decider_rule: str | None = None, decider_threshold: float | None = None,
-             defaults_file=None, **options) -> Decoder:
+             defaults_file=None, forward: str | None = None, **options) -> Decoder:
         """Load once. options: StrategyConfig fields (gamma, k_config, width, depth, mode,
         replacement, stop, confidence_threshold, confidence_rule); unset ones come from the
         defaults entry when neither `strategy` nor a shape (gamma, k_config, width, depth) is
-        given, else from the strategy's own built-in values (fixed depth unless `stop` is set). decider: checkpoint dir or 'latest' (used when stop is 'decider')."""
+        given, else from the strategy's own built-in values (fixed depth unless `stop` is set). decider: checkpoint dir or 'latest' (used when stop is 'decider').
+        forward: eager | packed (decoding.fast_forward; None: packed where oneDNN has it) for
+        models loaded here."""
         bad = set(options) - _STRATEGY_KEYS
         if bad:
             raise TypeError(f"unknown option(s): {', '.join(sorted(bad))}")
@@ -88,7 +90,7 @@ class Decoder:
         cfg = dflt.strategy_config(d, strategy, options)  # validated before the (slow) model load
         if isinstance(target, (str, Path)) or target is None:
             sess = Session.open(target, draft, dtype or d.dtype, device,
-                                need_draft=given_strategy not in (None, "ar"))
+                                need_draft=given_strategy not in (None, "ar"), forward=forward)
         else:
             if dtype is not None:
                 raise ValueError("dtype applies to models loaded from directories: convert loaded models "
