@@ -78,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                    help="(*) bfloat16 on CUDA or a CPU with AMX; float32 elsewhere (measured faster there)")
+                    help="(*) bfloat16 on CUDA, a CPU with AMX, or one with AVX512-BF16 and the packed forward; float32 elsewhere (measured faster there)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--forward", choices=("eager", "packed"), default=None,
                     help="how the models compute their linears: packed (the default where oneDNN has it: "

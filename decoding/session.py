@@ -51,7 +51,7 @@ class Session:
         """forward: eager | packed (decoding.fast_forward); None: packed where oneDNN has it."""
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise models.ModelError("--device cuda was asked for but no CUDA device is available")
-        dtype = resolve_dtype(dtype, device)[0]  # auto: bf16 on CUDA or with AMX
+        dtype = resolve_dtype(dtype, device)[0]  # auto: bf16 on CUDA, with AMX, or AVX512-BF16 + packed
         tdir = models.resolve_model_dir(target)
         if draft is None and target in (None, models.DEFAULT_TARGET) and (DEFAULT_DRAFT / "config.json").exists():
             draft = DEFAULT_DRAFT
