@@ -118,6 +118,7 @@ def run_compare(cfg: BenchConfig, command: str) -> dict:
         torch.set_num_threads(cfg.threads)
     sets = {k: load_prompts(v, cfg.prompts_per_set) for k, v in cfg.prompt_sets.items()}
     sess = Session.open(cfg.target, cfg.draft, cfg.dtype, cfg.device, need_draft=_needs_draft(cfg.strategies))
+    _log(f"forward {sess.forward} (decoding.fast_forward; $SPECSTOP_FORWARD=eager for the reference)")
     depth = max((len(s.shape_config().k_levels) for s in cfg.strategies if not s.peer), default=0)
     n_max = max(cfg.max_new_tokens, cfg.sweep.max_new_tokens if cfg.sweep.enabled else 0)
     ids = {k: [sess.encode(p["prompt"], chat=cfg.chat, max_new_tokens=n_max, tree_depth=depth) for p in v]
@@ -155,7 +156,7 @@ def run_compare(cfg: BenchConfig, command: str) -> dict:
                                                   tree_depth=depth) for p in sw_prompts])
     results = {
         "meta": {"date": time.strftime("%Y-%m-%d"), "command": command, "target": sess.target_dir.name,
-                 "draft": _shown(sess.draft_dir), "dtype": cfg.dtype,
+                 "draft": _shown(sess.draft_dir), "dtype": cfg.dtype, "forward": sess.forward,
                  "dtype_source": dtype_source,
                  "device": cfg.device, "threads": torch.get_num_threads(), "prompts_per_set": cfg.prompts_per_set,
                  "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "decider": _decider_name(cfg),
