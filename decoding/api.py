@@ -11,7 +11,8 @@
 `target` / `draft` are model directories or already-loaded Hugging Face causal LMs (then pass
 `tokenizer=`; they are used in the dtype and on the device they are in). Options left None come
 from `decoding/defaults.yaml` for the shipped pair on this device kind, else its `other-pairs`
-entry. Every bad input raises ValueError (models.ModelError for models) with one clear line.
+entry, as a whole and only when no strategy or shape is named: `strategy="sd", gamma=3` is sd
+g3 at fixed depth, whatever the defaults' stop rule. Every bad input raises ValueError (models.ModelError for models) with one clear line.
 """
 
 from __future__ import annotations
@@ -74,10 +75,13 @@ class Decoder:
     def load(cls, target=None, draft=None, decider=None, *, tokenizer=None, draft_tokenizer=None,
              dtype: str | None = None, device: str = "cpu", strategy: str | None = None,
              decider_rule: str | None = None, decider_threshold: float | None = None,
-             defaults_file=None, **options) -> Decoder:
+             defaults_file=None, forward: str | None = None, **options) -> Decoder:
         """Load once. options: StrategyConfig fields (gamma, k_config, width, depth, mode,
         replacement, stop, confidence_threshold, confidence_rule); unset ones come from the
-        defaults. decider: checkpoint dir or 'latest' (used when stop is 'decider')."""
+        defaults entry when neither `strategy` nor a shape (gamma, k_config, width, depth) is
+        given, else from the strategy's own built-in values (fixed depth unless `stop` is set). decider: checkpoint dir or 'latest' (used when stop is 'decider').
+        forward: eager | packed (decoding.fast_forward; None: packed where oneDNN has it) for
+        models loaded here."""
         bad = set(options) - _STRATEGY_KEYS
         if bad:
             raise TypeError(f"unknown option(s): {', '.join(sorted(bad))}")
@@ -86,7 +90,7 @@ class Decoder:
         cfg = dflt.strategy_config(d, strategy, options)  # validated before the (slow) model load
         if isinstance(target, (str, Path)) or target is None:
             sess = Session.open(target, draft, dtype or d.dtype, device,
-                                need_draft=given_strategy not in (None, "ar"))
+                                need_draft=given_strategy not in (None, "ar"), forward=forward)
         else:
             if dtype is not None:
                 raise ValueError("dtype applies to models loaded from directories: convert loaded models "
@@ -95,7 +99,8 @@ class Decoder:
         sess.cost_cache = True  # a grown tree's measured cost curve is timed once per machine
         if given_strategy is None and sess.draft is None:
             cfg = replace(cfg, strategy="ar")  # no draft shipped or given: plain decoding
-        if d.decider_rule and decider_rule is None and cfg.stop == "decider":
+        if d.decider_rule and decider_rule is None and cfg.stop == "decider" \
+                and not dflt.names_strategy(strategy, options):
             decider_rule = d.decider_rule
         return cls(sess, cfg, decider, decider_rule, decider_threshold, d)
 

@@ -4,11 +4,11 @@ timing on its first load only.
 
 The key is everything the curve depends on: both models' fingerprints, dtype, device, torch
 threads, the CPU model, the torch version, and the sizes and unit it is timed in. Another
-machine, dtype or thread count is a miss, never a stale hit. A hit is also spot-checked: two
-sizes are timed again (1-3 s) and a curve off by more than `TOLERANCE` (one timed while the
-machine was busy, or on a machine that has since changed) is re-timed. Files live under
-`$SPECSTOP_CACHE/cost/` (git-ignored, like the converted target) and are written atomically.
-Benchmarks time the curve afresh at the start of every run instead.
+machine, dtype, thread count or forward is a miss, never a stale hit. A hit is
+trusted as stored: it is not re-timed because the machine is busy for a moment (a spot check
+that did so cost 10-30 s on busy moments, issue 34); set $SPECSTOP_RETIME_COST=1 to re-time it.
+Files live under `$SPECSTOP_CACHE/cost/` (git-ignored, like the converted target) and are
+written atomically. Benchmarks time the curve afresh at the start of every run instead.
 """
 
 from __future__ import annotations
@@ -23,15 +23,13 @@ from pathlib import Path
 
 import torch
 
+from .fast_forward import forward_kind
 from .fingerprint import fingerprint
-from . import growth
 from .growth import COST_SIZES, TOKENS, CostCurve, measure_cost
 from .models import cache_root
 
-TOLERANCE = 1.5
-"""A stored curve is kept while the spot-checked sizes time within this factor of it, either way
-(a curve timed under load read 100 ms flat where an idle 2-core machine takes 33-67 ms)."""
-SPOT_SIZES = (1, 8)
+RETIME_ENV = "SPECSTOP_RETIME_COST"
+"""Set to 1 to re-time (and overwrite) the stored curve on the next load."""
 
 
 def _cpu_model() -> str:
@@ -51,36 +49,25 @@ def cost_key(target, draft) -> dict:
         "target": fingerprint(target)["weights_sha256"], "draft": fingerprint(draft)["weights_sha256"],
         "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_model(),
-        "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "forward": forward_kind(target),
         "sizes": list(COST_SIZES), "unit": TOKENS,  # how it is timed: a curve of another kind is a miss
     }
 
 
-def spot_check(target, curve: CostCurve, tolerance: float = TOLERANCE) -> str | None:
-    """None if the target's forwards still time like the stored curve at SPOT_SIZES, else what
-    differs (~1-3 s on a CPU: each timing reads a 256-token context first)."""
-    for n, ms in zip(SPOT_SIZES, growth.time_forwards(target, SPOT_SIZES, repeats=2)):
-        was = curve.target(n)
-        if not was / tolerance <= ms <= was * tolerance:
-            return f"{n} new tokens take {ms:.1f} ms now, {was:.1f} ms stored"
-    return None
-
-
-def cached_cost(target, draft, root: Path | None = None, tolerance: float | None = TOLERANCE) -> tuple[CostCurve, str]:
-    """(curve, how it was obtained): the stored curve for this key if a spot check still agrees
-    with it (`tolerance` None: no check), else timed now and stored."""
+def cached_cost(target, draft, root: Path | None = None, retime: bool | None = None) -> tuple[CostCurve, str]:
+    """(curve, how it was obtained): the stored curve for this key, else timed now and stored;
+    `retime` (None: $SPECSTOP_RETIME_COST) times it again whatever is stored."""
     key = cost_key(target, draft)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = (root or cache_root() / "cost") / f"{digest}.json"
     why = "once; stored in " + str(path.parent)
+    if retime is None:
+        retime = os.environ.get(RETIME_ENV, "").strip() not in ("", "0")
     try:
         stored = json.loads(path.read_text())
-        if stored.get("key") == key:
-            curve = CostCurve.from_dict(stored["curve"])
-            off = spot_check(target, curve, tolerance) if tolerance else None
-            if off is None:
-                return curve, f"timed on this machine earlier ({path})"
-            why = f"the stored one is off: {off}"
+        if stored.get("key") == key and not retime:
+            return CostCurve.from_dict(stored["curve"]), f"timed on this machine earlier ({path})"
+        why = f"${RETIME_ENV} is set" if retime else why
     except (OSError, ValueError, KeyError, TypeError):
         pass  # absent or unreadable: time it again and overwrite
     print(f"timing this machine's forwards for the grown tree's cost curve ({why})",

@@ -1,7 +1,7 @@
 """The default decoding configuration: the measured-best lossless one for the shipped pair.
 
-`decoding/defaults.yaml` holds one entry per device kind (`cpu`: float32, no AMX; `cpu-bf16`:
-AMX, `cuda`) plus `other-pairs` for any pair but the shipped one (the benchmark
+`decoding/defaults.yaml` holds one entry per device kind (`cpu`: float32; `cpu-bf16`: AMX, or
+AVX512-BF16 with the packed forward; `cuda`) plus `other-pairs` for any pair but the shipped one (the benchmark
 measured only the shipped pair, so another pair gets the plain historical default). Each entry
 names the report it came from. `python -m decoding.bench --write-defaults` rewrites this
 machine's entry from the run it just measured, through `pick_best` and `write_defaults`.
@@ -35,7 +35,7 @@ INFO_KEYS = ("source", "measured")
 HEADER = """\
 # Default decoding configuration of `python -m decoding.generate` and `decoding.Decoder`, per
 # device kind, for the shipped pair (SmolLM2-135M-Instruct + checkpoints/drafts/smollm2-135m-eagle3).
-# cpu: a CPU without AMX (float32) | cpu-bf16: AMX (bfloat16) | cuda | other-pairs: any other
+# cpu: float32 CPUs | cpu-bf16: AMX, or AVX512-BF16 with the packed forward (bfloat16) | cuda | other-pairs: any other
 # pair (not measured: the plain historical default). Rewritten by
 #   python -m decoding.bench --config configs/bench_feature.yaml --write-defaults
 # which keeps the fastest lossless greedy row of that run (decoding/defaults.py: pick_best).
@@ -89,39 +89,49 @@ class Defaults:
 _FIELDS = {f.name for f in fields(Defaults)}
 
 
-def cpu_prefers_bf16(cpuinfo: str | None = None) -> bool:
-    """AMX-BF16 in the CPU flags (Linux): bf16 matmul tiles, where bf16 decoding is expected to
-    beat fp32 (not measured here: no AMX machine). AVX512-BF16 alone is not enough: on a 2-core
-    AVX512-BF16 Xeon without AMX (torch 2.13), float32 decoded faster than bfloat16, `ar` and
-    the speculative default alike (`python -m decoding.bench --suite dtype`,
-    reports/dtype-2026-11-26/); without either, bf16 matmuls are emulated and slower still."""
+def cpu_prefers_bf16(cpuinfo: str | None = None, packed: bool | None = None) -> bool:
+    """AMX-BF16 in the CPU flags (Linux), or AVX512-BF16 where the packed forward runs
+    (decoding.fast_forward; `packed` None: unless $SPECSTOP_FORWARD is eager). On a 2-core
+    AVX512-BF16 EPYC without AMX (torch 2.13, shared machine, interleaved, issue 34): the eager
+    bf16 forward is no faster than fp32 at 1 token (float32 decoded 1.175x faster,
+    reports/dtype-2026-11-26), while the packed bf16 forward costs 0.5-0.84x the fp32 eager one
+    at 1-16 tokens (reports/forward-2026-11-26) and decodes 1.2-1.4x faster; AMX is not measured
+    (no AMX machine). Without either flag, bf16 matmuls are emulated and slower."""
     if cpuinfo is None:
-        return _cpuinfo_prefers_bf16()
+        return _cpuinfo_prefers_bf16(_packed_forward() if packed is None else packed)
     flags = set()
     for line in cpuinfo.splitlines():
         if line.startswith("flags"):
             flags.update(line.split(":", 1)[-1].split())
-    return "amx_bf16" in flags
+    if packed is None:
+        packed = _packed_forward()
+    return "amx_bf16" in flags or ("avx512_bf16" in flags and packed)
 
 
-@lru_cache(maxsize=1)
-def _cpuinfo_prefers_bf16() -> bool:
+def _packed_forward() -> bool:
+    """Whether the packed forward is the default here (torch-free: the CLI checks options
+    before importing torch; decoding.fast_forward falls back to eager where oneDNN lacks it)."""
+    return os.environ.get("SPECSTOP_FORWARD", "").strip() != "eager"
+
+
+@lru_cache(maxsize=2)
+def _cpuinfo_prefers_bf16(packed: bool) -> bool:
     try:
-        return cpu_prefers_bf16(Path("/proc/cpuinfo").read_text())
+        return cpu_prefers_bf16(Path("/proc/cpuinfo").read_text(), packed)
     except OSError:
         return False
 
 
 def resolve_dtype(dtype: str, device: str) -> tuple[str, str]:
-    """`auto`: bfloat16 on CUDA or a CPU with AMX, else float32 (cpu_prefers_bf16 says why),
+    """`auto`: bfloat16 on CUDA, a CPU with AMX, or one with AVX512-BF16 and the packed forward, else float32 (cpu_prefers_bf16 says why),
     so a benchmark measures the strategies in the dtype a user would pick, not a slow one."""
     if dtype != "auto":
         return dtype, "config"
     if device.startswith("cuda"):
         return "bfloat16", "auto: cuda"
     if cpu_prefers_bf16():
-        return "bfloat16", "auto: the CPU has AMX-BF16"
-    return "float32", "auto: the CPU has no AMX (float32 decodes faster there, even with AVX512-BF16)"
+        return "bfloat16", "auto: the CPU has AMX-BF16, or AVX512-BF16 with the packed forward"
+    return "float32", "auto: the CPU has neither AMX nor AVX512-BF16 with the packed forward"
 
 
 def device_kind(device: str = "cpu") -> str:
@@ -163,13 +173,27 @@ def is_shipped_pair(target, draft) -> bool:
     return draft is None or (isinstance(draft, (str, Path)) and Path(draft).resolve() == DEFAULT_DRAFT.resolve())
 
 
+SHAPE_KEYS = ("gamma", "k_config", "width", "depth")
+"""Options that name a strategy's shape: setting one (or the strategy) opts out of the entry."""
+_STRATEGY_KEYS = (*SHAPE_KEYS, "stop", "confidence_threshold", "confidence_rule", "max_nodes", "grow_cost")
+
+
+def names_strategy(strategy: str | None, options: dict) -> bool:
+    """Whether the user named a strategy or a shape: then the entry fills nothing of the
+    strategy (its stop rule included), so `--strategy sd --gamma 3` is sd g3 at fixed depth."""
+    return strategy is not None or any(options.get(k) is not None for k in SHAPE_KEYS)
+
+
 def strategy_config(d: Defaults, strategy: str | None, options: dict) -> StrategyConfig:
-    """The StrategyConfig of the given options over the entry's (None = unset); raises
-    ValueError on a bad value. Torch-free, so a CLI checks its options before heavy imports."""
-    base = {k: getattr(d, k) for k in ("gamma", "k_config", "width", "depth", "stop", "confidence_threshold",
-                                       "confidence_rule", "max_nodes", "grow_cost")}
-    base.update({k: v for k, v in options.items() if v is not None})
-    return StrategyConfig(strategy=strategy or d.strategy, **base)
+    """The StrategyConfig of the given options (None = unset) over the entry's, when the user
+    named neither a strategy nor a shape; over the strategy's own built-in values (fixed depth
+    unless `stop` is given) when they did. Raises ValueError on a bad value. Torch-free, so a
+    CLI checks its options before heavy imports."""
+    given = {k: v for k, v in options.items() if v is not None}
+    if names_strategy(strategy, options):
+        return StrategyConfig(strategy=strategy or d.strategy, **given)
+    base = {k: getattr(d, k) for k in _STRATEGY_KEYS}
+    return StrategyConfig(strategy=d.strategy, **{**base, **given})
 
 
 def _spec_entry(spec: dict, row: dict) -> dict | None:

@@ -28,7 +28,10 @@ def defaults_help() -> str:
             f"recorded per device kind in decoding/defaults.yaml (rewritten by\n"
             f"python -m decoding.bench --write-defaults). On this machine's CPU ({kind}): {d.describe()}\n"
             f"  from {d.source}\n"
-            f"Another target or draft (not measured): {other.describe()}.")
+            f"Another target or draft (not measured): {other.describe()}.\n"
+            f"The defaults apply only when you name neither --strategy nor a shape (--gamma, --k-config,\n"
+            f"--width, --depth). A named strategy runs as named, with its own built-in values for what\n"
+            f"you leave unset (stop: fixed depth unless --stop is given); --dtype still defaults as above.")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -76,8 +79,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                    help="(*) bfloat16 on CUDA or a CPU with AMX; float32 elsewhere (measured faster there)")
+                    help="(*) bfloat16 on CUDA, a CPU with AMX, or one with AVX512-BF16 and the packed forward; float32 elsewhere (measured faster there)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--forward", choices=("eager", "packed"), default=None,
+                    help="how the models compute their linears: packed (the default where oneDNN has it: "
+                         "prepacked weights, decoding.fast_forward) or eager (as loaded, the reference)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: torch's; on a busy machine fewer threads than "
                          "cores avoids oversubscription, which can slow decoding many times over)")
@@ -120,7 +126,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     try:
         dec = Decoder.load(args.target, args.draft, args.decider, dtype=args.dtype, device=args.device,
-                           strategy=args.strategy, decider_rule=args.decider_rule,
+                           forward=args.forward, strategy=args.strategy, decider_rule=args.decider_rule,
                            decider_threshold=args.decider_threshold, **strategy_options(args))
         on_text = None if args.json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
         res = dec.generate(args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,

@@ -15,6 +15,7 @@ from .fingerprint import fingerprint, same_model, stale_fingerprint
 from .decider import DeciderConfig, DeciderStop, load_decider, resolve_decider_dir
 from .defaults import DEFAULT_DRAFT, resolve_dtype
 from .cost_cache import cached_cost
+from .fast_forward import default_forward, set_forward
 from .growth import CostCurve, GrowPolicy, measure_cost, q_scores
 from .sampling import SamplingConfig
 from .stopping import GROW, make_stop_policy
@@ -40,6 +41,9 @@ class Session:
     tokenizer: object
     target_dir: Path
     draft_dir: Path | None
+    forward: str = "eager"
+    """How the loaded models compute their linears: eager (as loaded) or packed
+    (decoding.fast_forward)."""
     cost_cache: bool = False
     """grow_cost measure: reuse the curve timed on an earlier load (decoding.cost_cache), as
     Decoder does; False (benchmarks) times it afresh once per loaded pair."""
@@ -52,10 +56,12 @@ class Session:
                 attention_plan(m)
 
     @classmethod
-    def open(cls, target=None, draft=None, dtype="float32", device="cpu", need_draft=False) -> Session:
+    def open(cls, target=None, draft=None, dtype="float32", device="cpu", need_draft=False,
+             forward: str | None = None) -> Session:
+        """forward: eager | packed (decoding.fast_forward); None: packed where oneDNN has it."""
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise models.ModelError("--device cuda was asked for but no CUDA device is available")
-        dtype = resolve_dtype(dtype, device)[0]  # auto: bf16 on CUDA or with AMX
+        dtype = resolve_dtype(dtype, device)[0]  # auto: bf16 on CUDA, with AMX, or AVX512-BF16 + packed
         tdir = models.resolve_model_dir(target)
         if draft is None and target in (None, models.DEFAULT_TARGET) and (DEFAULT_DRAFT / "config.json").exists():
             draft = DEFAULT_DRAFT
@@ -63,7 +69,8 @@ class Session:
             raise models.ModelError("speculative strategies need a draft model: pass --draft DIR")
         tok = models.load_tokenizer(tdir)
         t = models.load_model(tdir, dtype, device)
-        return cls(t, None, tok, tdir, None).with_draft(draft)
+        kind = set_forward(t, forward or default_forward(t.dtype, device))
+        return cls(t, None, tok, tdir, None, kind).with_draft(draft)
 
     def with_draft(self, draft) -> Session:
         """The same target (shared, not reloaded) with another draft, checked against it: a
@@ -79,6 +86,7 @@ class Session:
         else:
             d = models.load_model(ddir, dtype, device)
             models.check_pair(self.target, d, self.tokenizer, models.load_tokenizer(ddir))
+        set_forward(d, self.forward)
         return replace(self, draft=d, draft_dir=ddir)
 
     @property

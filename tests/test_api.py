@@ -87,6 +87,15 @@ def test_unset_options_come_from_the_defaults_file(dirs, tmp_path):
     dec = Decoder.load(t, d, defaults_file=f)
     assert (dec.config.strategy, dec.config.gamma) == ("sd", 2) and dec.defaults.source == "test"
     assert Decoder.load(t, d, defaults_file=f, strategy="mcsd", k_config="2,1").config.k_levels == (2, 1)
+    # a named strategy and shape run as named: the entry's stop rule is not inherited (issue 34)
+    f.write_text(yaml.safe_dump({"other-pairs": {"strategy": "ti-mcsd", "width": 2, "depth": 5, "stop": "confidence",
+                                                 "confidence_threshold": 0.99, "dtype": "float32"}}))
+    assert Decoder.load(t, d, defaults_file=f).config.name == "ti-mcsd[W=2,D=5]+confidence"
+    sd = Decoder.load(t, d, defaults_file=f, strategy="sd", gamma=3)
+    res = sd.generate(PROMPT, max_new_tokens=30)
+    assert sd.config.name == res.stats["strategy"] == "sd[g=3]" and sd.config.stop == "fixed"
+    # every round drafts 3 tokens (the 0.99 confidence threshold would have cut them short)
+    assert set(res.stats["drafted_depths"]) == {3} and res.stats["drafted"] == 3 * res.stats["rounds"]
     f.write_text("other-pairs: {width: 2, colour: red}\n")
     with pytest.raises(ValueError, match="unknown keys colour"):
         Decoder.load(t, d, defaults_file=f)

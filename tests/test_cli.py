@@ -168,3 +168,24 @@ def test_grow_rules_from_the_cli(dirs, capsys, tmp_path):
     bare = _decider_for(tmp_path, t, d, name="bare")
     rc, out, err = run(capsys, *base, "--stop", "confidence", "--confidence-rule", "grow", "--decider", bare)
     assert rc == 2 and out == "" and err.count("\n") == 1 and "no usable cost model" in err
+
+
+def test_a_named_strategy_is_not_changed_by_the_defaults(dirs, capsys, tmp_path, monkeypatch):
+    """Issue 34: `--strategy sd --gamma 3` once ran the defaults' stop rule."""
+    import yaml
+
+    from decoding import defaults as dflt
+
+    t, d, _ = dirs
+    f = tmp_path / "defaults.yaml"
+    f.write_text(yaml.safe_dump({"other-pairs": {"strategy": "ti-mcsd", "width": 2, "depth": 5, "stop": "confidence",
+                                                 "confidence_threshold": 0.99, "dtype": "float32"}}))
+    monkeypatch.setattr(dflt, "DEFAULTS_PATH", f)
+    base = ["--prompt", "w1 w2 w3", "--target", t, "--draft", d, "--max-new-tokens", "30", "--json"]
+    rc, out, _ = run(capsys, *base)
+    assert rc == 0 and json.loads(out)["stats"]["strategy"] == "ti-mcsd[W=2,D=5]+confidence"  # nothing named
+    rc, out, _ = run(capsys, *base, "--strategy", "sd", "--gamma", "3")
+    stats = json.loads(out)["stats"]
+    assert rc == 0 and stats["strategy"] == "sd[g=3]"
+    assert stats["drafted_depths"] == {"3": stats["rounds"]}  # 3 tokens drafted every round
+    assert "name neither --strategy nor a shape" in parser().format_help()

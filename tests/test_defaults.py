@@ -101,10 +101,12 @@ def test_write_defaults_replaces_one_entry_atomically(tmp_path, monkeypatch):
 
 
 def test_device_kind_follows_amx():
-    assert D.cpu_prefers_bf16("flags\t: fpu avx2 amx_bf16 amx_tile\n")
-    # AVX512-BF16 without AMX: float32 measured faster (reports/dtype-2026-11-26)
-    assert not D.cpu_prefers_bf16("flags\t: fpu avx2 avx512f avx512_bf16\n")
-    assert not D.cpu_prefers_bf16("flags\t: fpu sse avx avx2 fma\n")
+    assert D.cpu_prefers_bf16("flags\t: fpu avx2 amx_bf16 amx_tile\n", packed=False)
+    # AVX512-BF16 without AMX: float32 measured faster on the eager forward (reports/dtype-2026-11-26),
+    # bfloat16 on the packed one (issue 34, reports/forward-2026-11-26)
+    assert not D.cpu_prefers_bf16("flags\t: fpu avx2 avx512f avx512_bf16\n", packed=False)
+    assert D.cpu_prefers_bf16("flags\t: fpu avx2 avx512f avx512_bf16\n", packed=True)
+    assert not D.cpu_prefers_bf16("flags\t: fpu sse avx avx2 fma\n", packed=True)
     assert D.device_kind("cuda:0") == "cuda" and D.device_kind("cpu") in ("cpu", "cpu-bf16")
 
 
@@ -140,3 +142,19 @@ def test_bench_write_defaults(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "shipped pair" in err and not (tmp_path / "r2").exists()
     assert yaml.safe_load(D.DEFAULTS_PATH.read_text())  # untouched and readable
+
+
+def test_a_named_strategy_or_shape_runs_as_named():
+    """Issue 34: `--strategy sd --gamma 3` once inherited the defaults' grow rule."""
+    d = D.Defaults(strategy="ti-mcsd", width=4, depth=8, stop="confidence", confidence_rule="grow",
+                   max_nodes=48, grow_cost="measure")
+    unset = dict.fromkeys(("gamma", "k_config", "width", "depth", "stop", "confidence_rule"))
+    assert D.strategy_config(d, None, unset).name == "ti-mcsd[W=4,D=8]+confidence(grow)"  # nothing named
+    sd = D.strategy_config(d, "sd", {**unset, "gamma": 3})
+    assert (sd.name, sd.stop, sd.k_levels) == ("sd[g=3]", "fixed", (1, 1, 1))
+    same = D.strategy_config(d, "ti-mcsd", unset)  # the default's strategy, named: its own values
+    assert (same.width, same.depth, same.stop, same.max_nodes) == (4, 6, "fixed", 64)
+    shaped = D.strategy_config(d, None, {**unset, "width": 2, "depth": 3})  # a shape alone
+    assert (shaped.strategy, shaped.k_levels, shaped.stop) == ("ti-mcsd", (2, 1, 1), "fixed")
+    asked = D.strategy_config(d, "sd", {**unset, "stop": "confidence"})  # a stop rule given is kept
+    assert (asked.stop, asked.confidence_rule) == ("confidence", "level")

@@ -1,5 +1,6 @@
 """Greedy equality: every lossless strategy reproduces plain greedy decoding token for token."""
 
+import copy
 from collections import Counter
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from conftest import noisy_copy, tiny_llama
 from decoding.bench.agreement import check_greedy
 from decoding.decider import DeciderConfig, DeciderNet, DeciderStop
+from decoding.fast_forward import FORWARDS, set_forward
 from decoding.sampling import SamplingConfig
 from decoding.stopping import DraftConfidence
 from decoding.strategies import StrategyConfig, build_engine
@@ -36,13 +38,30 @@ def reference(target, prompt, n=N):
     return out[0, len(prompt):].tolist()
 
 
+def with_forward(models, kind):
+    """Copies of the models running `kind` (decoding.fast_forward); eager: the models as given."""
+    if kind == "eager":
+        return models
+    out = tuple(copy.deepcopy(m) for m in models)
+    for m in out:
+        assert set_forward(m, kind) == kind  # the fast path really runs (oneDNN present)
+    return out
+
+
+@pytest.fixture(scope="module", params=FORWARDS)
+def forward_pair(pair, request):
+    return with_forward(pair, request.param)
+
+
 @pytest.mark.parametrize("cfg", LOSSLESS, ids=lambda c: c.name)
-def test_greedy_equals_ar(pair, cfg):
-    target, draft = pair
+def test_greedy_equals_ar(pair, forward_pair, cfg):
+    """On every forward (eager, the reference, and packed), against HF's generate on the eager
+    model: the fast path changes no token."""
+    target, draft = forward_pair
     eng = build_engine(target, draft, cfg, GREEDY)
     ar = build_engine(target, None, StrategyConfig(strategy="ar"), GREEDY)
     for prompt in PROMPTS:
-        ref = reference(target, prompt)
+        ref = reference(pair[0], prompt)
         assert ar.generate(prompt, N)[0] == ref
         out, stats = eng.generate(prompt, N)
         assert out == ref

@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 
 from arch_models import tiny
 from conftest import tiny_llama
-from test_engine_greedy import random_decider
+from test_engine_greedy import random_decider, with_forward
 from decoding import acceptance
 from decoding.sampling import SamplingConfig, warp
 from decoding.strategies import StrategyConfig, build_engine
@@ -97,16 +97,21 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,cfg,sampling,broken,lossless", CASES, ids=[c[0] for c in CASES])
-def test_continuations_follow_target(models, monkeypatch, name, cfg, sampling, broken, lossless):
-    target, draft = models
+# every case on the reference forward; on the packed one (decoding.fast_forward) the lossless
+# cases and one lossy case, so the test is shown to catch a bias there too
+RUNS = [(*c, "eager") for c in CASES] + [(*c, "packed") for c in CASES if c[4] or c[0].endswith("LOSSY")]
+
+
+@pytest.mark.parametrize("name,cfg,sampling,broken,lossless,forward", RUNS, ids=[f"{c[0]}-{c[5]}" for c in RUNS])
+def test_continuations_follow_target(models, monkeypatch, name, cfg, sampling, broken, lossless, forward):
+    target, draft = with_forward(models, forward)
     if broken:  # the classic bug: resample from p instead of norm(max(0, p - q)) after a reject
         monkeypatch.setattr(acceptance, "residual", lambda p, q: p)
     rule = name.rsplit("-", 1)[-1] if cfg.stop == "decider" else None
     # thresholds at which each depth ends >= 5% of rounds (tree: 8% / 67% / 25% for depths 1 / 2 / 3)
     stop = random_decider(rule, {"specdecpp": 0.5, "tree": 0.4}[rule], cut=0.18) if rule else None
     engine = build_engine(target, draft, cfg, sampling, stop=stop)
-    exact = exact_distribution(target, sampling)
+    exact = exact_distribution(models[0], sampling)  # the eager target's law
     counts, depths, sizes = speculative_counts(engine, SAMPLES)
     if cfg.stop != "fixed":  # a stop policy that never (or always) stops would prove little
         assert depths[1] > 0.05 * sum(depths.values()) and depths[2] > 0.05 * sum(depths.values())

@@ -4,6 +4,7 @@ only ratios from ONE run are quoted.
     python -m decoding.bench --config configs/bench.yaml   # every strategy and peer side by side
     python -m decoding.bench --quick --out DIR             # CI smoke: tiny random models, seconds
     python -m decoding.bench --suite engine                # ar vs model.generate, per-round time split
+    python -m decoding.bench --suite forward               # one target forward: eager vs packed, per size
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def run_compare(cfg: BenchConfig, command: str) -> dict:
         torch.set_num_threads(cfg.threads)
     sets = {k: load_prompts(v, cfg.prompts_per_set) for k, v in cfg.prompt_sets.items()}
     sess = Session.open(cfg.target, cfg.draft, cfg.dtype, cfg.device, need_draft=_needs_draft(cfg.strategies))
+    _log(f"forward {sess.forward} (decoding.fast_forward; $SPECSTOP_FORWARD=eager for the reference)")
     depth = max((len(s.shape_config().k_levels) for s in cfg.strategies if not s.peer), default=0)
     n_max = max(cfg.max_new_tokens, cfg.sweep.max_new_tokens if cfg.sweep.enabled else 0)
     ids = {k: [sess.encode(p["prompt"], chat=cfg.chat, max_new_tokens=n_max, tree_depth=depth) for p in v]
@@ -136,7 +138,7 @@ def run_compare(cfg: BenchConfig, command: str) -> dict:
                                                   tree_depth=depth) for p in sw_prompts])
     results = {
         "meta": {"date": time.strftime("%Y-%m-%d"), "command": command, "target": sess.target_dir.name,
-                 "draft": _shown(sess.draft_dir), "dtype": cfg.dtype,
+                 "draft": _shown(sess.draft_dir), "dtype": cfg.dtype, "forward": sess.forward,
                  "dtype_source": dtype_source,
                  "device": cfg.device, "threads": torch.get_num_threads(), "prompts_per_set": cfg.prompts_per_set,
                  "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "decider": _decider_name(cfg),
@@ -170,10 +172,11 @@ def write_report(results: dict, out: Path) -> str:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m decoding.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=("compare", "engine", "dtype"), default="compare",
+    ap.add_argument("--suite", choices=("compare", "engine", "dtype", "forward"), default="compare",
                     help="compare (default): every strategy and peer; engine: ar vs model.generate; dtype: "
                          "ar and the default configuration in float32 and bfloat16, interleaved (the "
-                         "config's pair, prompts, repeats)")
+                         "config's pair, prompts, repeats); forward: one target forward per size, eager vs "
+                         "packed, in --dtypes, interleaved, with a profile")
     ap.add_argument("--config", default="configs/bench.yaml", help="compare suite config (YAML)")
     ap.add_argument("--quick", action="store_true", help="CI smoke: tiny random models, a few seconds")
     ap.add_argument("--out", default=None, help="output dir (default: the config's out; engine: reports/engine)")
@@ -191,7 +194,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=None, help="torch threads")
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
                     help="compare suite: override the config's dtype")
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="engine suite: dtypes")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="engine / forward suites: dtypes")
+    ap.add_argument("--forward-threads", default="1,2", help="forward suite: torch thread counts")
+    ap.add_argument("--context", type=int, default=200, help="forward suite: cached tokens before the forward")
     ap.add_argument("--new-tokens", type=int, default=64, help="engine suite: new tokens")
     ap.add_argument("--write-defaults", nargs="?", const="", default=None, metavar="PATH",
                     help="record this run's fastest lossless greedy row as the default configuration "
@@ -261,6 +266,20 @@ def _engine_main(a) -> int:
     return 0
 
 
+def _forward_main(a, command: str) -> int:
+    from .bench_forward import forward_markdown, forward_suite
+
+    threads = [int(t) for t in a.forward_threads.split(",")]
+    res = forward_suite(a.dtypes.split(","), threads=threads, context=a.context, repeats=a.repeats or 15)
+    res["command"] = command
+    out = Path(a.out or f"reports/forward-{time.strftime('%Y-%m-%d')}")
+    write_atomic(out / "results.json", json.dumps(res, indent=2))
+    md = forward_markdown(res, command)
+    write_atomic(out / "results.md", md)
+    print(md)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parser().parse_args(argv)
@@ -270,6 +289,10 @@ def main(argv=None) -> int:
             if a.quick or a.write_defaults is not None:
                 raise ValueError("--quick and --write-defaults belong to the compare suite")
             return _engine_main(a)
+        if a.suite == "forward":
+            if a.quick or a.write_defaults is not None:
+                raise ValueError("--quick and --write-defaults belong to the compare suite")
+            return _forward_main(a, command)
         if a.suite == "dtype":
             if a.quick or a.write_defaults is not None:
                 raise ValueError("--quick and --write-defaults belong to the compare suite")

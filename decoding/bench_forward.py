@@ -1,0 +1,158 @@
+"""The forward suite: where a target forward's time goes, and what a cheaper forward buys
+(`python -m decoding.bench --suite forward [--dtypes ...] [--forward-threads 1,2]`).
+
+One target forward is what a decoding round pays for: the pending token plus n - 1 tree nodes
+fed against a cache of `context` committed tokens (n = 1 is a plain decoding step), exactly as
+the engine feeds it (decoding.cache.CachedModel). For each thread count, every variant (dtype x
+forward: eager = transformers' modules as loaded, packed = decoding.fast_forward) is timed at
+every n, variants alternating call by call within each repeat, so load from other processes
+hits all alike; medians and ratios are reported (ratios are what survives a shared machine).
+torch.profiler splits one forward per variant and size into GEMM time and the rest (per-op
+overhead, attention, norms), with the op count. Each variant's logits are checked against the
+fp32 eager reference (same argmax, max abs difference).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from . import models
+from .cache import CachedModel, crop
+from .fast_forward import packed_available, set_forward
+from .tree import TreeLayout, layout_from_k_config
+
+SIZES = (1, 2, 4, 8, 16)
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::_mkl_linear",
+            "mkl::_mkl_linear")
+
+
+class _Forward:
+    """One variant: a loaded target in a dtype, with a forward kind, fed like the engine feeds."""
+
+    def __init__(self, model, vocab: int, context: int):
+        self.m = CachedModel(model)
+        self.prompt = [(10 + i) % vocab for i in range(context)]
+        self.vocab = vocab
+
+    def prepare(self, n: int):
+        """The cache holding the context but its last token: prefilled once, then cut back to
+        that length before every call (a prefill per call would cost ~10x the timed forward)."""
+        lay = layout_from_k_config([n - 1]) if n > 1 else TreeLayout(())
+        held = len(self.prompt) - 1
+        if self.m.length < held:
+            self.m.reset()
+            self.m.feed(self.prompt[:-1], lay, [], 0, 0)
+        crop(self.m.cache, held)
+        self.m.length = held
+        return lay
+
+    def call(self, n: int, lay) -> torch.Tensor:
+        return self.m.feed(self.prompt, lay, [(1 + i) % self.vocab for i in range(n - 1)], 0, n - 1)[0]
+
+    def time(self, n: int) -> float:
+        lay = self.prepare(n)
+        t = time.perf_counter()
+        self.call(n, lay)
+        return 1000 * (time.perf_counter() - t)
+
+    def profile(self, n: int) -> dict:
+        from torch.profiler import ProfilerActivity, profile
+
+        lay = self.prepare(n)
+        with profile(activities=[ProfilerActivity.CPU]) as p:
+            self.call(n, lay)
+        ka = p.key_averages()
+        total = sum(e.self_cpu_time_total for e in ka)
+        gemm = sum(e.self_cpu_time_total for e in ka if e.key in GEMM_OPS)
+        return {"ops": int(sum(e.count for e in ka)), "self_ms": total / 1000, "gemm_share": gemm / total,
+                "top": [(e.key, round(e.self_cpu_time_total / 1000, 2)) for e in
+                        sorted(ka, key=lambda e: -e.self_cpu_time_total)[:5]]}
+
+
+def _variants(dtypes, forwards, context: int) -> dict[str, _Forward]:
+    tdir = models.resolve_model_dir(None)
+    out = {}
+    for dt in dtypes:
+        for fw in forwards:
+            model = models.load_model(tdir, dt)
+            if fw != "eager" and not packed_available(model.dtype, "cpu"):
+                continue
+            set_forward(model, fw)
+            out[f"{dt} {fw}"] = _Forward(model, model.config.vocab_size, context)
+    return out
+
+
+def forward_suite(dtypes=("float32", "bfloat16"), forwards=("eager", "packed"), threads=(1, 2),
+                  context: int = 200, repeats: int = 15, sizes=SIZES) -> dict:
+    variants = _variants(dtypes, forwards, context)
+    ref = "float32 eager" if "float32 eager" in variants else next(iter(variants))
+    res = {"context": context, "repeats": repeats, "sizes": list(sizes), "reference": ref,
+           "torch": torch.__version__, "cpu_flags": _cpu_flags(), "conditions": "shared machine",
+           "threads": {}, "agreement": {}}
+    for n in sizes:  # logits against the fp32 eager reference
+        want = variants[ref].call(n, variants[ref].prepare(n))
+        for name, v in variants.items():
+            got = v.call(n, v.prepare(n))
+            agree = res["agreement"].setdefault(name, {"same_argmax": True, "max_abs_diff": 0.0})
+            agree["same_argmax"] &= bool(torch.equal(got.argmax(-1), want.argmax(-1)))
+            agree["max_abs_diff"] = max(agree["max_abs_diff"], float((got - want).abs().max()))
+    for th in threads:
+        torch.set_num_threads(th)
+        for v in variants.values():  # warm-up at this thread count
+            for n in sizes:
+                v.time(n)
+        ms = {name: {n: [] for n in sizes} for name in variants}
+        for _ in range(repeats):
+            for n in sizes:
+                for name, v in variants.items():  # alternate call by call
+                    ms[name][n].append(v.time(n))
+        med = {name: {n: statistics.median(x[n]) for n in sizes} for name, x in ms.items()}
+        res["threads"][th] = {
+            "median_ms": med,
+            "over_reference": {name: {n: med[name][n] / med[ref][n] for n in sizes} for name in med},
+            "over_one_token": {name: {n: med[name][n] / med[name][1] for n in sizes} for name in med},
+            "profile": {name: {n: v.profile(n) for n in (1, 8) if n in sizes} for name, v in variants.items()},
+        }
+    return res
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        return []
+    return sorted(x for x in flags if x.startswith(("amx", "avx512_bf16", "avx512f", "avx2")))
+
+
+def forward_markdown(r: dict, command: str) -> str:
+    sizes = r["sizes"]
+    lines = [f"# Target forward cost (SmolLM2-135M, {r['context']}-token cache, {r['repeats']} repeats, "
+             f"variants interleaved call by call; {r['conditions']})", "", f"`{command}`", "",
+             f"torch {r['torch']}; CPU flags: {', '.join(r['cpu_flags']) or '?'}. Reference: {r['reference']}.", ""]
+    for th, t in r["threads"].items():
+        head = " | ".join(f"n={n}" for n in sizes)
+        lines += [f"## {th} thread(s)", "", "Median ms per forward (n new tokens) [ratio to the reference]:", "",
+                  f"| variant | {head} |", "|---|" + "---|" * len(sizes)]
+        for name, med in t["median_ms"].items():
+            cells = " | ".join(f"{med[n]:.1f} [{t['over_reference'][name][n]:.2f}x]" for n in sizes)
+            lines.append(f"| {name} | {cells} |")
+        lines += ["", "Cost over a 1-token forward of the same variant:", "", f"| variant | {head} |",
+                  "|---|" + "---|" * len(sizes)]
+        for name, x in t["over_one_token"].items():
+            lines.append(f"| {name} | " + " | ".join(f"{x[n]:.2f}" for n in sizes) + " |")
+        lines += ["", "torch.profiler, one forward: GEMM share of self CPU time, op count, top ops:", "",
+                  "| variant | n | ops | GEMM share | top ops (ms) |", "|---|---|---|---|---|"]
+        for name, per in t["profile"].items():
+            for n, p in per.items():
+                top = ", ".join(f"{k} {v}" for k, v in p["top"])
+                lines.append(f"| {name} | {n} | {p['ops']} | {p['gemm_share']:.0%} | {top} |")
+        lines.append("")
+    lines += ["## Agreement with the reference (logits of every size)", "", "| variant | same argmax | max abs diff |",
+              "|---|---|---|"]
+    for name, a in r["agreement"].items():
+        lines.append(f"| {name} | {a['same_argmax']} | {a['max_abs_diff']:.3g} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,102 @@
+"""A cheaper target forward on a CPU: every nn.Linear runs on a oneDNN-prepacked copy of its weight.
+
+Where a target forward's time goes (`python -m decoding.bench --suite forward`): on a 2-core
+AVX512 CPU the GEMMs are ~85% of it, and torch's default kernel for a linear of 2-16 rows (the
+rows a verify carries) is the slow one: an fp32 forward of 2 rows costs ~2x one of 1 row. A
+prepacked oneDNN weight (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's freezing
+pass packs) keeps small row counts near one row's cost, and in bfloat16 it reaches the CPU's
+AVX512-BF16 dot products, which the default bf16 linear does not.
+
+`pack_linears(model)` keeps every parameter (names, values: fingerprints and tied weights are
+unchanged) and only swaps how each Linear computes; `unpack_linears` restores the reference
+(eager) path. The packed copy costs one more copy of the linear weights in memory. The result
+equals the reference to rounding (not bitwise), and each row's result does not depend on how
+many rows a forward carries, so a verify and a plain step agree on a shared row.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+
+FORWARDS = ("eager", "packed")
+"""eager: transformers' modules as loaded (the reference); packed: oneDNN-prepacked linears."""
+ENV = "SPECSTOP_FORWARD"
+"""Environment override of the default forward (eager or packed)."""
+BATCH_HINT = 16
+"""Rows oneDNN packs the weight for (a tree's forward carries 1-64 new tokens)."""
+
+
+def packed_available(dtype: torch.dtype, device) -> bool:
+    """oneDNN prepacked linears exist for this dtype on this device (CPU with mkldnn; bf16
+    also needs the CPU's bf16 support, which torch checks)."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
+
+
+def default_forward(dtype: torch.dtype, device) -> str:
+    """packed where it is available (measured faster at every size on the 2-core AVX512 CPU,
+    reports/forward-*), else eager; $SPECSTOP_FORWARD overrides."""
+    asked = os.environ.get(ENV, "").strip()
+    if asked:
+        if asked not in FORWARDS:
+            raise ValueError(f"{ENV} must be one of {', '.join(FORWARDS)} (got {asked!r})")
+        return asked if asked == "eager" or packed_available(dtype, device) else "eager"
+    return "packed" if packed_available(dtype, device) else "eager"
+
+
+def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != self._packed_dtype or x.device.type != "cpu":  # e.g. an fp32 head over bf16
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self._packed_weight, self.bias,
+                                           "none", [], "")
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+@torch.no_grad()
+def pack_linears(model: torch.nn.Module) -> int:
+    """Give every CPU nn.Linear of `model` in float32 / bfloat16 a prepacked weight and the
+    packed forward; returns how many were packed (0 where oneDNN cannot: the model is unchanged)."""
+    n = 0
+    for mod in model.modules():
+        if type(mod) is not torch.nn.Linear or hasattr(mod, "_packed_weight"):
+            continue
+        w = mod.weight
+        if not packed_available(w.dtype, w.device):
+            continue
+        mod._packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), BATCH_HINT)
+        mod._packed_dtype = w.dtype
+        mod.forward = types.MethodType(_packed_forward, mod)
+        n += 1
+    model._specstop_forward = "packed" if n else "eager"
+    return n
+
+
+def unpack_linears(model: torch.nn.Module) -> None:
+    """Back to the reference (eager) forward."""
+    for mod in model.modules():
+        if hasattr(mod, "_packed_weight"):
+            del mod._packed_weight, mod._packed_dtype, mod.forward
+    model._specstop_forward = "eager"
+
+
+def forward_kind(model: torch.nn.Module) -> str:
+    """Which forward a model runs: eager (as loaded) or packed."""
+    return getattr(model, "_specstop_forward", "eager")
+
+
+def set_forward(model: torch.nn.Module, kind: str) -> str:
+    """Switch a model to `kind` (eager | packed); returns the kind it runs (eager where packing
+    is not available)."""
+    if kind not in FORWARDS:
+        raise ValueError(f"forward must be one of {', '.join(FORWARDS)} (got {kind!r})")
+    if kind == "eager":
+        unpack_linears(model)
+    elif forward_kind(model) != "packed":
+        pack_linears(model)
+    return forward_kind(model)

@@ -1,0 +1,61 @@
+"""decoding.fast_forward: prepacked linears change how a model computes, not what it is."""
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from decoding import fast_forward as ff
+from decoding.cache import CachedModel
+from decoding.fingerprint import fingerprint
+from decoding.tree import layout_from_k_config
+
+pytestmark = pytest.mark.skipif(not ff.packed_available(torch.float32, "cpu"), reason="no oneDNN on this CPU")
+
+
+def feed_logits(model, n=5):
+    m = CachedModel(model)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    lay = layout_from_k_config([n - 1])
+    m.feed(prompt[:-1], lay, [], 0, 0)
+    return m.feed(prompt, lay, [(7 + i) % 32 for i in range(n - 1)], 0, n - 1)[0]
+
+
+def test_packed_keeps_the_parameters_and_the_logits():
+    model = tiny_llama(0, vocab=32, layers=2)
+    fp, ref = fingerprint(model), feed_logits(model)
+    names = [n for n, _ in model.named_parameters()]
+    assert ff.set_forward(model, "packed") == "packed" == ff.forward_kind(model)
+    assert ff.pack_linears(model) == 0  # already packed: nothing twice
+    assert [n for n, _ in model.named_parameters()] == names and fingerprint(model) == fp
+    got = feed_logits(model)
+    assert torch.allclose(got, ref, atol=1e-4) and torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert ff.set_forward(model, "eager") == "eager"
+    assert torch.equal(feed_logits(model), ref)  # the reference path, restored exactly
+
+
+def test_a_packed_row_does_not_depend_on_how_many_rows_a_forward_carries():
+    lin = torch.nn.Linear(64, 96)
+    ff.pack_linears(lin)
+    x = torch.randn(16, 64)
+    with torch.inference_mode():
+        full = lin(x)
+        assert all(torch.equal(lin(x[:k]), full[:k]) for k in (1, 2, 5, 8))
+        assert lin(x[None]).shape == (1, 16, 96)  # any leading dims
+        half = torch.nn.Linear(64, 96).to(torch.bfloat16)
+        ref = half(x.bfloat16())
+        if ff.pack_linears(half):  # bf16 packs where the CPU has bf16 support
+            assert torch.allclose(half(x.bfloat16()).float(), ref.float(), atol=0.05)
+
+
+def test_the_default_forward_and_its_override(monkeypatch):
+    monkeypatch.delenv(ff.ENV, raising=False)
+    assert ff.default_forward(torch.float32, "cpu") == "packed"
+    assert ff.default_forward(torch.float16, "cpu") == "eager"  # no packed fp16 linear here
+    assert ff.default_forward(torch.float32, "cuda") == "eager"
+    monkeypatch.setenv(ff.ENV, "eager")
+    assert ff.default_forward(torch.float32, "cpu") == "eager"
+    monkeypatch.setenv(ff.ENV, "fast")
+    with pytest.raises(ValueError, match="SPECSTOP_FORWARD must be one of eager, packed"):
+        ff.default_forward(torch.float32, "cpu")
+    with pytest.raises(ValueError, match="forward must be one of"):
+        ff.set_forward(torch.nn.Linear(2, 2), "fast")
