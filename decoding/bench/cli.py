@@ -267,7 +267,7 @@ def _engine_main(a) -> int:
 
 
 def _forward_main(a, command: str) -> int:
-    from .bench_forward import forward_markdown, forward_suite
+    from .forward import forward_markdown, forward_suite
 
     threads = [int(t) for t in a.forward_threads.split(",")]
     res = forward_suite(a.dtypes.split(","), threads=threads, context=a.context, repeats=a.repeats or 15)

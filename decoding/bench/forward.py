@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from . import models
-from .cache import CachedModel, crop
-from .fast_forward import packed_available, set_forward
-from .tree import TreeLayout, layout_from_k_config
+from .. import models
+from ..cache import CachedModel, crop
+from ..fast_forward import packed_available, set_forward
+from ..tree import TreeLayout, layout_from_k_config
 
 SIZES = (1, 2, 4, 8, 16)
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::_mkl_linear",
