@@ -15,7 +15,8 @@ it), with occurrences counted in the committed tokens only:
 Text repeats itself (code above all), and the draft's q does not fully know it: on the default
 pair's held-out greedy traces the schema-2 columns take a decider from node ROC-AUC 0.786 to
 0.813 (`reports/decider/20261126-064054-0ff3ae/summary.md`); the schema-3 ablation that chose
-the longer columns is `reports/decider/context3/`.
+the longer columns is `reports/decider/context3/` (`python -m training.decider.signal --study
+context` re-checks them).
 
 Lossless: it reads only the committed tokens and the draft's own tokens. One index per request,
 extended round by round (O(new tokens)); a level keeps a Snapshot (the index and how many
