@@ -33,13 +33,15 @@ def test_packed_keeps_the_parameters_and_the_logits():
     assert torch.equal(feed_logits(model), ref)  # the reference path, restored exactly
 
 
-def test_a_packed_row_does_not_depend_on_how_many_rows_a_forward_carries():
+def test_a_packed_row_does_not_depend_on_how_many_rows_a_forward_carries_beyond_rounding():
     lin = torch.nn.Linear(64, 96)
     ff.pack_linears(lin)
     x = torch.randn(16, 64)
     with torch.inference_mode():
         full = lin(x)
-        assert all(torch.equal(lin(x[:k]), full[:k]) for k in (1, 2, 5, 8))
+        # bit-identical rows hold on the AVX512 CPU this was written on; oneDNN may pick another
+        # kernel for few rows on other CPUs, so across machines only rounding is promised
+        assert all(torch.allclose(lin(x[:k]), full[:k], atol=1e-5, rtol=1e-5) for k in (1, 2, 5, 8))
         assert lin(x[None]).shape == (1, 16, 96)  # any leading dims
         half = torch.nn.Linear(64, 96).to(torch.bfloat16)
         ref = half(x.bfloat16())
