@@ -83,6 +83,17 @@ def test_openai_text_parts_and_sharegpt_system_field():
     assert sys_field[0] == {"role": "system", "content": "S"}
 
 
+def test_a_prompt_file_row_is_one_user_turn(tmp_path):
+    assert normalize({"prompt": "How do tides work?"}) == [{"role": "user", "content": "How do tides work?"}]
+    assert normalize({"prompt": "  "}) == "empty_content"
+    # magpie's output file reads as chat data: one user turn each, its extra fields ignored
+    rows = [{"id": f"m{i}", "source": "magpie", "kind": "general", "prompt": f"Question {i}?"} for i in range(3)]
+    got = load_chats(str(write_jsonl(tmp_path / "magpie.jsonl", rows + [{"prompt": ""}])))
+    assert [c.messages for c in got.conversations] == [({"role": "user", "content": f"Question {i}?"},)
+                                                       for i in range(3)]
+    assert got.bad == {"empty_content": 1}
+
+
 def test_split_is_stable_and_matches_the_trainers_validation(tmp_path):
     data = load_chats(str(write_jsonl(tmp_path / "c.jsonl", sharegpt_rows(300))),
                       val_percent=10, heldout_percent=10)

@@ -7,6 +7,8 @@ Reads, with `datasets`, a local JSONL / JSON file, a parquet file or a directory
     ShareGPT  {"conversations": [{"from": "system|human|gpt", "value": ...}, ...], "system"?: ...}
     OpenAI    {"messages": [{"role": "system|user|assistant", "content": ...}, ...]}
 (OpenAI content given as a list of text parts is joined). Multi-turn, system prompts kept.
+A prompt file's row ({"prompt": ...}, e.g. training.draft.magpie's output) is a one-turn
+conversation: its user turn, no assistant turn (regenerate mode writes the reply).
 A row is refused, counted by reason and reported, never dropped silently: no_conversation,
 wrong_type, unknown_role, empty_content, misplaced_system (a system turn after the first),
 not_alternating (user and assistant must alternate, user first), no_user_turn, duplicate.
@@ -80,6 +82,8 @@ def _text(content) -> str | None:
 def normalize(row: dict) -> list[dict] | str:
     """[{"role", "content"}, ...] in the template's roles, or the reason the row is refused."""
     key = next((k for k in SHAPES if row.get(k) is not None), None)
+    if key is None and isinstance(row.get("prompt"), str):  # a prompt file: one user turn
+        return [{"role": "user", "content": row["prompt"]}] if row["prompt"].strip() else "empty_content"
     if key is None:
         return "no_conversation"
     turns, (rk, ck) = row[key], SHAPES[key]
