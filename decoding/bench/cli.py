@@ -5,6 +5,7 @@ only ratios from ONE run are quoted.
     python -m decoding.bench --quick --out DIR             # CI smoke: tiny random models, seconds
     python -m decoding.bench --suite engine                # ar vs model.generate, per-round time split
     python -m decoding.bench --suite forward               # one target forward: eager vs packed, per size
+    python -m decoding.bench --suite cli                   # a generate call end to end: defaults vs ar
 """
 
 from __future__ import annotations
@@ -172,11 +173,12 @@ def write_report(results: dict, out: Path) -> str:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m decoding.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=("compare", "engine", "dtype", "forward"), default="compare",
+    ap.add_argument("--suite", choices=("compare", "engine", "dtype", "forward", "cli"), default="compare",
                     help="compare (default): every strategy and peer; engine: ar vs model.generate; dtype: "
                          "ar and the default configuration in float32 and bfloat16, interleaved (the "
                          "config's pair, prompts, repeats); forward: one target forward per size, eager vs "
-                         "packed, in --dtypes, interleaved, with a profile")
+                         "packed, in --dtypes, interleaved, with a profile; cli: `decoding.generate` "
+                         "end to end (fresh processes), defaults vs ar, --prompts per kind, --new-tokens")
     ap.add_argument("--config", default="configs/bench.yaml", help="compare suite config (YAML)")
     ap.add_argument("--quick", action="store_true", help="CI smoke: tiny random models, a few seconds")
     ap.add_argument("--out", default=None, help="output dir (default: the config's out; engine: reports/engine)")
@@ -197,7 +199,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtypes", default="float32,bfloat16", help="engine / forward suites: dtypes")
     ap.add_argument("--forward-threads", default="1,2", help="forward suite: torch thread counts")
     ap.add_argument("--context", type=int, default=200, help="forward suite: cached tokens before the forward")
-    ap.add_argument("--new-tokens", type=int, default=64, help="engine suite: new tokens")
+    ap.add_argument("--new-tokens", type=int, default=64, help="engine / cli suites: new tokens")
     ap.add_argument("--write-defaults", nargs="?", const="", default=None, metavar="PATH",
                     help="record this run's fastest lossless greedy row as the default configuration "
                          "of this device kind (decoding/defaults.yaml; the shipped pair only), or in PATH")
@@ -280,6 +282,25 @@ def _forward_main(a, command: str) -> int:
     return 0
 
 
+def _cli_main(a, command: str) -> int:
+    from .cli_suite import cli_markdown, cli_suite
+
+    res = cli_suite(a.prompts or 4, a.new_tokens, a.repeats or 3, a.threads, progress=_log)
+    res["command"] = command
+    res["cpu"] = platform.processor() or platform.machine()
+    try:
+        res["cpu"] = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                          if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    out = Path(a.out or f"reports/cli-{time.strftime('%Y-%m-%d')}")
+    write_atomic(out / "results.json", json.dumps(res, indent=2))
+    md = cli_markdown(res, command, res["cpu"])
+    write_atomic(out / "results.md", md)
+    print(md)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parser().parse_args(argv)
@@ -293,6 +314,10 @@ def main(argv=None) -> int:
             if a.quick or a.write_defaults is not None:
                 raise ValueError("--quick and --write-defaults belong to the compare suite")
             return _forward_main(a, command)
+        if a.suite == "cli":
+            if a.quick or a.write_defaults is not None:
+                raise ValueError("--quick and --write-defaults belong to the compare suite")
+            return _cli_main(a, command)
         if a.suite == "dtype":
             if a.quick or a.write_defaults is not None:
                 raise ValueError("--quick and --write-defaults belong to the compare suite")
