@@ -82,6 +82,24 @@ def test_agreement_counts_per_prompt_add_up_and_do_not_depend_on_batching():
     assert one["accepted_length"] == pytest.approx(sum(one[f"chain_step{j}"] for j in (1, 2, 3)))
 
 
+def test_expected_acceptance_is_top1_agreement_as_the_temperature_goes_to_zero():
+    """sum_x min(p_T, q_T) with p_T normalised over the full vocabulary: at T -> 0 both are
+    one-hot, so it is 1 exactly where the head's argmax is the target's (and 0 where the
+    target's argmax is outside the draft vocabulary); at T = 1 it lies strictly between."""
+    target = tiny_llama(0, vocab=40, layers=4, hidden=32, scale=6)
+    head = tiny_feature_draft(target)
+    g = torch.Generator().manual_seed(1)
+    rows = [{"prompt_id": f"p{i}", "prompt_ids": torch.randint(0, 40, (4,), generator=g).tolist(),
+             "completion_ids": torch.randint(0, 40, (8,), generator=g).tolist()} for i in range(4)]
+    cold = agreement(target, head, rows, list(AUX), steps=2, temperature=1e-4)
+    hits, acc = (torch.tensor(cold["per_prompt"][k]) for k in ("hits", "accept"))
+    assert (acc - hits).abs().sum() < 0.5, (acc, hits)
+    warm = agreement(target, head, rows, list(AUX), steps=2, temperature=1.0)
+    assert 0.0 < warm["accept_step1"] < 1.0 and warm["accept_temperature"] == 1.0
+    assert bootstrap(warm)["accept_step1"][0] == pytest.approx(warm["accept_step1"])
+    assert "accept_step1" not in bootstrap(fake([[5, 2]] * 4))  # written before acceptance was kept
+
+
 def test_baseline_must_be_an_eval_with_per_prompt_counts(tmp_path):
     import json
 

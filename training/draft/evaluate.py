@@ -31,6 +31,9 @@ import torch
 import torch.nn.functional as F
 
 KINDS = {"general": "data/prompts/heldout_general.jsonl", "code": "data/prompts/heldout_code.jsonl"}
+PROMPT_SETS = {**KINDS, "magpie": "data/prompts/magpie_heldout.jsonl"}
+"""Held-out prompt sets: the two kinds, and user turns the target wrote (training.draft.magpie)
+that no corpus holds: traffic unlike the templates."""
 
 
 def eval_corpus(kind: str, n: int, root: Path, dtype: str, target: str | None = None,
@@ -41,7 +44,7 @@ def eval_corpus(kind: str, n: int, root: Path, dtype: str, target: str | None = 
 
     if temperature != 0.7:
         root = root / ("greedy" if temperature == 0 else f"T{temperature:g}")
-    cfg = CorpusConfig(prompt_files=[KINDS[kind]], out=str(root / kind), target=target, dtype=dtype,
+    cfg = CorpusConfig(prompt_files=[PROMPT_SETS[kind]], out=str(root / kind), target=target, dtype=dtype,
                        batch_size=8, shard_size=64, max_new_tokens=128, temperature=temperature)
     prompts = read_prompts(cfg.prompt_files, n)
     have = set()

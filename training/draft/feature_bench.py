@@ -35,26 +35,31 @@ STEPS = 4
 
 @torch.inference_mode()
 def agreement(target, head, rows: list[dict], layers: list[int], steps: int = STEPS,
-              max_tokens: int = 2048) -> dict:
+              max_tokens: int = 2048, temperature: float = 0.7, k: int = 32) -> dict:
     """Per-step top-1 agreement over every completion token of the rows (agree_stepJ), and
     chain_stepJ: the share of positions where steps 1..J ALL agree. A greedy chain of depth
     `steps` started there accepts exactly its leading run of agreeing steps (each step reads
     the true tokens, which are its own proposals once they were accepted), so the mean
     accepted length is sum_J chain_stepJ (`accepted_length`, no independence assumption;
     exact when the continuations are the target's greedy ones). `per_prompt` keeps each row's
-    counts (hits, chain, n per step) for confidence intervals and paired comparisons."""
+    counts (hits, chain, n per step) for confidence intervals and paired comparisons.
+    accept_stepJ: the expected acceptance of step J's one sampled draft token at `temperature`,
+    sum_x min(p_T(x), q_T(x)) over the draft vocabulary with the target's p_T normalised over
+    the full vocabulary (its top `k` draft tokens: a lower bound, the rest is negligible at 0.7)
+    and the head's q_T; what sampled decoding gets per step, beside top-1 for greedy."""
     from .feature_cache import _batches, pad_batch, target_batch
     from .feature_module import shift
 
     used, t2d = head.used_ids, head.t2d
-    hits, chain, n = (torch.zeros(len(rows), steps) for _ in range(3))
+    hits, chain, n, accept = (torch.zeros(len(rows), steps) for _ in range(4))
     walks = torch.zeros(len(rows), 2)  # sd rounds and the tokens they commit
     inside = 0.0
     seqs = [r["prompt_ids"] + r["completion_ids"] for r in rows]
     starts = [len(r["prompt_ids"]) - 1 for r in rows]
     for idx in _batches([len(s) for s in seqs], max_tokens):
         ids, mask = pad_batch([seqs[i] for i in idx])
-        b = target_batch(target, ids, mask, torch.tensor([starts[i] for i in idx]), layers, used, 1)
+        b = target_batch(target, ids, mask, torch.tensor([starts[i] for i in idx]), layers, used, k,
+                         temperature=temperature)
         outs = head.unroll(ids, b["feats"], steps, mask)
         inside += float(t2d[b["top1"][b["lab_mask"]]].sum())
         run, lead = None, torch.zeros(ids.shape, dtype=torch.long)  # lead: chain length at t
@@ -63,15 +68,21 @@ def agreement(target, head, rows: list[dict], layers: list[int], steps: int = ST
             hit = (used[lg.argmax(-1)] == shift(b["top1"], 1 + j, 0)) & m
             run = hit if run is None else run & hit  # position t's chain: steps 1..j+1 all right
             hits[idx, j], chain[idx, j], n[idx, j] = hit.sum(-1).float(), run.sum(-1).float(), m.sum(-1).float()
+            q = torch.log_softmax(lg.float() / temperature, -1).gather(-1, shift(b["lab_ids"], 1 + j, 0)).exp()
+            p = shift(b["lab_logp"], 1 + j, float("-inf")).exp()
+            accept[idx, j] = (torch.minimum(p, q).sum(-1) * m).sum(-1)
             lead += run.long()
         for i, row in enumerate(idx):  # index t drafts x_{t+2}: the first round after prefill is t = start
             walks[row] = torch.tensor(sd_rounds(lead[i].tolist(), m[i].tolist(), starts[row]), dtype=torch.float)
     total = int(n[:, 0].sum())
     return {"positions": total, "target_top1_in_draft_vocab": inside / max(1, total),
             **summary(hits.sum(0), chain.sum(0), n.sum(0)),
+            **{f"accept_step{j + 1}": float(accept[:, j].sum() / n[:, j].sum().clamp_min(1)) for j in range(steps)},
+            "accept_temperature": temperature,
             "sd_tokens_per_call": float(walks[:, 1].sum() / walks[:, 0].sum().clamp_min(1)),
             "per_prompt": {"prompt_ids": [r.get("prompt_id") for r in rows], "hits": hits.tolist(),
-                           "chain": chain.tolist(), "n": n.tolist(), "rounds": walks[:, 0].tolist(),
+                           "chain": chain.tolist(), "n": n.tolist(), "accept": accept.tolist(),
+                           "rounds": walks[:, 0].tolist(),
                            "round_tokens": walks[:, 1].tolist()}}
 
 
@@ -99,23 +110,29 @@ def summary(hits, chain, n) -> dict:
             "accepted_length": float(per.sum())}
 
 
-HEADLINE = ("agree_step1", "accepted_length", "sd_tokens_per_call")
+HEADLINE = ("agree_step1", "accepted_length", "sd_tokens_per_call", "accept_step1")
+LATER = {"sd_tokens_per_call": "rounds", "accept_step1": "accept"}
+"""Headline figures older results lack, and the per-prompt count each needs."""
 
 
 def _counts(res: dict) -> np.ndarray:
-    """[prompts, 3 * steps + 2]: hits, chain and n per step, then sd rounds and their tokens
-    (zeros in results written before rounds were counted)."""
+    """[prompts, 4 * steps + 2]: hits, chain, n and expected acceptance per step, then sd
+    rounds and their tokens (zeros in results written before those were counted)."""
     pp = res["per_prompt"]
+    zeros = np.zeros_like(np.asarray(pp["n"], dtype=np.float64))
     walks = [pp.get(k, [0.0] * len(pp["n"])) for k in ("rounds", "round_tokens")]
     return np.concatenate([np.asarray(pp[k], dtype=np.float64) for k in ("hits", "chain", "n")]
+                          + [np.asarray(pp["accept"], dtype=np.float64) if "accept" in pp else zeros]
                           + [np.asarray(walks, dtype=np.float64).T], 1)
 
 
 def _headline(c: np.ndarray) -> np.ndarray:
-    """[draws, 3]: step-1 agreement, accepted length and sd tokens per call from summed counts."""
-    s = (c.shape[1] - 2) // 3
-    hits, chain, n = c[:, :s], c[:, s: 2 * s], np.maximum(c[:, 2 * s: 3 * s], 1)
-    return np.stack([hits[:, 0] / n[:, 0], (chain / n).sum(1), c[:, -1] / np.maximum(c[:, -2], 1)], 1)
+    """[draws, 4]: step-1 agreement, accepted length, sd tokens per call and step-1 expected
+    acceptance from summed counts."""
+    s = (c.shape[1] - 2) // 4
+    hits, chain, n, acc = c[:, :s], c[:, s: 2 * s], np.maximum(c[:, 2 * s: 3 * s], 1), c[:, 3 * s: 4 * s]
+    return np.stack([hits[:, 0] / n[:, 0], (chain / n).sum(1), c[:, -1] / np.maximum(c[:, -2], 1),
+                     acc[:, 0] / n[:, 0]], 1)
 
 
 def bootstrap(res: dict, base: dict | None = None, resamples: int = 2000, seed: int = 0) -> dict:
@@ -137,16 +154,17 @@ def bootstrap(res: dict, base: dict | None = None, resamples: int = 2000, seed: 
 
     point, vals = stat(c.sum(0, keepdims=True))[0], stat(resample_weights(len(c), resamples, seed) @ c)
     lo, hi = np.quantile(vals, [0.025, 0.975], axis=0)
-    counted = all("rounds" in r["per_prompt"] for r in (res, base) if r is not None)
+    have = [r["per_prompt"] for r in (res, base) if r is not None]
     return {k: [float(point[i]), float(lo[i]), float(hi[i])] for i, k in enumerate(HEADLINE)
-            if counted or k != "sd_tokens_per_call"}
+            if k not in LATER or all(LATER[k] in pp for pp in have)}
 
 
 def baseline(path: str) -> dict:
     """The teacher_forced section of an earlier eval json that kept per-prompt counts."""
     res = json.loads(Path(path).read_text())
     tf = res.get("teacher_forced") if isinstance(res, dict) else None
-    if not isinstance(tf, dict) or any("per_prompt" not in tf.get(k, {}) for k in ("general", "code")):
+    if not isinstance(tf, dict) or not tf or any(not isinstance(v, dict) or "per_prompt" not in v
+                                                   for v in tf.values()):
         raise ValueError(f"{path}: not a feature_bench result with per-prompt counts")
     return tf
 
@@ -276,7 +294,7 @@ def _write(path: Path, text: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     from decoding.models import ModelError, load_model
 
-    from .evaluate import KINDS, eval_corpus
+    from .evaluate import KINDS, PROMPT_SETS, eval_corpus
 
     p = argparse.ArgumentParser(prog="python -m training.draft.feature_bench",
                                 description=__doc__.split("\n")[0])
@@ -302,8 +320,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--greedy", action="store_true",
                    help="on the target's greedy continuations (written once): sd_tokens_per_call is then "
                         "exactly what a greedy sd chain of 4 commits per target call; default T=0.7 ones")
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help=f"held-out prompt sets, comma-separated: {', '.join(PROMPT_SETS)}")
     p.add_argument("--threads", type=int, default=None)
     a = p.parse_args(argv)
+    kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
+    if not kinds or any(k not in PROMPT_SETS for k in kinds):
+        raise SystemExit(f"error: --kinds takes {', '.join(PROMPT_SETS)} (got {a.kinds!r})")
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.speed:
@@ -327,7 +350,9 @@ def main(argv: list[str] | None = None) -> None:
            "continuations": "greedy" if a.greedy else "T=0.7",
            "threads": torch.get_num_threads(),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "teacher_forced": {}}
-    for kind in KINDS:
+    for kind in kinds:
+        if base is not None and kind not in base:
+            raise SystemExit(f"error: {a.baseline}: has no {kind} prompts (measure it with --kinds {kind})")
         rows = eval_corpus(kind, a.prompts, Path(a.eval_cache), "bfloat16", temperature=0.0 if a.greedy else 0.7)
         if base is not None and base[kind]["per_prompt"]["prompt_ids"] != [x["prompt_id"] for x in rows]:
             raise SystemExit(f"error: {a.baseline}: measured on other {kind} prompts (use its --prompts)")

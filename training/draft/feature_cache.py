@@ -98,12 +98,14 @@ def pad_batch(seqs: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, tor
 
 @torch.no_grad()  # not inference_mode: online training saves these for backward
 def target_batch(model, ids: torch.Tensor, mask: torch.Tensor, label_start: torch.Tensor,
-                 layers: list[int], used: torch.Tensor, k: int, chunk: int = 1024) -> dict:
+                 layers: list[int], used: torch.Tensor, k: int, chunk: int = 1024,
+                 temperature: float | None = None) -> dict:
     """Features and soft labels of a right-padded batch, dense over positions.
 
     feats [B, W, 3H] float32; lab_ids [B, W, k] draft indices; lab_logp [B, W, k] float32;
     top1 [B, W] the target's argmax id; lab_mask [B, W]: position t predicts a completion
-    token (label_start[b] <= t < length - 1).
+    token (label_start[b] <= t < length - 1). With `temperature`, lab_logp are log p_T over the
+    FULL vocabulary (not renormalised over the draft's: exact expected acceptance, feature_bench).
     """
     from decoding.drafts.capture import capture_aux
     from decoding.target_layout import target_layout
@@ -123,7 +125,10 @@ def target_batch(model, ids: torch.Tensor, mask: torch.Tensor, label_start: torc
     for a in range(0, len(rows), chunk):  # full-vocabulary logits are big: a chunk at a time
         logits = layout.logits(rows[a: a + chunk]).float()
         t1.append(logits.argmax(-1))
-        val, idx = F.log_softmax(logits[:, used], -1).topk(min(k, len(used)), -1)
+        if temperature is None:
+            val, idx = F.log_softmax(logits[:, used], -1).topk(min(k, len(used)), -1)
+        else:
+            val, idx = F.log_softmax(logits / temperature, -1)[:, used].topk(min(k, len(used)), -1)
         li.append(idx)
         lp.append(val)
     if rows.shape[0]:
