@@ -198,6 +198,8 @@ def parser() -> argparse.ArgumentParser:
                     help="compare suite: override the config's dtype")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="engine / forward suites: dtypes")
     ap.add_argument("--forward-threads", default="1,2", help="forward suite: torch thread counts")
+    ap.add_argument("--forwards", default="eager,packed",
+                    help="forward suite: eager, packed, compiled (a torch.compile probe over a static cache)")
     ap.add_argument("--context", type=int, default=200, help="forward suite: cached tokens before the forward")
     ap.add_argument("--new-tokens", type=int, default=64, help="engine / cli suites: new tokens")
     ap.add_argument("--write-defaults", nargs="?", const="", default=None, metavar="PATH",
@@ -272,7 +274,8 @@ def _forward_main(a, command: str) -> int:
     from .forward import forward_markdown, forward_suite
 
     threads = [int(t) for t in a.forward_threads.split(",")]
-    res = forward_suite(a.dtypes.split(","), threads=threads, context=a.context, repeats=a.repeats or 15)
+    res = forward_suite(a.dtypes.split(","), forwards=a.forwards.split(","), threads=threads, context=a.context,
+                        repeats=a.repeats or 15)
     res["command"] = command
     out = Path(a.out or f"reports/forward-{time.strftime('%Y-%m-%d')}")
     write_atomic(out / "results.json", json.dumps(res, indent=2))

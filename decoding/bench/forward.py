@@ -14,6 +14,7 @@ fp32 eager reference (same argmax, max abs difference).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -72,12 +73,17 @@ class _Forward:
                         sorted(ka, key=lambda e: -e.self_cpu_time_total)[:5]]}
 
 
-def _variants(dtypes, forwards, context: int) -> dict[str, _Forward]:
+def _variants(dtypes, forwards, context: int, sizes) -> dict[str, _Forward]:
     tdir = models.resolve_model_dir(None)
     out = {}
     for dt in dtypes:
         for fw in forwards:
             model = models.load_model(tdir, dt)
+            if fw == "compiled":
+                from .compiled_forward import CompiledForward
+
+                out[f"{dt} {fw}"] = CompiledForward(model, model.config.vocab_size, context, max(sizes))
+                continue
             if fw != "eager" and not packed_available(model.dtype, "cpu"):
                 continue
             set_forward(model, fw)
@@ -87,10 +93,13 @@ def _variants(dtypes, forwards, context: int) -> dict[str, _Forward]:
 
 def forward_suite(dtypes=("float32", "bfloat16"), forwards=("eager", "packed"), threads=(1, 2),
                   context: int = 200, repeats: int = 15, sizes=SIZES) -> dict:
-    variants = _variants(dtypes, forwards, context)
+    """Median ms per forward of every variant (dtype x forward) at every size and thread count,
+    interleaved; `compiled` (decoding.bench.compiled_forward) is a probe, its compile time kept."""
+    load = os.getloadavg()[0]
+    variants = _variants(dtypes, forwards, context, sizes)
     ref = "float32 eager" if "float32 eager" in variants else next(iter(variants))
     res = {"context": context, "repeats": repeats, "sizes": list(sizes), "reference": ref,
-           "torch": torch.__version__, "cpu_flags": _cpu_flags(), "conditions": "shared machine",
+           "torch": torch.__version__, "cpu_flags": _cpu_flags(), "load_before": round(load, 2),
            "threads": {}, "agreement": {}}
     for n in sizes:  # logits against the fp32 eager reference
         want = variants[ref].call(n, variants[ref].prepare(n))
@@ -116,6 +125,8 @@ def forward_suite(dtypes=("float32", "bfloat16"), forwards=("eager", "packed"), 
             "over_one_token": {name: {n: med[name][n] / med[name][1] for n in sizes} for name in med},
             "profile": {name: {n: v.profile(n) for n in (1, 8) if n in sizes} for name, v in variants.items()},
         }
+    res["load_after"] = round(os.getloadavg()[0], 2)
+    res["compile_s"] = {name: v.compile_s for name, v in variants.items() if hasattr(v, "compile_s")}
     return res
 
 
@@ -130,9 +141,14 @@ def _cpu_flags() -> list[str]:
 
 def forward_markdown(r: dict, command: str) -> str:
     sizes = r["sizes"]
+    load = (f"1-min load average {r['load_before']} before, {r['load_after']} after" if "load_before" in r
+            else r.get("conditions", ""))
     lines = [f"# Target forward cost (SmolLM2-135M, {r['context']}-token cache, {r['repeats']} repeats, "
-             f"variants interleaved call by call; {r['conditions']})", "", f"`{command}`", "",
+             f"variants interleaved call by call; {load})", "", f"`{command}`", "",
              f"torch {r['torch']}; CPU flags: {', '.join(r['cpu_flags']) or '?'}. Reference: {r['reference']}.", ""]
+    for name, per in r.get("compile_s", {}).items():
+        lines += [f"{name}: compile seconds per size " + ", ".join(f"n={n}: {s:.0f}" for n, s in per.items())
+                  + " (paid once per process and size; a probe, not an engine forward)", ""]
     for th, t in r["threads"].items():
         head = " | ".join(f"n={n}" for n in sizes)
         lines += [f"## {th} thread(s)", "", "Median ms per forward (n new tokens) [ratio to the reference]:", "",
