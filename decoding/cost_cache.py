@@ -32,7 +32,7 @@ RETIME_ENV = "SPECSTOP_RETIME_COST"
 """Set to 1 to re-time (and overwrite) the stored curve on the next load."""
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -48,7 +48,7 @@ def cost_key(target, draft) -> dict:
     return {
         "target": fingerprint(target)["weights_sha256"], "draft": fingerprint(draft)["weights_sha256"],
         "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_model(),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model(),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "forward": forward_kind(target),
         "sizes": list(COST_SIZES), "unit": TOKENS,  # how it is timed: a curve of another kind is a miss
     }

@@ -249,8 +249,9 @@ def pick_best(results: dict, source: str | None = None) -> dict:
             best, best_score = entry, score
     best = best or {"strategy": "ar"}
     best["dtype"] = meta.get("dtype", "float32")
+    where = ", ".join(str(x) for x in (meta.get("cpu"), meta.get("forward") and f"{meta['forward']} forward") if x)
     best["source"] = (f"{source or meta.get('command', 'a bench run')} ({meta.get('date', '?')}, "
-                      f"{meta.get('threads', '?')} threads): fastest lossless greedy row")
+                      f"{meta.get('threads', '?')} threads{', ' + where if where else ''}): fastest lossless greedy row")
     return best
 
 

@@ -33,6 +33,15 @@ from ..sampling import SamplingConfig
 from ..session import Session
 
 
+def _cpu() -> str:
+    """The CPU model and the flags that decide the dtype and kernels (AMX, AVX512-BF16)."""
+    from ..cost_cache import cpu_model
+    from .forward import _cpu_flags
+
+    flags = [f for f in _cpu_flags() if f in ("amx_bf16", "avx512_bf16")]
+    return cpu_model() + (f" ({', '.join(flags)})" if flags else "")
+
+
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -139,7 +148,7 @@ def run_compare(cfg: BenchConfig, command: str) -> dict:
                                                   tree_depth=depth) for p in sw_prompts])
     results = {
         "meta": {"date": time.strftime("%Y-%m-%d"), "command": command, "target": sess.target_dir.name,
-                 "draft": _shown(sess.draft_dir), "dtype": cfg.dtype, "forward": sess.forward,
+                 "draft": _shown(sess.draft_dir), "dtype": cfg.dtype, "forward": sess.forward, "cpu": _cpu(),
                  "dtype_source": dtype_source,
                  "device": cfg.device, "threads": torch.get_num_threads(), "prompts_per_set": cfg.prompts_per_set,
                  "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "decider": _decider_name(cfg),
@@ -290,12 +299,7 @@ def _cli_main(a, command: str) -> int:
 
     res = cli_suite(a.prompts or 4, a.new_tokens, a.repeats or 3, a.threads, progress=_log)
     res["command"] = command
-    res["cpu"] = platform.processor() or platform.machine()
-    try:
-        res["cpu"] = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                          if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    res["cpu"] = _cpu()
     out = Path(a.out or f"reports/cli-{time.strftime('%Y-%m-%d')}")
     write_atomic(out / "results.json", json.dumps(res, indent=2))
     md = cli_markdown(res, command, res["cpu"])
