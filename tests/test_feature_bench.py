@@ -143,16 +143,17 @@ def test_sd_tokens_per_call_on_greedy_continuations_is_what_decoding_commits():
 def test_compare_two_eval_files_pairs_them_per_prompt_set(tmp_path):
     import json
 
-    from training.draft.feature_bench import main
+    from training.draft.feature_compare import main
 
     up = {"teacher_forced": {"general": fake([[i + 1, 0] for i in range(9)]), "magpie": fake([[5, 5]] * 3)}}
     base = {"teacher_forced": {"general": fake([[i, 0] for i in range(9)]), "code": fake([[1, 1]] * 3)}}
     for name, data in (("up", up), ("base", base)):
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
-    main(["--compare", str(tmp_path / "up.json"), str(tmp_path / "base.json"), "--out", str(tmp_path), "--name", "d"])
+    main([str(tmp_path / "up.json"), str(tmp_path / "base.json"), "--out", str(tmp_path), "--name", "d"])
     res = json.loads((tmp_path / "d.json").read_text())
     assert set(res) == {"eval", "base", "general"}  # only the set both measured
     assert res["general"]["difference_ci95"]["agree_step1"] == pytest.approx([0.1, 0.1, 0.1])
+    assert (tmp_path / "d.png").stat().st_size > 1000
     (tmp_path / "other.json").write_text(json.dumps({"teacher_forced": {"code": fake([[1, 1]])}}))
     with pytest.raises(SystemExit, match="share no prompt set"):
-        main(["--compare", str(tmp_path / "up.json"), str(tmp_path / "other.json"), "--out", str(tmp_path)])
+        main([str(tmp_path / "up.json"), str(tmp_path / "other.json"), "--out", str(tmp_path)])

@@ -14,7 +14,8 @@ ceiling), and sd_tokens_per_call: a greedy sd chain of 4 walked along each conti
 fp32 target and head. The headline figures come with 95% intervals
 (bootstrap over prompts); --baseline EVAL_JSON (another head on the same prompts) adds their
 paired differences, which is how two heads are compared. Writes <out>/eval.json and, with
---metrics-csv (the run's CSVLogger file), <out>/learning_curve.png (validation agreement per
+--metrics-csv (the run's CSVLogger file), <out>/learning_curve.png (<name>_learning_curve.png
+for another --name; validation agreement per
 step vs minutes).
 """
 
@@ -291,32 +292,6 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def compare(new: dict, base: dict) -> dict:
-    """Per prompt set both have: each head's headline figures and their paired differences."""
-    out = {}
-    for kind in [k for k in new if k in base]:
-        out[kind] = {"eval": {k: new[kind].get(k) for k in HEADLINE}, "base": {k: base[kind].get(k) for k in HEADLINE},
-                     "difference_ci95": bootstrap(new[kind], base[kind])}
-    if not out:
-        raise ValueError("the two results share no prompt set")
-    return out
-
-
-def _compare_main(a) -> None:
-    try:
-        res = {"eval": a.compare[0], "base": a.compare[1]} | compare(baseline(a.compare[0]), baseline(a.compare[1]))
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: {str(e).splitlines()[0]}") from None
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    _write(out / f"{a.name}.json", json.dumps(res, indent=1) + "\n")
-    for kind, r in res.items():
-        if isinstance(r, dict):
-            print(f"{kind}: " + ", ".join(f"{k} {v[0]:+.3f} [{v[1]:+.3f}, {v[2]:+.3f}]"
-                                          for k, v in r["difference_ci95"].items()), file=sys.stderr)
-    print(out / f"{a.name}.json")
-
-
 def main(argv: list[str] | None = None) -> None:
     from decoding.models import ModelError, load_model
 
@@ -328,8 +303,6 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--ckpt", help="Lightning checkpoint of a feature-head run")
     g.add_argument("--draft", help="exported feature-head directory")
     g.add_argument("--untrained", action="store_true", help="the head as initialised")
-    g.add_argument("--compare", nargs=2, metavar=("EVAL_JSON", "BASE_JSON"),
-                   help="paired differences of two eval jsons measured on the same prompts -> <out>/<name>.json")
     g.add_argument("--speed", action="store_true",
                    help="training positions/s, cached vs online source -> <out>/throughput.json")
     p.add_argument("--batches", type=int, default=4, help="--speed: timed batches per source")
@@ -363,8 +336,6 @@ def main(argv: list[str] | None = None) -> None:
         res = speed(a) | {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         _write(out / "throughput.json", json.dumps(res, indent=1) + "\n")
         return print(out / "throughput.json")
-    if a.compare:
-        return _compare_main(a)
     for f in (a.ckpt, a.metrics_csv, a.baseline):
         if f and not Path(f).is_file():
             raise SystemExit(f"error: file not found: {f}")
@@ -396,7 +367,8 @@ def main(argv: list[str] | None = None) -> None:
         res["cost"] = step_cost(target, head)
         print(f"cost: {json.dumps(res['cost'])}", file=sys.stderr, flush=True)
     if a.metrics_csv:
-        res["learning_curve"] = learning_curve(Path(a.metrics_csv), out / "learning_curve.png")
+        png = "learning_curve.png" if a.name == "eval" else f"{a.name}_learning_curve.png"
+        res["learning_curve"] = learning_curve(Path(a.metrics_csv), out / png)
     _write(out / f"{a.name}.json", json.dumps(res, indent=1) + "\n")
     print(out / f"{a.name}.json")
 
