@@ -25,6 +25,8 @@ class CompiledForward:
         from transformers import StaticCache
 
         inductor.freezing = True  # weights as constants: inductor folds and prepacks them
+        # one graph per size and model: the default limit (8) would silently fall back to eager
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.model, self.vocab = model, vocab
         self.prompt = [(10 + i) % vocab for i in range(context)]
         self.slots = context + max_new
