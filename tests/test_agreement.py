@@ -113,3 +113,17 @@ def test_count_kinds_and_a_lossy_mode_is_caught(pair):
     kinds = count_kinds(checks)
     assert kinds["mismatch"] >= 1 and kinds["tie"] == 0 and sum(kinds.values()) == 3
     assert count_kinds(["equal", "tie", "tie"]) == {"equal": 1, "tie": 2, "mismatch": 0}
+
+
+def test_fp32_reference_of_a_packed_bf16_target():
+    """The tie check copies the target to float32; oneDNN's packed weights cannot be deep-copied,
+    so the copy is made from the eager model and the target keeps its packed forward."""
+    from decoding.fast_forward import forward_kind, packed_available, set_forward
+
+    model = tiny_llama(3, vocab=32).to(torch.bfloat16)
+    if not packed_available(torch.bfloat16, "cpu"):
+        pytest.skip("no oneDNN bf16 on this CPU")
+    set_forward(model, "packed")
+    logits = fp32_logits(model, [1, 2, 3])
+    assert logits.dtype == torch.float32 and logits.shape == (32,)
+    assert forward_kind(model) == "packed"

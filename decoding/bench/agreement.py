@@ -79,7 +79,14 @@ def _fp32(model):
     if next(model.parameters()).dtype == torch.float32:
         return model
     if model not in _FP32:
-        _FP32[model] = copy.deepcopy(model).float().eval()
+        from ..fast_forward import forward_kind, set_forward
+
+        kind = forward_kind(model)  # oneDNN's packed weights cannot be deep-copied: copy the eager model
+        set_forward(model, "eager")
+        try:
+            _FP32[model] = copy.deepcopy(model).float().eval()
+        finally:
+            set_forward(model, kind)
     return _FP32[model]
 
 
