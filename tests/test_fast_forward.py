@@ -49,6 +49,25 @@ def test_a_packed_row_does_not_depend_on_how_many_rows_a_forward_carries_beyond_
             assert torch.allclose(half(x.bfloat16()).float(), ref.float(), atol=0.05)
 
 
+def test_a_float32_single_row_keeps_the_default_kernel_and_more_rows_take_the_packed_one(monkeypatch):
+    lin = torch.nn.Linear(64, 96)
+    x = torch.randn(4, 64)
+    with torch.inference_mode():
+        want = torch.nn.functional.linear(x, lin.weight, lin.bias)
+        ff.pack_linears(lin)
+        calls = []
+        real = torch.ops.mkldnn._linear_pointwise
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
+        assert torch.equal(lin(x[:1]), want[:1]) and torch.equal(lin(x[None, 2:3]), want[None, 2:3])
+        assert not calls  # one row, float32: the eager kernel, bit for bit
+        assert torch.allclose(lin(x), want, atol=1e-5) and calls == [1]
+        if ff.packed_available(torch.bfloat16, "cpu"):
+            b = torch.nn.Linear(64, 96).to(torch.bfloat16)
+            ff.pack_linears(b)
+            b(x[:1].to(torch.bfloat16))
+            assert calls == [1, 1]  # bfloat16 packs every size
+
+
 def test_the_default_forward_and_its_override(monkeypatch):
     monkeypatch.delenv(ff.ENV, raising=False)
     assert ff.default_forward(torch.float32, "cpu") == "packed"
