@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .fast_forward import forward_kind
+from .fast_forward import REVISION, forward_kind
 from .fingerprint import fingerprint
 from .growth import COST_SIZES, TOKENS, CostCurve, measure_cost
 from .models import cache_root
@@ -49,7 +49,7 @@ def cost_key(target, draft) -> dict:
         "target": fingerprint(target)["weights_sha256"], "draft": fingerprint(draft)["weights_sha256"],
         "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model(),
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "forward": forward_kind(target),
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "forward": forward_kind(target) + ("" if forward_kind(target) == "eager" else f"-r{REVISION}"),
         "sizes": list(COST_SIZES), "unit": TOKENS,  # how it is timed: a curve of another kind is a miss
     }
 

@@ -25,6 +25,9 @@ import torch
 
 FORWARDS = ("eager", "packed")
 """eager: transformers' modules as loaded (the reference); packed: oneDNN-prepacked linears."""
+REVISION = 2
+"""Bumped when what the packed forward runs changes (2: float32 1-row linears on the eager
+kernel); stored cost curves are keyed by it (decoding.cost_cache)."""
 ENV = "SPECSTOP_FORWARD"
 """Environment override of the default forward (eager or packed)."""
 BATCH_HINT = 16

@@ -68,15 +68,6 @@ class CompiledForward:
         return 1000 * (time.perf_counter() - t)
 
     def profile(self, n: int) -> dict:
-        from torch.profiler import ProfilerActivity, profile
+        from .profiling import profile_one
 
-        from .forward import GEMM_OPS
-
-        with profile(activities=[ProfilerActivity.CPU]) as p:
-            self.call(n)
-        ka = p.key_averages()
-        total = sum(e.self_cpu_time_total for e in ka) or 1
-        gemm = sum(e.self_cpu_time_total for e in ka if e.key in GEMM_OPS)
-        return {"ops": int(sum(e.count for e in ka)), "self_ms": total / 1000, "gemm_share": gemm / total,
-                "top": [(e.key, round(e.self_cpu_time_total / 1000, 2)) for e in
-                        sorted(ka, key=lambda e: -e.self_cpu_time_total)[:5]]}
+        return profile_one(lambda: self.call(n))

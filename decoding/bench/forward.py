@@ -24,10 +24,9 @@ from .. import models
 from ..cache import CachedModel, crop
 from ..fast_forward import packed_available, set_forward
 from ..tree import TreeLayout, layout_from_k_config
+from .profiling import profile_one
 
 SIZES = (1, 2, 4, 8, 16)
-GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::_mkl_linear",
-            "mkl::_mkl_linear")
 
 
 class _Forward:
@@ -60,17 +59,8 @@ class _Forward:
         return 1000 * (time.perf_counter() - t)
 
     def profile(self, n: int) -> dict:
-        from torch.profiler import ProfilerActivity, profile
-
         lay = self.prepare(n)
-        with profile(activities=[ProfilerActivity.CPU]) as p:
-            self.call(n, lay)
-        ka = p.key_averages()
-        total = sum(e.self_cpu_time_total for e in ka)
-        gemm = sum(e.self_cpu_time_total for e in ka if e.key in GEMM_OPS)
-        return {"ops": int(sum(e.count for e in ka)), "self_ms": total / 1000, "gemm_share": gemm / total,
-                "top": [(e.key, round(e.self_cpu_time_total / 1000, 2)) for e in
-                        sorted(ka, key=lambda e: -e.self_cpu_time_total)[:5]]}
+        return profile_one(lambda: self.call(n, lay))
 
 
 def _variants(dtypes, forwards, context: int, sizes) -> dict[str, _Forward]:
