@@ -12,8 +12,8 @@ unchanged) and only swaps how each Linear computes; `unpack_linears` restores th
 (eager) path. The packed copy costs one more copy of the linear weights in memory. The result
 equals the reference to rounding (not bitwise). In bfloat16 a row's result does not depend on
 how many rows a forward carries, so a verify and a plain step agree on a shared row; in float32
-a 1-row forward (a plain decoding step) keeps the default kernel, faster there (EAGER_ONE_ROW),
-and agrees with a verify's row to rounding.
+a forward of fewer than 4 rows (a plain step, a small verify) keeps the default kernel, faster
+there (EAGER_BELOW), and agrees with a larger verify's row to rounding.
 """
 
 from __future__ import annotations
@@ -25,17 +25,17 @@ import torch
 
 FORWARDS = ("eager", "packed")
 """eager: transformers' modules as loaded (the reference); packed: oneDNN-prepacked linears."""
-REVISION = 2
-"""Bumped when what the packed forward runs changes (2: float32 1-row linears on the eager
+REVISION = 3
+"""Bumped when what the packed forward runs changes (3: float32 below 4 rows on the eager
 kernel); stored cost curves are keyed by it (decoding.cost_cache)."""
 ENV = "SPECSTOP_FORWARD"
 """Environment override of the default forward (eager or packed)."""
 BATCH_HINT = 16
 """Rows oneDNN packs the weight for (a tree's forward carries 1-64 new tokens)."""
-EAGER_ONE_ROW = (torch.float32,)
-"""dtypes whose 1-row linears keep the default kernel: in float32 a packed 1-row forward cost
-1.27x the eager one on a 2-core AMX Xeon and 1.20x on an AVX512 EPYC (1 thread), while 2-16 rows
-cost 0.77-0.89x (reports/forward-2026-11-26*); in bfloat16 packed wins at every size."""
+EAGER_BELOW = {torch.float32: 4}
+"""Row counts below which a linear keeps the default kernel: in float32 the packed one cost
+1.27x / 1.24-1.31x the eager one at 1 / 2 rows and 0.76-0.89x at 4-16 on a 2-core AMX Xeon, 1
+thread (reports/forward-2026-11-26-amx*); in bfloat16 packed wins at every size."""
 
 
 def packed_available(dtype: torch.dtype, device) -> bool:
@@ -60,8 +60,8 @@ def default_forward(dtype: torch.dtype, device) -> str:
 
 
 def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
-    one_row = x.numel() == x.shape[-1]
-    if x.dtype != self._packed_dtype or x.device.type != "cpu" or (one_row and self._eager_one_row):
+    rows = x.numel() // max(1, x.shape[-1])
+    if x.dtype != self._packed_dtype or x.device.type != "cpu" or rows < self._eager_below:
         return torch.nn.functional.linear(x, self.weight, self.bias)  # e.g. an fp32 head over bf16
     y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self._packed_weight, self.bias,
                                            "none", [], "")
@@ -81,7 +81,7 @@ def pack_linears(model: torch.nn.Module) -> int:
             continue
         mod._packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), BATCH_HINT)
         mod._packed_dtype = w.dtype
-        mod._eager_one_row = w.dtype in EAGER_ONE_ROW
+        mod._eager_below = EAGER_BELOW.get(w.dtype, 0)
         mod.forward = types.MethodType(_packed_forward, mod)
         n += 1
     model._specstop_forward = "packed" if n else "eager"
@@ -92,7 +92,7 @@ def unpack_linears(model: torch.nn.Module) -> None:
     """Back to the reference (eager) forward."""
     for mod in model.modules():
         if hasattr(mod, "_packed_weight"):
-            del mod._packed_weight, mod._packed_dtype, mod._eager_one_row, mod.forward
+            del mod._packed_weight, mod._packed_dtype, mod._eager_below, mod.forward
     model._specstop_forward = "eager"
 
 

@@ -49,7 +49,7 @@ def test_a_packed_row_does_not_depend_on_how_many_rows_a_forward_carries_beyond_
             assert torch.allclose(half(x.bfloat16()).float(), ref.float(), atol=0.05)
 
 
-def test_a_float32_single_row_keeps_the_default_kernel_and_more_rows_take_the_packed_one(monkeypatch):
+def test_float32_below_four_rows_keeps_the_default_kernel_and_more_rows_take_the_packed_one(monkeypatch):
     lin = torch.nn.Linear(64, 96)
     x = torch.randn(4, 64)
     with torch.inference_mode():
@@ -60,7 +60,9 @@ def test_a_float32_single_row_keeps_the_default_kernel_and_more_rows_take_the_pa
         monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
         one = torch.nn.functional.linear(x[2:3], lin.weight, lin.bias)
         assert torch.equal(lin(x[2:3]), one) and torch.equal(lin(x[None, 2:3]), one[None])
-        assert not calls  # one row, float32: the eager kernel, bit for bit
+        two = torch.nn.functional.linear(x[:2], lin.weight, lin.bias)
+        assert torch.equal(lin(x[:2]), two)
+        assert not calls  # 1-3 rows, float32: the eager kernel, bit for bit
         assert torch.allclose(lin(x), want, atol=1e-5) and calls == [1]
         if ff.packed_available(torch.bfloat16, "cpu"):
             b = torch.nn.Linear(64, 96).to(torch.bfloat16)
