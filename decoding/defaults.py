@@ -95,8 +95,10 @@ def cpu_prefers_bf16(cpuinfo: str | None = None, packed: bool | None = None) -> 
     AVX512-BF16 EPYC without AMX (torch 2.13, shared machine, interleaved, issue 34): the eager
     bf16 forward is no faster than fp32 at 1 token (float32 decoded 1.175x faster,
     reports/dtype-2026-11-26), while the packed bf16 forward costs 0.5-0.84x the fp32 eager one
-    at 1-16 tokens (reports/forward-2026-11-26) and decodes 1.2-1.4x faster; AMX is not measured
-    (no AMX machine). Without either flag, bf16 matmuls are emulated and slower."""
+    at 1-16 tokens (reports/forward-2026-11-26) and decodes 1.2-1.4x faster. On a 2-core AMX
+    Xeon (quiet, 1 thread): bf16 eager 1.02x fp32 at 1 token, bf16 packed 0.79x, and 0.43-0.54x at
+    4-16 tokens (reports/forward-2026-11-26-amx). Without either flag, bf16 matmuls are emulated
+    and slower."""
     if cpuinfo is None:
         return _cpuinfo_prefers_bf16(_packed_forward() if packed is None else packed)
     flags = set()
