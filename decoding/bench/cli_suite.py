@@ -23,10 +23,11 @@ import time
 
 import numpy as np
 
-from .config import load_prompts
+from .config import BenchConfig, load_prompts
 from .stats import speedup_ci
 
-FILES = {"general": "data/prompts/heldout_general.jsonl", "code": "data/prompts/heldout_code.jsonl"}
+FILES = BenchConfig().prompt_sets
+"""The held-out prompt sets every benchmark uses."""
 VARIANTS = {"default": [], "ar": ["--strategy", "ar"]}
 
 
