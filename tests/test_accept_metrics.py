@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_feature_train import data, tiny  # noqa: F401  (the module's tiny target and corpus)
 
-from training.draft.accept_metrics import combine, expected_acceptance
+from training.draft.accept_metrics import combine, expected_acceptance, sd_rounds, walk_sd
 from training.draft.feature_module import FeatureDistillModule
 
 
@@ -58,6 +58,29 @@ def test_losses_combine_as_specified():
         FeatureDistillModule(loss="mse")
 
 
+def test_sd_rounds_walk_a_continuation():
+    ok = [True] * 7
+    assert sd_rounds([0] * 7, ok, 0) == (7, 7)  # never right: one token per target call
+    assert sd_rounds([4] * 7, ok, 0) == (2, 10)  # always right (chain of 4): 5 per call
+    # hand-walked: t=0 takes 1, t=1 takes 3, t=4 takes 2, t=6 takes 1
+    assert sd_rounds([0, 2, 0, 0, 1, 0, 0], ok, 0) == (4, 7)
+    assert sd_rounds([0, 2, 0, 0, 1, 0, 0], ok, 2) == (4, 5)  # the walk starts at the prompt's end
+    assert sd_rounds([0, 2, 0, 0, 1, 0, 0], ok[:4] + [False] * 3, 0) == (2, 4)  # no label: stop
+    assert sd_rounds([], [], 0) == (0, 0)
+
+
+def test_walk_sd_chains_the_steps_of_each_row():
+    t, f = True, False
+    step1 = torch.tensor([[t, t, f, t, t, t, t], [f] * 7])
+    step2 = torch.tensor([[t, f, t, t, t, f, t], [t] * 7])  # row 1: step 2 right, never reached
+    # row 0: leading runs [2, 1, 0, 2, 2, 1, 2] -> rounds at t = 0 (3 tokens), 3 (3), 6 (3)
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    assert walk_sd([step1, step2], valid, [0, 0]).tolist() == [[3, 9], [7, 7]]
+    assert walk_sd([step1, step2], valid, [1, 5]).tolist() == [[3, 8], [2, 2]]  # t = 1 (2), 3 (3), 6 (3)
+    assert walk_sd([step1], valid, [0, 0]).tolist() == [[4, 7], [7, 7]]  # one draft: t = 0, 2, 3, 5
+    assert walk_sd([step1[:0], step2[:0]], valid[:0], []).shape == (0, 2)
+
+
 @pytest.mark.parametrize("loss", ["lk_alpha", "lk_lambda"])
 def test_acceptance_losses_train_and_validation_logs_acceptance(tiny, tmp_path, loss):  # noqa: F811
     from distill_fixtures import trainer
@@ -70,12 +93,14 @@ def test_acceptance_losses_train_and_validation_logs_acceptance(tiny, tmp_path, 
     module = FeatureDistillModule(target=dm.target, steps=2, lr=1e-2, schedule="steps", loss=loss)
     before = trainer().validate(module, datamodule=dm, verbose=False)[0]
     assert 0 < before["val/accept_1"] < 1 and "val/accept_2" in before
+    assert 1 <= before["val/sd_tokens_per_call"] <= 3  # a chain of 2 walked: 1..3 per call
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     t = trainer(max_steps=40, callbacks=[ckpt], enable_checkpointing=True,
                 val_check_interval=1.0, check_val_every_n_epoch=1000)
     t.fit(module, datamodule=dm)
     after = trainer().validate(module, datamodule=dm, verbose=False)[0]
     assert after["val/accept_1"] > before["val/accept_1"] + 0.05
+    assert after["val/sd_tokens_per_call"] > before["val/sd_tokens_per_call"]
     # the trained window: the longest training row (prompt context + completion), kept on load
     state = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=True)
     assert state["specstop_hparams"]["trained_window"] == max(r["n"] for r in dm.train_rows) > 16

@@ -5,7 +5,7 @@ import torch
 
 from conftest import tiny_llama
 from test_feature_draft import AUX, tiny_feature_draft
-from training.draft.feature_bench import agreement, bootstrap, sd_rounds, summary
+from training.draft.feature_bench import agreement, bootstrap, summary
 
 
 def fake(prompt_hits: list[list[float]], n: float = 10.0, steps: int = 2, rounds=None) -> dict:
@@ -24,17 +24,6 @@ def test_summary_closed_form():
     s = summary([5, 3], [5, 2], [10, 10])
     assert s == {"agree_step1": 0.5, "agree_step2": 0.3, "chain_step1": 0.5, "chain_step2": 0.2,
                  "accepted_length": pytest.approx(0.7)}
-
-
-def test_sd_rounds_walk_a_continuation():
-    ok = [True] * 7
-    assert sd_rounds([0] * 7, ok, 0) == (7, 7)  # never right: one token per target call
-    assert sd_rounds([4] * 7, ok, 0) == (2, 10)  # always right (chain of 4): 5 per call
-    # hand-walked: t=0 takes 1, t=1 takes 3, t=4 takes 2, t=6 takes 1
-    assert sd_rounds([0, 2, 0, 0, 1, 0, 0], ok, 0) == (4, 7)
-    assert sd_rounds([0, 2, 0, 0, 1, 0, 0], ok, 2) == (4, 5)  # the walk starts at the prompt's end
-    assert sd_rounds([0, 2, 0, 0, 1, 0, 0], ok[:4] + [False] * 3, 0) == (2, 4)  # no label: stop
-    assert sd_rounds([], [], 0) == (0, 0)
 
 
 def test_bootstrap_intervals_and_paired_differences():

@@ -48,6 +48,7 @@ def agreement(target, head, rows: list[dict], layers: list[int], steps: int = ST
     sum_x min(p_T(x), q_T(x)) over the draft vocabulary with the target's p_T normalised over
     the full vocabulary (its top `k` draft tokens: a lower bound, the rest is negligible at 0.7)
     and the head's q_T; what sampled decoding gets per step, beside top-1 for greedy."""
+    from .accept_metrics import walk_sd
     from .feature_cache import _batches, pad_batch, target_batch
     from .feature_module import shift
 
@@ -63,7 +64,7 @@ def agreement(target, head, rows: list[dict], layers: list[int], steps: int = ST
                          temperature=temperature)
         outs = head.unroll(ids, b["feats"], steps, mask)
         inside += float(t2d[b["top1"][b["lab_mask"]]].sum())
-        run, lead = None, torch.zeros(ids.shape, dtype=torch.long)  # lead: chain length at t
+        run, step_hits = None, []
         for j, (lg, _) in enumerate(outs):
             m = shift(b["lab_mask"], 1 + j, False)
             hit = (used[lg.argmax(-1)] == shift(b["top1"], 1 + j, 0)) & m
@@ -72,9 +73,9 @@ def agreement(target, head, rows: list[dict], layers: list[int], steps: int = ST
             q = torch.log_softmax(lg.float() / temperature, -1).gather(-1, shift(b["lab_ids"], 1 + j, 0)).exp()
             p = shift(b["lab_logp"], 1 + j, float("-inf")).exp()
             accept[idx, j] = (torch.minimum(p, q).sum(-1) * m).sum(-1)
-            lead += run.long()
-        for i, row in enumerate(idx):  # index t drafts x_{t+2}: the first round after prefill is t = start
-            walks[row] = torch.tensor(sd_rounds(lead[i].tolist(), m[i].tolist(), starts[row]), dtype=torch.float)
+            step_hits.append(hit)
+        # index t drafts x_{t+2}: the first round after prefill is t = start
+        walks[idx] = walk_sd(step_hits, m, [starts[i] for i in idx]).float()
     total = int(n[:, 0].sum())
     return {"positions": total, "target_top1_in_draft_vocab": inside / max(1, total),
             **summary(hits.sum(0), chain.sum(0), n.sum(0)),
@@ -85,21 +86,6 @@ def agreement(target, head, rows: list[dict], layers: list[int], steps: int = ST
                            "chain": chain.tolist(), "n": n.tolist(), "accept": accept.tolist(),
                            "rounds": walks[:, 0].tolist(),
                            "round_tokens": walks[:, 1].tolist()}}
-
-
-def sd_rounds(lead: list[int], valid: list[bool], start: int) -> tuple[int, int]:
-    """(rounds, committed tokens) of a greedy `sd` chain walking a continuation: the round at
-    index t accepts lead[t] drafts (its leading run of right steps) plus the target's own token,
-    so the next round starts at t + lead[t] + 1. Rounds start right after a rejection, where the
-    head is weaker than on average: this, not the per-position mean, is what decoding sees (the
-    two are equal only if misses were independent). Stops at the first index whose deepest step
-    has no label."""
-    rounds = tokens = 0
-    t = start
-    while 0 <= t < len(valid) and valid[t]:
-        rounds, tokens = rounds + 1, tokens + lead[t] + 1
-        t += lead[t] + 1
-    return rounds, tokens
 
 
 def summary(hits, chain, n) -> dict:

@@ -18,7 +18,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from .accept_metrics import LOSSES, combine, expected_acceptance
+from .accept_metrics import LOSSES, combine, expected_acceptance, walk_sd
 
 
 def shift(x: torch.Tensor, n: int, fill) -> torch.Tensor:
@@ -190,7 +190,7 @@ class FeatureDistillModule(L.LightningModule):
                 self.head, h, batch, j, skip, hp.get("loss", "soft_ce"),
                 hp.get("accept_temperature", 0.7), (hp.get("lk_kl_scale", 1.0), hp.get("lk_kl_decay", 3.0)))
             total = total + hp["step_decay"] ** j * loss
-            per.append((loss, agree, batch["code"][:, None].expand_as(m)[m], accept))
+            per.append((loss, agree, batch["code"][:, None].expand_as(m)[m], accept, m))
         return total, per
 
     def training_step(self, batch: dict, idx: int):
@@ -199,7 +199,7 @@ class FeatureDistillModule(L.LightningModule):
         loss, per = self._step(batch)
         n = int(batch["lab_mask"].sum()) if "lab_mask" in batch else None
         self.log("train/loss", loss, prog_bar=True, batch_size=n)
-        for j, (_, agree, _, _) in enumerate(per):
+        for j, (_, agree, *_) in enumerate(per):
             self.log(f"train/agree_{j + 1}", agree.mean(), prog_bar=j == 0, batch_size=len(agree))
         self.log("train/positions", float(batch["attention_mask"].sum()), reduce_fx="sum")
         return loss
@@ -207,14 +207,19 @@ class FeatureDistillModule(L.LightningModule):
     def on_validation_epoch_start(self) -> None:
         # [step, kind (code, general), (positions, agree sum, loss sum, acceptance sum)]
         self._val = torch.zeros(self.hp["steps"], 2, 4, dtype=torch.float64)
+        self._walk = torch.zeros(2, dtype=torch.float64)  # greedy sd rounds, tokens they commit
 
     def validation_step(self, batch: dict, idx: int) -> None:
         _, per = self._step(batch)
-        for j, (loss, agree, code, accept) in enumerate(per):
+        hits = []
+        for j, (loss, agree, code, accept, m) in enumerate(per):
             for c, sel in enumerate((code, ~code)):
                 self._val[j, c] += torch.tensor([float(sel.sum()), float(agree[sel].sum()),
                                                  float(loss) * float(sel.sum()),
                                                  float(accept[sel].sum())], dtype=torch.float64)
+            hits.append(torch.zeros_like(m).masked_scatter(m, agree.bool()))
+        # a chain of `steps` drafts walked from each row's first label, as feature_bench does
+        self._walk += walk_sd([h.cpu() for h in hits], per[-1][4].cpu(), batch["label_start"].tolist()).sum(0)
 
     def on_validation_epoch_end(self) -> None:
         tot = self.trainer.strategy.reduce(self._val.to(self.device), reduce_op="sum").cpu()
@@ -226,6 +231,8 @@ class FeatureDistillModule(L.LightningModule):
             out[f"val/accept_{j + 1}"] = both[3] / both[0].clamp_min(1)
             for c, name in enumerate(("code", "general")):
                 out[f"val/agree_{j + 1}_{name}"] = tot[j, c, 1] / tot[j, c, 0].clamp_min(1)
+        walk = self.trainer.strategy.reduce(self._walk.to(self.device), reduce_op="sum").cpu()
+        out["val/sd_tokens_per_call"] = walk[1] / walk[0].clamp_min(1)
         out["val/agree"] = out["val/agree_1"]  # the checkpoint monitor
         timer = self._timer()
         secs = timer.time_elapsed("train") if timer is not None else (
