@@ -80,8 +80,8 @@ class Decoder:
         replacement, stop, confidence_threshold, confidence_rule); unset ones come from the
         defaults entry when neither `strategy` nor a shape (gamma, k_config, width, depth) is
         given, else from the strategy's own built-in values (fixed depth unless `stop` is set). decider: checkpoint dir or 'latest' (used when stop is 'decider').
-        forward: eager | packed (decoding.fast_forward; None: packed where oneDNN has it) for
-        models loaded here."""
+        forward: eager | packed | lean (decoding.fast_forward; None: fast_forward.default_forward)
+        for models loaded here."""
         bad = set(options) - _STRATEGY_KEYS
         if bad:
             raise TypeError(f"unknown option(s): {', '.join(sorted(bad))}")

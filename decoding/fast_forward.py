@@ -23,8 +23,11 @@ import types
 
 import torch
 
-FORWARDS = ("eager", "packed")
-"""eager: transformers' modules as loaded (the reference); packed: oneDNN-prepacked linears."""
+from .lean_forward import make_lean, unmake_lean
+
+FORWARDS = ("eager", "packed", "lean")
+"""eager: transformers' modules as loaded (the reference); packed: oneDNN-prepacked linears;
+lean: packed, and each Llama-family decoder layer as a few fused ops (decoding.lean_forward)."""
 REVISION = 3
 """Bumped when what the packed forward runs changes (3: float32 below 4 rows on the eager
 kernel); stored cost curves are keyed by it (decoding.cost_cache)."""
@@ -49,14 +52,23 @@ def packed_available(dtype: torch.dtype, device) -> bool:
 
 
 def default_forward(dtype: torch.dtype, device) -> str:
-    """packed where it is available (measured faster at every size on the 2-core AVX512 CPU,
-    reports/forward-*), else eager; $SPECSTOP_FORWARD overrides."""
+    """lean where oneDNN packs (its layers fall back to packed outside the Llama family): on a
+    2-core AMX Xeon, 1 thread, bf16 lean costs 0.87x packed at 1 token and 0.83-0.87x at 2-16,
+    fp32 lean 0.95x / 0.82-0.90x packed (reports/forward-2026-11-26-lean); else eager.
+    $SPECSTOP_FORWARD overrides."""
     asked = os.environ.get(ENV, "").strip()
     if asked:
         if asked not in FORWARDS:
             raise ValueError(f"{ENV} must be one of {', '.join(FORWARDS)} (got {asked!r})")
-        return asked if asked == "eager" or packed_available(dtype, device) else "eager"
-    return "packed" if packed_available(dtype, device) else "eager"
+        return asked if asked in ("eager", "lean") or packed_available(dtype, device) else "eager"
+    return "lean" if packed_available(dtype, device) else "eager"
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor | None:
+    """A linear weight prepacked by oneDNN, None where it cannot be."""
+    if not packed_available(w.dtype, w.device):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), BATCH_HINT)
 
 
 def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,22 +86,24 @@ def pack_linears(model: torch.nn.Module) -> int:
     packed forward; returns how many were packed (0 where oneDNN cannot: the model is unchanged)."""
     n = 0
     for mod in model.modules():
-        if type(mod) is not torch.nn.Linear or hasattr(mod, "_packed_weight"):
+        if type(mod) is not torch.nn.Linear or hasattr(mod, "_packed_weight") or hasattr(mod, "_lean_fused"):
             continue
         w = mod.weight
         if not packed_available(w.dtype, w.device):
             continue
-        mod._packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), BATCH_HINT)
+        mod._packed_weight = pack_weight(w)
         mod._packed_dtype = w.dtype
         mod._eager_below = EAGER_BELOW.get(w.dtype, 0)
         mod.forward = types.MethodType(_packed_forward, mod)
         n += 1
-    model._specstop_forward = "packed" if n else "eager"
+    if forward_kind(model) != "lean":
+        model._specstop_forward = "packed" if n else "eager"
     return n
 
 
 def unpack_linears(model: torch.nn.Module) -> None:
     """Back to the reference (eager) forward."""
+    unmake_lean(model)
     for mod in model.modules():
         if hasattr(mod, "_packed_weight"):
             del mod._packed_weight, mod._packed_dtype, mod._eager_below, mod.forward
@@ -97,17 +111,20 @@ def unpack_linears(model: torch.nn.Module) -> None:
 
 
 def forward_kind(model: torch.nn.Module) -> str:
-    """Which forward a model runs: eager (as loaded) or packed."""
+    """Which forward a model runs: eager (as loaded), packed or lean."""
     return getattr(model, "_specstop_forward", "eager")
 
 
 def set_forward(model: torch.nn.Module, kind: str) -> str:
-    """Switch a model to `kind` (eager | packed); returns the kind it runs (eager where packing
-    is not available)."""
+    """Switch a model to `kind` (FORWARDS); returns the kind it runs: lean falls back to packed
+    where a layer is not of a known family, packed to eager where oneDNN cannot pack."""
     if kind not in FORWARDS:
         raise ValueError(f"forward must be one of {', '.join(FORWARDS)} (got {kind!r})")
-    if kind == "eager":
-        unpack_linears(model)
-    elif forward_kind(model) != "packed":
+    if kind == forward_kind(model):
+        return kind
+    unpack_linears(model)
+    if kind == "lean" and make_lean(model, pack_weight, EAGER_BELOW):
+        model._specstop_forward = "lean"
+    if kind != "eager":
         pack_linears(model)
     return forward_kind(model)

@@ -14,6 +14,7 @@ import json
 import sys
 
 from . import defaults as dflt
+from .fast_forward import FORWARDS
 from .options import CONFIDENCE_RULES, MODES, RULES, STRATEGIES, SamplingConfig, check_threshold
 
 
@@ -81,9 +82,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                     help="(*) bfloat16 on CUDA, a CPU with AMX, or one with AVX512-BF16 and the packed forward; float32 elsewhere (measured faster there)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--forward", choices=("eager", "packed"), default=None,
-                    help="how the models compute their linears: packed (the default where oneDNN has it: "
-                         "prepacked weights, decoding.fast_forward) or eager (as loaded, the reference)")
+    ap.add_argument("--forward", choices=FORWARDS, default=None,
+                    help="how the models compute: lean (Llama-family layers as a few fused ops over "
+                         "prepacked weights, decoding.lean_forward; packed for other layers), packed "
+                         "(oneDNN-prepacked linears, decoding.fast_forward) or eager (as loaded, the "
+                         "reference); default: $SPECSTOP_FORWARD, else the fastest measured here")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: torch's; on a busy machine fewer threads than "
                          "cores avoids oversubscription, which can slow decoding many times over)")

@@ -58,7 +58,7 @@ class Session:
     @classmethod
     def open(cls, target=None, draft=None, dtype="float32", device="cpu", need_draft=False,
              forward: str | None = None) -> Session:
-        """forward: eager | packed (decoding.fast_forward); None: packed where oneDNN has it."""
+        """forward: eager | packed | lean (decoding.fast_forward); None: its default_forward."""
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise models.ModelError("--device cuda was asked for but no CUDA device is available")
         dtype = resolve_dtype(dtype, device)[0]  # auto: bf16 on CUDA, with AMX, or AVX512-BF16 + packed

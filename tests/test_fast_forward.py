@@ -73,11 +73,13 @@ def test_float32_below_four_rows_keeps_the_default_kernel_and_more_rows_take_the
 
 def test_the_default_forward_and_its_override(monkeypatch):
     monkeypatch.delenv(ff.ENV, raising=False)
-    assert ff.default_forward(torch.float32, "cpu") == "packed"
+    assert ff.default_forward(torch.float32, "cpu") == "lean"
     assert ff.default_forward(torch.float16, "cpu") == "eager"  # no packed fp16 linear here
     assert ff.default_forward(torch.float32, "cuda") == "eager"
     monkeypatch.setenv(ff.ENV, "eager")
     assert ff.default_forward(torch.float32, "cpu") == "eager"
+    monkeypatch.setenv(ff.ENV, "packed")
+    assert ff.default_forward(torch.float32, "cpu") == "packed"
     monkeypatch.setenv(ff.ENV, "fast")
     with pytest.raises(ValueError, match="SPECSTOP_FORWARD must be one of eager, packed"):
         ff.default_forward(torch.float32, "cpu")

@@ -97,12 +97,12 @@ CASES = [
 ]
 
 
-# every case on the reference forward. The packed forward (decoding.fast_forward) changes only
-# the models' linears, not the rules or the stop policies: a fixed tree, a dynamic tree under
-# temperature + top-p, and the lossy case (the test must catch a bias there too) cover it
-# without doubling the suite's longest tests.
-PACKED = ("mcsd-without-replacement", "ti-mcsd+confidence-top-p", "ti-mcsd-longest-branch-LOSSY")
-RUNS = [(*c, "eager") for c in CASES] + [(*c, "packed") for c in CASES if c[0] in PACKED]
+# every case on the reference forward. The packed and lean forwards (decoding.fast_forward,
+# decoding.lean_forward) change how the models compute, not the rules or the stop policies: a
+# fixed tree, a dynamic tree under temperature + top-p, and the lossy case (the test must catch a
+# bias there too) cover each without doubling the suite's longest tests.
+FAST = ("mcsd-without-replacement", "ti-mcsd+confidence-top-p", "ti-mcsd-longest-branch-LOSSY")
+RUNS = [(*c, "eager") for c in CASES] + [(*c, f) for f in ("packed", "lean") for c in CASES if c[0] in FAST]
 
 
 @pytest.mark.parametrize("name,cfg,sampling,broken,lossless,forward", RUNS, ids=[f"{c[0]}-{c[5]}" for c in RUNS])

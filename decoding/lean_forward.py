@@ -1,0 +1,149 @@
+"""The lean forward: a Llama-family decoder layer as a few fused ops over prepacked weights.
+
+Where a packed forward's time goes (`python -m decoding.bench --suite forward`): on a 2-core
+AMX Xeon a 1-token bf16 forward of SmolLM2-135M is ~30 ms of GEMMs and ~16 ms of everything
+else: ~5,500 ops, most of them the framework's bookkeeping around seven small linears, two
+norms and the rotary embedding of each of 30 layers. The lean layer does the same arithmetic in
+fewer, larger steps: q, k and v in ONE linear (their weights concatenated), gate and up in one,
+RMSNorm as torch's fused `rms_norm`, the rotary embedding on q and k together, attention with
+`enable_gqa` (no repeated keys). The model around the layers (embedding, masks, rotary tables,
+final norm, output layer) and the KV cache stay transformers' own, so the engine's cache
+bookkeeping, its tree masks and the feature heads' pre-hooks on the layers are unchanged.
+
+Only layers whose arithmetic is known are replaced (`FAMILIES`: Llama, Mistral, Qwen2, Qwen3 with
+silu MLPs and RMSNorm); anything else keeps transformers' layer, and the kind is then "packed".
+The result equals the eager forward to rounding (float32: ~1e-5; bfloat16: norms round once
+instead of twice), so it is a forward of its own: greedy equality and exact sampling are proven
+on it (tests/test_engine_greedy.py, tests/test_sampling_exact.py), and a bf16 lean row agrees
+with a bf16 lean `ar`, not with an eager one.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+FAMILIES = {  # decoder layer class -> per-head q/k norms (Qwen3)
+    "LlamaDecoderLayer": False, "MistralDecoderLayer": False, "Qwen2DecoderLayer": False,
+    "Qwen3DecoderLayer": True,
+}
+NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # weight * x / rms(x)
+
+
+def why_not(layer, config) -> str | None:
+    """None when `layer` can run lean; else what stops it (one phrase)."""
+    name = type(layer).__name__
+    if name not in FAMILIES:
+        return f"{name} is not a known Llama-family layer"
+    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
+        return "the MLP is not a bias-free silu gate"
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if FAMILIES[name]:
+        norms += [layer.self_attn.q_norm, layer.self_attn.k_norm]
+    if any(type(n).__name__ not in NORMS for n in norms):
+        return "a norm is not RMSNorm"
+    if getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+        return f"attention {config._attn_implementation!r}"
+    return None
+
+
+class _Fused:
+    """Linears sharing an input, as one: the packed concatenation, and the modules themselves
+    for row counts below `eager_below` (float32: the default kernel is faster there)."""
+
+    def __init__(self, linears, pack, eager_below: int):
+        self.linears = linears
+        w = torch.cat([m.weight.detach() for m in linears])
+        b = [m.bias for m in linears]
+        self.bias = None if b[0] is None else torch.cat([x.detach() for x in b])
+        self.packed = pack(w)
+        self.plain = w if self.packed is None else None  # no oneDNN: one plain linear
+        self.eager_below = eager_below
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.plain, self.bias)
+        if x.shape[0] < self.eager_below:
+            ys = [F.linear(x, m.weight, m.bias) for m in self.linears]
+            return ys[0] if len(ys) == 1 else torch.cat(ys, -1)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def _rms(x: torch.Tensor, norm) -> torch.Tensor:
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def _lean_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                        use_cache=False, position_embeddings=None, **kwargs):
+    """transformers' decoder-layer call, lean (see the module docstring); [B, T, C] -> [B, T, C]."""
+    f = self._lean
+    a = self.self_attn
+    B, T, C = hidden_states.shape
+    H, K, D = f["heads"], f["kv_heads"], a.head_dim
+    x = hidden_states.reshape(B * T, C)
+    y = f["qkv"](_rms(x, self.input_layernorm)).view(B, T, H + 2 * K, D)
+    q, k, v = y[:, :, :H], y[:, :, H:H + K], y[:, :, H + K:]
+    if f["qk_norm"]:
+        q, k = _rms(q, a.q_norm), _rms(k, a.k_norm)
+    qk = torch.cat([q, k], 2).transpose(1, 2) if f["qk_norm"] else y[:, :, :H + K].transpose(1, 2)
+    cos, sin = (t[:, None] for t in position_embeddings)  # [B, 1, T, D]
+    qk = qk * cos + torch.cat((-qk[..., D // 2:], qk[..., :D // 2]), -1) * sin
+    q, k, v = qk[:, :H], qk[:, H:], v.transpose(1, 2)
+    if past_key_values is not None:
+        k, v = past_key_values.update(k, v, a.layer_idx)
+    mask = attention_mask[..., : k.shape[2]] if attention_mask is not None else None
+    causal = mask is None and T > 1
+    if causal and k.shape[2] > T:  # transformers builds a mask whenever a cache precedes the rows
+        raise RuntimeError("lean forward: a causal block after cached tokens needs a mask")
+    att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=a.scaling,
+                                         enable_gqa=H != K)
+    x = x + f["o"](att.transpose(1, 2).reshape(B * T, H * D))
+    g = f["gate_up"](_rms(x, self.post_attention_layernorm))
+    x = x + f["down"](F.silu(g[:, : f["inter"]]) * g[:, f["inter"]:])
+    return x.view(B, T, C)
+
+
+@torch.no_grad()
+def make_lean(model: torch.nn.Module, pack=lambda w: None, eager_below: dict | None = None) -> int:
+    """Run every decoder layer of `model` lean; returns how many (0, unchanged, unless all are
+    supported). Call on an unpacked model, then `fast_forward.pack_linears` packs the rest (the
+    output layer): the fused copies replace the layers' own packed weights. pack(weight): its
+    prepacked form or None (fast_forward.pack_weight); eager_below: fast_forward.EAGER_BELOW."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    cfg = getattr(model, "config", None)
+    if layers is None or cfg is None or any(why_not(layer, cfg) for layer in layers):
+        return 0
+    n = 0
+    for layer in layers:
+        if hasattr(layer, "_lean"):
+            continue
+        a, m = layer.self_attn, layer.mlp
+        below = (eager_below or {}).get(a.q_proj.weight.dtype, 0)
+        layer._lean = {
+            "qkv": _Fused([a.q_proj, a.k_proj, a.v_proj], pack, below), "o": _Fused([a.o_proj], pack, below),
+            "gate_up": _Fused([m.gate_proj, m.up_proj], pack, below), "down": _Fused([m.down_proj], pack, below),
+            "heads": a.q_proj.weight.shape[0] // a.head_dim, "kv_heads": a.k_proj.weight.shape[0] // a.head_dim,
+            "inter": m.gate_proj.weight.shape[0], "qk_norm": FAMILIES[type(layer).__name__],
+        }
+        for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
+            lin._lean_fused = True  # computed by the fused copy: pack_linears leaves it alone
+        layer.forward = types.MethodType(_lean_layer_forward, layer)
+        n += 1
+    return n
+
+
+def unmake_lean(model: torch.nn.Module) -> None:
+    """Back to transformers' layers."""
+    for layer in getattr(getattr(model, "model", None), "layers", None) or ():
+        if hasattr(layer, "_lean"):
+            del layer._lean, layer.forward
+            for lin in layer.modules():
+                if hasattr(lin, "_lean_fused"):
+                    del lin._lean_fused
+
+
+def is_lean(model: torch.nn.Module) -> bool:
+    layers = getattr(getattr(model, "model", None), "layers", None) or ()
+    return any(hasattr(layer, "_lean") for layer in layers)
