@@ -14,6 +14,9 @@ equals the reference to rounding (not bitwise). In bfloat16 a row's result does 
 how many rows a forward carries, so a verify and a plain step agree on a shared row; in float32
 a forward of fewer than 4 rows (a plain step, a small verify) keeps the default kernel, faster
 there (EAGER_BELOW), and agrees with a larger verify's row to rounding.
+
+`set_forward(model, "lean")` goes one step further for Llama-family layers
+(decoding.lean_forward: fused q/k/v and gate/up linears, fused norms): the default here.
 """
 
 from __future__ import annotations
@@ -24,10 +27,7 @@ import types
 import torch
 
 from .lean_forward import make_lean, unmake_lean
-
-FORWARDS = ("eager", "packed", "lean")
-"""eager: transformers' modules as loaded (the reference); packed: oneDNN-prepacked linears;
-lean: packed, and each Llama-family decoder layer as a few fused ops (decoding.lean_forward)."""
+from .options import FORWARDS
 REVISION = 3
 """Bumped when what the packed forward runs changes (3: float32 below 4 rows on the eager
 kernel); stored cost curves are keyed by it (decoding.cost_cache)."""

@@ -14,8 +14,7 @@ import json
 import sys
 
 from . import defaults as dflt
-from .fast_forward import FORWARDS
-from .options import CONFIDENCE_RULES, MODES, RULES, STRATEGIES, SamplingConfig, check_threshold
+from .options import CONFIDENCE_RULES, FORWARDS, MODES, RULES, STRATEGIES, SamplingConfig, check_threshold
 
 
 def defaults_help() -> str:

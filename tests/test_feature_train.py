@@ -203,6 +203,7 @@ def test_distill_dispatches_eagle3_configs_and_exports(tiny, tmp_path, monkeypat
     meta = json.loads((out / "specstop_draft.json").read_text())
     assert meta["draft_kind"] == "eagle3" and meta["corpus_target"] == target_fingerprint(str(target))
     assert (tmp_path / "ckpt" / "last.ckpt").is_file()
+    assert meta["metrics"]["validation"]["global_step"] == 3  # the last step, validated at max_steps
     from decoding.drafts.io import load_feature_draft
 
     head = load_feature_draft(out, load_model(target))  # loads back for its own target
@@ -242,7 +243,7 @@ def test_skipped_prompt_rows_leave_the_loss_unchanged(tiny, monkeypatch):
         monkeypatch.setattr(fm, "unroll_skip", lambda b, s: 0)
         full, per_full = module._step(batch)
     torch.testing.assert_close(cut, full, rtol=1e-5, atol=1e-5)
-    for (lc, ac, _, xc), (lf, af, _, xf) in zip(per_cut, per_full):
+    for (lc, ac, _, xc, _), (lf, af, _, xf, _) in zip(per_cut, per_full):
         torch.testing.assert_close(lc, lf, rtol=1e-5, atol=1e-5)
         assert torch.equal(ac, af)
         torch.testing.assert_close(xc, xf, rtol=1e-5, atol=1e-5)  # expected acceptance
