@@ -78,12 +78,27 @@ def lightning_cli(module_cls, data_cls, run_cls, argv: list[str] | None):
     if threads:
         torch.set_num_threads(threads)
     cli = CLI(module_cls, data_cls, run=False, args=argv, save_config_kwargs={"overwrite": True})
+    cli.trainer.callbacks.append(_validate_at_max_steps())
     run = cli.config["run"]
     run = run_cls(**(run if isinstance(run, dict) else vars(run)))
     cb = cli.trainer.checkpoint_callback
     if cb is None or not cb.dirpath:
         usage_error("the config needs a ModelCheckpoint callback with a dirpath")
     return run, cli.trainer, cli.model, cli.datamodule, cb, Path(cb.dirpath) / "last.ckpt"
+
+
+def _validate_at_max_steps():
+    """A run ending at trainer.max_steps between two validations ends with one, as a run ending
+    at max_time does (Lightning validates when asked to stop): its last steps are validated,
+    checkpointed and exported, not those of the validation before."""
+    from lightning.pytorch.callbacks import Callback
+
+    class ValidateAtMaxSteps(Callback):
+        def on_train_batch_end(self, trainer, *_) -> None:
+            if 0 < trainer.max_steps <= trainer.global_step:
+                trainer.should_stop = True
+
+    return ValidateAtMaxSteps()
 
 
 def peek_threads(argv: list[str]) -> int | None:
