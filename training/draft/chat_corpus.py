@@ -151,8 +151,10 @@ def build_chat_corpus(cfg: ChatCorpusConfig, teacher: Teacher, convs: list[Conve
         done = writer.done()
         todo = [c for c in convs if f"{c.id}{TURN_SEP}0" not in done]
         t0, clock, new_rows, new_convs = time.time(), GenClock(), 0, 0
-        bar = tqdm(total=len(todo), unit="conv", disable=not progress, dynamic_ncols=True,
-                   mininterval=1 if sys.stderr.isatty() else 30)
+        # counted in replies, not conversations: a shard of long conversations takes many minutes
+        turns = sum(min(len(_head(c)[1]), cfg.max_turns) for c in todo) if cfg.mode != "keep" else len(todo)
+        bar = tqdm(total=turns, unit="reply" if cfg.mode != "keep" else "conv", disable=not progress,
+                   dynamic_ncols=True, mininterval=1 if sys.stderr.isatty() else 30)
         for chunk in _chunks(todo, cfg.shard_size):
             if cfg.max_minutes is not None and time.time() - t0 > 60 * cfg.max_minutes:
                 break
@@ -161,7 +163,7 @@ def build_chat_corpus(cfg: ChatCorpusConfig, teacher: Teacher, convs: list[Conve
                 rows = {c.id: [(r, p, q, bool(q) and q[-1] in eos) for r, p, q in keep_rows(tok, c, cfg)]
                         for c in chunk}
             else:
-                rows = regenerate(teacher, chunk, cfg, clock)
+                rows = regenerate(teacher, chunk, cfg, clock, bar)
             flat = [(c, *r) for c in chunk for r in rows[c.id]]
             table = pa.table({
                 "prompt_id": [f[1] for f in flat], "kind": [f[0].kind for f in flat],
@@ -172,7 +174,8 @@ def build_chat_corpus(cfg: ChatCorpusConfig, teacher: Teacher, convs: list[Conve
             writer.write(table, [f[1] for f in flat], conversations=len(chunk),
                          completion_tokens=sum(len(f[3]) for f in flat))
             new_rows, new_convs = new_rows + len(flat), new_convs + len(chunk)
-            bar.update(len(chunk))
+            if cfg.mode == "keep":
+                bar.update(len(chunk))
         bar.close()
         total = sum(s["rows"] for s in writer.manifest["shards"])
     return {"new_conversations": new_convs, "new_rows": new_rows, **clock.stats(),
