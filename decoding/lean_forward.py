@@ -84,13 +84,13 @@ def _lean_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
     H, K, D = f["heads"], f["kv_heads"], a.head_dim
     x = hidden_states.reshape(B * T, C)
     y = f["qkv"](_rms(x, self.input_layernorm)).view(B, T, H + 2 * K, D)
-    q, k, v = y[:, :, :H], y[:, :, H:H + K], y[:, :, H + K:]
-    if f["qk_norm"]:
-        q, k = _rms(q, a.q_norm), _rms(k, a.k_norm)
-    qk = torch.cat([q, k], 2).transpose(1, 2) if f["qk_norm"] else y[:, :, :H + K].transpose(1, 2)
+    if f["qk_norm"]:  # Qwen3: per-head norms before the rotary embedding
+        qk = torch.cat([_rms(y[:, :, :H], a.q_norm), _rms(y[:, :, H:H + K], a.k_norm)], 2).transpose(1, 2)
+    else:
+        qk = y[:, :, :H + K].transpose(1, 2)
     cos, sin = (t[:, None] for t in position_embeddings)  # [B, 1, T, D]
     qk = qk * cos + torch.cat((-qk[..., D // 2:], qk[..., :D // 2]), -1) * sin
-    q, k, v = qk[:, :H], qk[:, H:], v.transpose(1, 2)
+    q, k, v = qk[:, :H], qk[:, H:], y[:, :, H + K:].transpose(1, 2)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, a.layer_idx)
     mask = attention_mask[..., : k.shape[2]] if attention_mask is not None else None

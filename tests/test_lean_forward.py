@@ -87,8 +87,9 @@ def test_feature_hooks_and_hidden_states_see_the_lean_layers():
 
 
 def test_bf16_rows_do_not_depend_on_how_many_rows_a_forward_carries():
-    """A tree row's logits in bf16 equal the same row fed alone (the verify-vs-step agreement the
-    packed forward gives): the lean layer adds no row-count-dependent arithmetic."""
+    """A verify's first row in bf16 is the same row fed alone, up to rounding: the lean layer adds
+    no row-count-dependent arithmetic (bit-identical on the AMX Xeon this was written on; oneDNN
+    and sdpa may pick other kernels for few rows elsewhere, so only rounding is promised)."""
     if not packed_available(torch.bfloat16, "cpu"):
         pytest.skip("no packed bf16 here")
     model = tiny("llama").to(torch.bfloat16)
@@ -101,4 +102,5 @@ def test_bf16_rows_do_not_depend_on_how_many_rows_a_forward_carries():
     cm2 = CachedModel(model)
     cm2.feed(prompt[:-1], TreeLayout(()), [], 0, 0)
     many = cm2.feed(prompt, layout_from_k_config([7]), list(range(20, 27)), 0, 7)[0]
-    assert torch.equal(one[0], many[0])
+    assert torch.equal(one[0].argmax(), many[0].argmax())
+    assert (one[0] - many[0]).abs().max() <= 0.02 * one[0].abs().max()
