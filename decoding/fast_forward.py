@@ -26,11 +26,13 @@ import types
 
 import torch
 
+from . import small_gemm
 from .lean_forward import make_lean, unmake_lean
 from .options import FORWARDS
-REVISION = 3
+REVISION = 4
 """Bumped when what the packed forward runs changes (3: float32 below 4 rows on the eager
-kernel); stored cost curves are keyed by it (decoding.cost_cache)."""
+kernel; 4: few rows on decoding.small_gemm); stored cost curves are keyed by it
+(decoding.cost_cache)."""
 ENV = "SPECSTOP_FORWARD"
 """Environment override of the default forward (eager or packed)."""
 BATCH_HINT = 16
@@ -73,18 +75,30 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor | None:
 
 def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // max(1, x.shape[-1])
-    if x.dtype != self._packed_dtype or x.device.type != "cpu" or rows < self._eager_below:
+    if x.dtype != self._packed_dtype or x.device.type != "cpu":
         return torch.nn.functional.linear(x, self.weight, self.bias)  # e.g. an fp32 head over bf16
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self._packed_weight, self.bias,
-                                           "none", [], "")
+    x2 = x.reshape(-1, x.shape[-1])
+    if rows < self._small_below:
+        y = small_gemm.linear(x2.contiguous(), self._row_weight, self.bias)
+    elif rows < self._eager_below:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(x2, self._packed_weight, self.bias, "none", [], "")
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def small_rows(small: bool) -> dict:
+    """dtype -> rows below which linears run on decoding.small_gemm ({} when `small` is off)."""
+    return {dt: small_gemm.rows_below(dt) for dt in (torch.float32, torch.bfloat16)} if small else {}
+
+
 @torch.no_grad()
-def pack_linears(model: torch.nn.Module) -> int:
+def pack_linears(model: torch.nn.Module, small: bool = True) -> int:
     """Give every CPU nn.Linear of `model` in float32 / bfloat16 a prepacked weight and the
-    packed forward; returns how many were packed (0 where oneDNN cannot: the model is unchanged)."""
+    packed forward; returns how many were packed (0 where oneDNN cannot: the model is unchanged).
+    `small`: rows below small_gemm.ROWS_BELOW run on the few-row kernel where it is available."""
     n = 0
+    below = None  # built on the first packable linear (a CUDA model never builds the kernel)
     for mod in model.modules():
         if type(mod) is not torch.nn.Linear or hasattr(mod, "_packed_weight") or hasattr(mod, "_lean_fused"):
             continue
@@ -94,10 +108,13 @@ def pack_linears(model: torch.nn.Module) -> int:
         mod._packed_weight = pack_weight(w)
         mod._packed_dtype = w.dtype
         mod._eager_below = EAGER_BELOW.get(w.dtype, 0)
+        below = small_rows(small) if below is None else below
+        mod._small_below = below.get(w.dtype, 0)
+        mod._row_weight = w.detach().contiguous()  # the parameter itself where it is contiguous
         mod.forward = types.MethodType(_packed_forward, mod)
         n += 1
-    if forward_kind(model) != "lean":
-        model._specstop_forward = "packed" if n else "eager"
+    if n and forward_kind(model) != "lean":  # n == 0: as it was (eager, or already packed)
+        model._specstop_forward = "packed"
     return n
 
 
@@ -106,7 +123,8 @@ def unpack_linears(model: torch.nn.Module) -> None:
     unmake_lean(model)
     for mod in model.modules():
         if hasattr(mod, "_packed_weight"):
-            del mod._packed_weight, mod._packed_dtype, mod._eager_below, mod.forward
+            del mod._packed_weight, mod._packed_dtype, mod._eager_below, mod._small_below, mod._row_weight
+            del mod.forward
     model._specstop_forward = "eager"
 
 
@@ -115,16 +133,18 @@ def forward_kind(model: torch.nn.Module) -> str:
     return getattr(model, "_specstop_forward", "eager")
 
 
-def set_forward(model: torch.nn.Module, kind: str) -> str:
+def set_forward(model: torch.nn.Module, kind: str, small: bool = True) -> str:
     """Switch a model to `kind` (FORWARDS); returns the kind it runs: lean falls back to packed
-    where a layer is not of a known family, packed to eager where oneDNN cannot pack."""
+    where a layer is not of a known family, packed to eager where oneDNN cannot pack. `small`:
+    few-row linears on decoding.small_gemm where it is available (off: oneDNN's only)."""
     if kind not in FORWARDS:
         raise ValueError(f"forward must be one of {', '.join(FORWARDS)} (got {kind!r})")
-    if kind == forward_kind(model):
+    if kind == forward_kind(model) and small == getattr(model, "_specstop_small", True):
         return kind
     unpack_linears(model)
-    if kind == "lean" and make_lean(model, pack_weight, EAGER_BELOW):
+    model._specstop_small = small
+    if kind == "lean" and make_lean(model, pack_weight, EAGER_BELOW, small_rows(small)):
         model._specstop_forward = "lean"
     if kind != "eager":
-        pack_linears(model)
+        pack_linears(model, small)
     return forward_kind(model)

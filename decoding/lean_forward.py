@@ -25,6 +25,8 @@ import types
 import torch
 import torch.nn.functional as F
 
+from . import small_gemm
+
 FAMILIES = {  # decoder layer class -> per-head q/k norms (Qwen3)
     "LlamaDecoderLayer": False, "MistralDecoderLayer": False, "Qwen2DecoderLayer": False,
     "Qwen3DecoderLayer": True,
@@ -50,21 +52,25 @@ def why_not(layer, config) -> str | None:
 
 
 class _Fused:
-    """Linears sharing an input, as one: the packed concatenation, and the modules themselves
-    for row counts below `eager_below` (float32: the default kernel is faster there)."""
+    """Linears sharing an input, as one: their weights concatenated, run by the few-row kernel
+    below `small_below` rows (decoding.small_gemm), prepacked by oneDNN above; the modules
+    themselves below `eager_below` rows where neither kernel is there (float32: the default
+    kernel beats oneDNN's there)."""
 
-    def __init__(self, linears, pack, eager_below: int):
+    def __init__(self, linears, pack, eager_below: int, small_below: int = 0):
         self.linears = linears
-        w = torch.cat([m.weight.detach() for m in linears])
+        self.weight = torch.cat([m.weight.detach() for m in linears]).contiguous()
         b = [m.bias for m in linears]
         self.bias = None if b[0] is None else torch.cat([x.detach() for x in b])
-        self.packed = pack(w)
-        self.plain = w if self.packed is None else None  # no oneDNN: one plain linear
+        self.packed = pack(self.weight)
         self.eager_below = eager_below
+        self.small_below = small_below
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] < self.small_below:
+            return small_gemm.linear(x.contiguous(), self.weight, self.bias)
         if self.packed is None:
-            return F.linear(x, self.plain, self.bias)
+            return F.linear(x, self.weight, self.bias)
         if x.shape[0] < self.eager_below:
             ys = [F.linear(x, m.weight, m.bias) for m in self.linears]
             return ys[0] if len(ys) == 1 else torch.cat(ys, -1)
@@ -106,11 +112,13 @@ def _lean_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
 
 
 @torch.no_grad()
-def make_lean(model: torch.nn.Module, pack=lambda w: None, eager_below: dict | None = None) -> int:
+def make_lean(model: torch.nn.Module, pack=lambda w: None, eager_below: dict | None = None,
+              small_below: dict | None = None) -> int:
     """Run every decoder layer of `model` lean; returns how many (0, unchanged, unless all are
     supported). Call on an unpacked model, then `fast_forward.pack_linears` packs the rest (the
     output layer): the fused copies replace the layers' own packed weights. pack(weight): its
-    prepacked form or None (fast_forward.pack_weight); eager_below: fast_forward.EAGER_BELOW."""
+    prepacked form or None (fast_forward.pack_weight); eager_below: fast_forward.EAGER_BELOW;
+    small_below: dtype -> rows below which the few-row kernel runs (decoding.small_gemm)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     cfg = getattr(model, "config", None)
     if layers is None or cfg is None or any(why_not(layer, cfg) for layer in layers):
@@ -120,10 +128,11 @@ def make_lean(model: torch.nn.Module, pack=lambda w: None, eager_below: dict | N
         if hasattr(layer, "_lean"):
             continue
         a, m = layer.self_attn, layer.mlp
-        below = (eager_below or {}).get(a.q_proj.weight.dtype, 0)
+        dt = a.q_proj.weight.dtype
+        kw = {"pack": pack, "eager_below": (eager_below or {}).get(dt, 0), "small_below": (small_below or {}).get(dt, 0)}
         layer._lean = {
-            "qkv": _Fused([a.q_proj, a.k_proj, a.v_proj], pack, below), "o": _Fused([a.o_proj], pack, below),
-            "gate_up": _Fused([m.gate_proj, m.up_proj], pack, below), "down": _Fused([m.down_proj], pack, below),
+            "qkv": _Fused([a.q_proj, a.k_proj, a.v_proj], **kw), "o": _Fused([a.o_proj], **kw),
+            "gate_up": _Fused([m.gate_proj, m.up_proj], **kw), "down": _Fused([m.down_proj], **kw),
             "heads": a.q_proj.weight.shape[0] // a.head_dim, "kv_heads": a.k_proj.weight.shape[0] // a.head_dim,
             "inter": m.gate_proj.weight.shape[0], "qk_norm": FAMILIES[type(layer).__name__],
         }

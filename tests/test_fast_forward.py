@@ -25,7 +25,7 @@ def test_packed_keeps_the_parameters_and_the_logits():
     fp, ref = fingerprint(model), feed_logits(model)
     names = [n for n, _ in model.named_parameters()]
     assert ff.set_forward(model, "packed") == "packed" == ff.forward_kind(model)
-    assert ff.pack_linears(model) == 0  # already packed: nothing twice
+    assert ff.pack_linears(model) == 0 and ff.forward_kind(model) == "packed"  # nothing twice
     assert [n for n, _ in model.named_parameters()] == names and fingerprint(model) == fp
     got = feed_logits(model)
     assert torch.allclose(got, ref, atol=1e-4) and torch.equal(got.argmax(-1), ref.argmax(-1))
@@ -49,26 +49,43 @@ def test_a_packed_row_does_not_depend_on_how_many_rows_a_forward_carries_beyond_
             assert torch.allclose(half(x.bfloat16()).float(), ref.float(), atol=0.05)
 
 
-def test_float32_below_four_rows_keeps_the_default_kernel_and_more_rows_take_the_packed_one(monkeypatch):
-    lin = torch.nn.Linear(64, 96)
-    x = torch.randn(4, 64)
+def test_few_rows_take_the_small_kernel_or_the_default_one_and_more_rows_the_packed_one(monkeypatch):
+    """Rows below small_gemm.ROWS_BELOW run on the few-row kernel where it is built; without it
+    (small=False, or a CPU without it) float32 keeps the default kernel below 4 rows, bit for bit;
+    more rows take oneDNN's packed kernel."""
+    from decoding import small_gemm
+
+    x = torch.randn(8, 64)
+    calls = {"packed": 0, "small": 0}
+    real_packed = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda *a: calls.__setitem__("packed", calls["packed"] + 1) or real_packed(*a))
+    real_small = small_gemm.linear
+    monkeypatch.setattr(small_gemm, "linear", lambda *a: calls.__setitem__("small", calls["small"] + 1) or real_small(*a))
     with torch.inference_mode():
+        lin = torch.nn.Linear(64, 96)
         want = torch.nn.functional.linear(x, lin.weight, lin.bias)
-        ff.pack_linears(lin)
-        calls = []
-        real = torch.ops.mkldnn._linear_pointwise
-        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
+        ff.pack_linears(lin, small=False)
         one = torch.nn.functional.linear(x[2:3], lin.weight, lin.bias)
         assert torch.equal(lin(x[2:3]), one) and torch.equal(lin(x[None, 2:3]), one[None])
-        two = torch.nn.functional.linear(x[:2], lin.weight, lin.bias)
-        assert torch.equal(lin(x[:2]), two)
-        assert not calls  # 1-3 rows, float32: the eager kernel, bit for bit
-        assert torch.allclose(lin(x), want, atol=1e-5) and calls == [1]
-        if ff.packed_available(torch.bfloat16, "cpu"):
-            b = torch.nn.Linear(64, 96).to(torch.bfloat16)
-            ff.pack_linears(b)
-            b(x[:1].to(torch.bfloat16))
-            assert calls == [1, 1]  # bfloat16 packs every size
+        assert torch.equal(lin(x[:2]), torch.nn.functional.linear(x[:2], lin.weight, lin.bias))
+        assert calls == {"packed": 0, "small": 0}  # 1-3 rows, float32: the eager kernel, bit for bit
+        assert torch.allclose(lin(x[:4]), want[:4], atol=1e-5) and calls["packed"] == 1
+        if not small_gemm.available():
+            return
+        lin2 = torch.nn.Linear(64, 96)
+        ff.pack_linears(lin2)
+        below = small_gemm.ROWS_BELOW[torch.float32]
+        assert torch.allclose(lin2(x[:below - 1]), torch.nn.functional.linear(x[:below - 1], lin2.weight, lin2.bias),
+                              atol=1e-5)
+        assert calls == {"packed": 1, "small": 1}
+        lin2(x[:below])
+        assert calls == {"packed": 2, "small": 1}
+        b = torch.nn.Linear(64, 96).to(torch.bfloat16)
+        ff.pack_linears(b)
+        for rows, (packed, small) in ((1, (2, 2)), (small_gemm.ROWS_BELOW[torch.bfloat16], (3, 2))):
+            b(x[:rows].to(torch.bfloat16))
+            assert (calls["packed"], calls["small"]) == (packed, small)
 
 
 def test_the_default_forward_and_its_override(monkeypatch):

@@ -208,8 +208,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtypes", default="float32,bfloat16", help="engine / forward suites: dtypes")
     ap.add_argument("--forward-threads", default="1,2", help="forward suite: torch thread counts")
     ap.add_argument("--forwards", default="eager,packed",
-                    help="forward suite: eager, packed, compiled (a torch.compile probe over a static cache)")
+                    help="forward suite: eager, packed, lean, compiled (a torch.compile probe over a static "
+                         "cache); packed/onednn, lean/onednn: without decoding.small_gemm's few-row kernel")
     ap.add_argument("--context", type=int, default=200, help="forward suite: cached tokens before the forward")
+    ap.add_argument("--sizes", default="1,2,4,8,16", help="forward suite: new tokens per forward")
     ap.add_argument("--new-tokens", type=int, default=64, help="engine / cli suites: new tokens")
     ap.add_argument("--write-defaults", nargs="?", const="", default=None, metavar="PATH",
                     help="record this run's fastest lossless greedy row as the default configuration "
@@ -284,7 +286,7 @@ def _forward_main(a, command: str) -> int:
 
     threads = [int(t) for t in a.forward_threads.split(",")]
     res = forward_suite(a.dtypes.split(","), forwards=a.forwards.split(","), threads=threads, context=a.context,
-                        repeats=a.repeats or 15)
+                        repeats=a.repeats or 15, sizes=tuple(int(n) for n in a.sizes.split(",")))
     res["command"] = command
     out = Path(a.out or f"reports/forward-{time.strftime('%Y-%m-%d')}")
     write_atomic(out / "results.json", json.dumps(res, indent=2))
