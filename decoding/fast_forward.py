@@ -79,7 +79,7 @@ def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight, self.bias)  # e.g. an fp32 head over bf16
     x2 = x.reshape(-1, x.shape[-1])
     if rows < self._small_below:
-        y = small_gemm.linear(x2.contiguous(), self._row_weight, self.bias)
+        y = self._few(x2.contiguous(), self.bias)
     elif rows < self._eager_below:
         return torch.nn.functional.linear(x, self.weight, self.bias)
     else:
@@ -110,7 +110,7 @@ def pack_linears(model: torch.nn.Module, small: bool = True) -> int:
         mod._eager_below = EAGER_BELOW.get(w.dtype, 0)
         below = small_rows(small) if below is None else below
         mod._small_below = below.get(w.dtype, 0)
-        mod._row_weight = w.detach().contiguous()  # the parameter itself where it is contiguous
+        mod._few = small_gemm.FewRowWeight(w) if mod._small_below else None
         mod.forward = types.MethodType(_packed_forward, mod)
         n += 1
     if n and forward_kind(model) != "lean":  # n == 0: as it was (eager, or already packed)
@@ -123,7 +123,7 @@ def unpack_linears(model: torch.nn.Module) -> None:
     unmake_lean(model)
     for mod in model.modules():
         if hasattr(mod, "_packed_weight"):
-            del mod._packed_weight, mod._packed_dtype, mod._eager_below, mod._small_below, mod._row_weight
+            del mod._packed_weight, mod._packed_dtype, mod._eager_below, mod._small_below, mod._few
             del mod.forward
     model._specstop_forward = "eager"
 

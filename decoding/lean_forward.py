@@ -52,25 +52,27 @@ def why_not(layer, config) -> str | None:
 
 
 class _Fused:
-    """Linears sharing an input, as one: their weights concatenated, run by the few-row kernel
+    """Linears sharing an input, as one: their weights concatenated, run by the few-row kernels
     below `small_below` rows (decoding.small_gemm), prepacked by oneDNN above; the modules
-    themselves below `eager_below` rows where neither kernel is there (float32: the default
+    themselves below `eager_below` rows where no few-row kernel is there (float32: the default
     kernel beats oneDNN's there)."""
 
     def __init__(self, linears, pack, eager_below: int, small_below: int = 0):
         self.linears = linears
-        self.weight = torch.cat([m.weight.detach() for m in linears]).contiguous()
+        w = torch.cat([m.weight.detach() for m in linears]).contiguous()
         b = [m.bias for m in linears]
         self.bias = None if b[0] is None else torch.cat([x.detach() for x in b])
-        self.packed = pack(self.weight)
+        self.packed = pack(w)
+        self.plain = w if self.packed is None else None  # no oneDNN: one plain linear
         self.eager_below = eager_below
         self.small_below = small_below
+        self.few = small_gemm.FewRowWeight(w) if small_below else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] < self.small_below:
-            return small_gemm.linear(x.contiguous(), self.weight, self.bias)
+            return self.few(x.contiguous(), self.bias)
         if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.plain, self.bias)
         if x.shape[0] < self.eager_below:
             ys = [F.linear(x, m.weight, m.bias) for m in self.linears]
             return ys[0] if len(ys) == 1 else torch.cat(ys, -1)

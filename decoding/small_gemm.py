@@ -1,22 +1,24 @@
-"""Few-row linears that stream the weight once: the kernel of a decode step on a CPU.
+"""Few-row linears that stream the weight once: the kernels of a decode step on a CPU.
 
-A decoding step multiplies 1-2 rows by every weight matrix, so its cost is reading the weights.
-oneDNN's prepacked kernels read a layer's small matrices (0.7-3.5 MB) at ~9-10 GB/s on one core
-of a 2-core AMX Xeon; `csrc/small_gemm.cpp` (AVX512-BF16 / AVX512F dot products over the
-row-major weight, prefetching 16 KiB ahead across page boundaries the hardware prefetcher stops
-at) reads them at the core's streaming rate: all the linears of a 1-token bf16 step of
-SmolLM2-135M in 0.76x oneDNN's time. Its dot products run out of arithmetic above a few rows,
-where oneDNN's AMX kernels win, so it serves row counts below `ROWS_BELOW` only (measured
-crossovers: reports/forward-2026-11-27-small-gemm).
+A decoding step multiplies 1-32 rows (one token, or a verified tree) by every weight matrix, so
+its cost is reading the weights. oneDNN's prepacked kernels read a layer's small matrices
+(0.7-3.5 MB) at ~9-10 GB/s on one core of a 2-core AMX Xeon, because the hardware prefetcher
+stops at every 4 KiB page. `csrc/small_gemm.cpp` prefetches 16 KiB ahead itself:
+- `amx_linear` (bf16 on CPUs with AMX): tiles over a weight packed once into their layout; the
+  linears of a 30-layer step cost 0.74x oneDNN's at 1 row and 0.77-0.89x at 2-32 rows, so one
+  kernel serves a plain step and every verify up to `AMX_ROWS`;
+- `small_linear` (bf16 with AVX512-BF16 but no AMX, and fp32): dot products over the row-major
+  weight, out of arithmetic above a few rows (`ROWS_BELOW`).
+Above those sizes (a prefill, a very large tree) oneDNN's kernels run.
 
-A row's result does not depend on the other rows of the call or the thread count (one fp32
-chain per vector lane), but it is rounded differently from oneDNN's: in bf16 a 1-token step and
-the same row inside a larger verify agree to rounding, not bit for bit.
+Both are batch-invariant: a row's result does not depend on the other rows of the call or the
+thread count, so in bf16 a 1-token step and the same row inside a verify agree bit for bit where
+both run on AMX; where a row count switches kernels they agree to rounding.
 
-Built on first use with torch's C++ extension loader (~8 s once per machine, cached under
-$TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default); only where the CPU has the
-instructions, a compiler is found and $SPECSTOP_SMALL_GEMM is not 0. Otherwise `available()` is
-False, `why_not()` says why, and the linears stay oneDNN's.
+Built on first use by torch's C++ extension loader (~10 s once per machine, cached under
+$TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default), only where the CPU has the
+instructions, a compiler is found and $SPECSTOP_SMALL_GEMM is not 0; otherwise `why_not()` says
+why and the linears stay oneDNN's.
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ from pathlib import Path
 import torch
 
 ENV = "SPECSTOP_SMALL_GEMM"
-"""0 turns the kernel off (the linears stay oneDNN's)."""
+"""0 turns the kernels off (the linears stay oneDNN's)."""
 ROWS_BELOW = {torch.bfloat16: 4, torch.float32: 7}
-"""Row counts below which the kernel runs; above, oneDNN's (AMX) kernels are faster. Whole
-1-thread forwards of SmolLM2-135M on a 2-core AMX Xeon, kernel / oneDNN: bf16 0.88x, 0.86x,
-0.93x at 1, 2, 3 rows, 1.00x at 4; fp32 0.92x-0.84x at 1-4 rows, 0.97x at 6, 1.01x at 8
+"""Row counts below which `small_linear` runs; above, oneDNN's kernels are faster. Whole 1-thread
+forwards of SmolLM2-135M on a 2-core AMX Xeon, kernel / oneDNN: bf16 0.88x, 0.86x, 0.93x at 1, 2,
+3 rows, 1.00x at 4; fp32 0.92x-0.84x at 1-4 rows, 0.97x at 6, 1.01x at 8
 (reports/forward-2026-11-27-small-gemm)."""
+AMX_ROWS = 32
+"""Most rows `amx_linear` takes: its linears cost 0.89x oneDNN's at 32 rows, 1.11x at 64."""
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+AMX_FLAGS = ("amx_tile", "amx_bf16")
 SOURCE = Path(__file__).parent / "csrc" / "small_gemm.cpp"
 _state: dict = {}
 
@@ -47,8 +52,19 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
+def _registered() -> bool:
+    return hasattr(torch.ops.specstop, "small_linear")
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load
+
+    flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
+    load("specstop_small_gemm", [str(SOURCE)], extra_cflags=flags, is_python_module=False)
+
+
 def _load() -> str | None:
-    """Build / load the op once per process; None when it is ready, else why not."""
+    """Build / load the ops once per process; None when they are ready, else why not."""
     if os.environ.get(ENV, "").strip() == "0":
         return f"${ENV}=0"
     missing = [f for f in FLAGS if f not in _cpu_flags()]
@@ -59,25 +75,15 @@ def _load() -> str | None:
     try:
         _build()
     except Exception as e:  # no compiler, no ninja, a read-only cache: the oneDNN path still works
-        why = f"the kernel did not build ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        why = f"the kernel did not build ({type(e).__name__}: {first})"
         warnings.warn(f"decoding.small_gemm: {why}; linears stay oneDNN's", stacklevel=3)
         return why
     return None
 
 
-def _registered() -> bool:
-    return hasattr(torch.ops.specstop, "small_linear")
-
-
-def _build() -> None:
-    from torch.utils.cpp_extension import load
-
-    flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
-    load("specstop_small_gemm", [str(SOURCE)], extra_cflags=flags, is_python_module=False)
-
-
 def why_not() -> str | None:
-    """None when the kernel is usable in this process, else one phrase why not."""
+    """None when the kernels are usable in this process, else one phrase why not."""
     if "why" not in _state:
         _state["why"] = _load()
     return _state["why"]
@@ -87,11 +93,44 @@ def available() -> bool:
     return why_not() is None
 
 
+def amx() -> bool:
+    """bf16 linears run on AMX tiles here (the CPU has them and the OS grants their state)."""
+    if "amx" not in _state:
+        _state["amx"] = (available() and all(f in _cpu_flags() for f in AMX_FLAGS)
+                         and bool(torch.ops.specstop.amx_ready()))
+    return _state["amx"]
+
+
 def rows_below(dtype: torch.dtype) -> int:
-    """Row counts below which a linear in `dtype` runs on the kernel here (0: never)."""
-    return ROWS_BELOW.get(dtype, 0) if available() else 0
+    """Row counts below which a linear in `dtype` runs on these kernels here (0: never)."""
+    if not available():
+        return 0
+    return AMX_ROWS + 1 if dtype == torch.bfloat16 and amx() else ROWS_BELOW.get(dtype, 0)
+
+
+def describe() -> str:
+    """What runs few-row linears here, in a few words (reports, bench headers)."""
+    if not available():
+        return f"oneDNN (few-row kernels off: {why_not()})"
+    return ("AMX tiles" if amx() else "AVX512-BF16 dot products") + " for bf16, AVX512F for fp32"
+
+
+class FewRowWeight:
+    """A weight [N, K] prepared for this CPU's few-row kernel (AMX tiles or row-major)."""
+
+    def __init__(self, w: torch.Tensor):
+        self.n = w.shape[0]
+        self.tiles = w.dtype == torch.bfloat16 and amx()
+        w = w.detach()
+        self.w = torch.ops.specstop.amx_pack(w) if self.tiles else w.contiguous()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] (contiguous, the weight's dtype) @ w.T + bias -> [T, N]."""
+        if self.tiles:
+            return torch.ops.specstop.amx_linear(x, self.w, self.n, bias)
+        return torch.ops.specstop.small_linear(x, self.w, bias)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ w[N, K].T + bias, both contiguous, one dtype (bfloat16 / float32) -> [T, N]."""
+    """x [T, K] @ w[N, K].T + bias on the row-major kernel (both contiguous, one dtype)."""
     return torch.ops.specstop.small_linear(x, w, bias)

@@ -55,13 +55,14 @@ def test_few_rows_take_the_small_kernel_or_the_default_one_and_more_rows_the_pac
     more rows take oneDNN's packed kernel."""
     from decoding import small_gemm
 
-    x = torch.randn(8, 64)
+    x = torch.randn(40, 64)
     calls = {"packed": 0, "small": 0}
     real_packed = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
                         lambda *a: calls.__setitem__("packed", calls["packed"] + 1) or real_packed(*a))
-    real_small = small_gemm.linear
-    monkeypatch.setattr(small_gemm, "linear", lambda *a: calls.__setitem__("small", calls["small"] + 1) or real_small(*a))
+    real_small = small_gemm.FewRowWeight.__call__
+    monkeypatch.setattr(small_gemm.FewRowWeight, "__call__",
+                        lambda *a: calls.__setitem__("small", calls["small"] + 1) or real_small(*a))
     with torch.inference_mode():
         lin = torch.nn.Linear(64, 96)
         want = torch.nn.functional.linear(x, lin.weight, lin.bias)
@@ -75,7 +76,7 @@ def test_few_rows_take_the_small_kernel_or_the_default_one_and_more_rows_the_pac
             return
         lin2 = torch.nn.Linear(64, 96)
         ff.pack_linears(lin2)
-        below = small_gemm.ROWS_BELOW[torch.float32]
+        below = small_gemm.rows_below(torch.float32)
         assert torch.allclose(lin2(x[:below - 1]), torch.nn.functional.linear(x[:below - 1], lin2.weight, lin2.bias),
                               atol=1e-5)
         assert calls == {"packed": 1, "small": 1}
@@ -83,7 +84,7 @@ def test_few_rows_take_the_small_kernel_or_the_default_one_and_more_rows_the_pac
         assert calls == {"packed": 2, "small": 1}
         b = torch.nn.Linear(64, 96).to(torch.bfloat16)
         ff.pack_linears(b)
-        for rows, (packed, small) in ((1, (2, 2)), (small_gemm.ROWS_BELOW[torch.bfloat16], (3, 2))):
+        for rows, (packed, small) in ((1, (2, 2)), (small_gemm.rows_below(torch.bfloat16), (3, 2))):
             b(x[:rows].to(torch.bfloat16))
             assert (calls["packed"], calls["small"]) == (packed, small)
 
