@@ -75,7 +75,8 @@ def _load() -> str | None:
     try:
         _build()
     except Exception as e:  # no compiler, no ninja, a read-only cache: the oneDNN path still works
-        first = str(e).splitlines()[0][:200] if str(e) else ""
+        lines = str(e).splitlines() or [""]
+        first = next((ln for ln in lines if "error" in ln.lower() and ln is not lines[0]), lines[0])[:200]
         why = f"the kernel did not build ({type(e).__name__}: {first})"
         warnings.warn(f"decoding.small_gemm: {why}; linears stay oneDNN's", stacklevel=3)
         return why
