@@ -14,15 +14,60 @@ import torch
 from .arch import FULL, SLIDING, AttentionPlan, attention_plan, check_cache_used
 
 
+def _growing_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        """A DynamicLayer that appends in place into spare room (doubled when full) instead of
+        concatenating: a step writes its new rows, not the whole cache again (transformers' cat
+        copies every cached key and value of every layer each step). `keys` / `values` stay views
+        of the buffer, so rollback by slicing (keep_path, crop, cut_front) works unchanged."""
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self.keys, self._kb = _append(self.keys, getattr(self, "_kb", None), key_states)
+            self.values, self._vb = _append(self.values, getattr(self, "_vb", None), value_states)
+            return self.keys, self.values
+
+    return GrowingLayer
+
+
+def _append(view: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor):
+    """`view` (a slice along dim -2 of `buf`, or anything else) followed by `new`, written into
+    `buf` where it fits after the view; else into a new buffer of twice the length."""
+    n, t = (view.shape[-2] if view.dim() == new.dim() else 0), new.shape[-2]
+    start = None
+    if buf is not None and n and view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() \
+            and view.stride() == buf.stride():
+        start = (view.storage_offset() - buf.storage_offset()) // buf.stride(-2)
+    if start is None or start + n + t > buf.shape[-2]:
+        old = view if n else None
+        buf = new.new_empty(*new.shape[:-2], max(64, 2 * (n + t)), new.shape[-1])
+        if old is not None:
+            buf[..., :n, :].copy_(old)
+        start = 0
+    buf[..., start + n:start + n + t, :].copy_(new)
+    return buf[..., start:start + n + t, :], buf
+
+
+_GROWING: list = []
+
+
 def new_cache(model, plan: AttentionPlan | None = None):
-    """The model's DynamicCache; with a sliding window, growing layers in place of the rolling
-    ones (a rolling layer drops tokens a rejected tree node pushed out of its window)."""
+    """The model's DynamicCache with growing layers (appended in place, see _growing_layer_class);
+    with a sliding window, growing layers in place of the rolling ones too (a rolling layer drops
+    tokens a rejected tree node pushed out of its window)."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
+    if not _GROWING:
+        _GROWING.append(_growing_layer_class())
     cache = DynamicCache(config=model.config)
-    for i in plan.sliding if plan is not None else ():
-        cache.layers[i] = DynamicLayer()
+    sliding = set(plan.sliding) if plan is not None else set()
+    for i, layer in enumerate(cache.layers):
+        if i in sliding or type(layer) is DynamicLayer:
+            cache.layers[i] = _GROWING[0]()
     return cache
 
 
@@ -30,7 +75,7 @@ def _layers(cache):
     from transformers.cache_utils import DynamicLayer
 
     for layer in cache.layers:
-        if type(layer) is not DynamicLayer:
+        if type(layer) not in (DynamicLayer, *_GROWING):
             raise TypeError(
                 f"tree speculation needs full-attention KV caches; got {type(layer).__name__}"
             )
