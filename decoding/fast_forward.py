@@ -26,12 +26,12 @@ import types
 
 import torch
 
-from . import small_gemm
+from . import cpu_kernels
 from .lean_forward import make_lean, unmake_lean
 from .options import FORWARDS
 REVISION = 4
 """Bumped when what the packed forward runs changes (3: float32 below 4 rows on the eager
-kernel; 4: few rows on decoding.small_gemm); stored cost curves are keyed by it
+kernel; 4: few rows on decoding.cpu_kernels); stored cost curves are keyed by it
 (decoding.cost_cache)."""
 ENV = "SPECSTOP_FORWARD"
 """Environment override of the default forward (eager or packed)."""
@@ -87,16 +87,16 @@ def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def small_rows(small: bool) -> dict:
-    """dtype -> rows below which linears run on decoding.small_gemm ({} when `small` is off)."""
-    return {dt: small_gemm.rows_below(dt) for dt in (torch.float32, torch.bfloat16)} if small else {}
+def kernel_rows(kernels: bool) -> dict:
+    """dtype -> rows below which linears run on decoding.cpu_kernels ({} when `kernels` is off)."""
+    return {dt: cpu_kernels.rows_below(dt) for dt in (torch.float32, torch.bfloat16)} if kernels else {}
 
 
 @torch.no_grad()
-def pack_linears(model: torch.nn.Module, small: bool = True) -> int:
+def pack_linears(model: torch.nn.Module, kernels: bool = True) -> int:
     """Give every CPU nn.Linear of `model` in float32 / bfloat16 a prepacked weight and the
     packed forward; returns how many were packed (0 where oneDNN cannot: the model is unchanged).
-    `small`: rows below small_gemm.ROWS_BELOW run on the few-row kernel where it is available."""
+    `kernels`: few rows run on decoding.cpu_kernels where they are built (rows_below)."""
     n = 0
     below = None  # built on the first packable linear (a CUDA model never builds the kernel)
     for mod in model.modules():
@@ -108,9 +108,9 @@ def pack_linears(model: torch.nn.Module, small: bool = True) -> int:
         mod._packed_weight = pack_weight(w)
         mod._packed_dtype = w.dtype
         mod._eager_below = EAGER_BELOW.get(w.dtype, 0)
-        below = small_rows(small) if below is None else below
+        below = kernel_rows(kernels) if below is None else below
         mod._small_below = below.get(w.dtype, 0)
-        mod._few = small_gemm.FewRowWeight(w) if mod._small_below else None
+        mod._few = cpu_kernels.FewRowWeight(w) if mod._small_below else None
         mod.forward = types.MethodType(_packed_forward, mod)
         n += 1
     if n and forward_kind(model) != "lean":  # n == 0: as it was (eager, or already packed)
@@ -133,18 +133,18 @@ def forward_kind(model: torch.nn.Module) -> str:
     return getattr(model, "_specstop_forward", "eager")
 
 
-def set_forward(model: torch.nn.Module, kind: str, small: bool = True) -> str:
+def set_forward(model: torch.nn.Module, kind: str, kernels: bool = True) -> str:
     """Switch a model to `kind` (FORWARDS); returns the kind it runs: lean falls back to packed
-    where a layer is not of a known family, packed to eager where oneDNN cannot pack. `small`:
-    few-row linears on decoding.small_gemm where it is available (off: oneDNN's only)."""
+    where a layer is not of a known family, packed to eager where oneDNN cannot pack. `kernels`:
+    decoding.cpu_kernels where they are built (off: torch's ops and oneDNN's linears only)."""
     if kind not in FORWARDS:
         raise ValueError(f"forward must be one of {', '.join(FORWARDS)} (got {kind!r})")
-    if kind == forward_kind(model) and small == getattr(model, "_specstop_small", True):
+    if kind == forward_kind(model) and kernels == getattr(model, "_specstop_kernels", True):
         return kind
     unpack_linears(model)
-    model._specstop_small = small
-    if kind == "lean" and make_lean(model, pack_weight, EAGER_BELOW, small_rows(small)):
+    model._specstop_kernels = kernels
+    if kind == "lean" and make_lean(model, pack_weight, EAGER_BELOW, kernel_rows(kernels)):
         model._specstop_forward = "lean"
     if kind != "eager":
-        pack_linears(model, small)
+        pack_linears(model, kernels)
     return forward_kind(model)

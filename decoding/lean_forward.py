@@ -25,7 +25,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from . import small_gemm
+from . import cpu_kernels
 
 FAMILIES = {  # decoder layer class -> per-head q/k norms (Qwen3)
     "LlamaDecoderLayer": False, "MistralDecoderLayer": False, "Qwen2DecoderLayer": False,
@@ -53,7 +53,7 @@ def why_not(layer, config) -> str | None:
 
 class _Fused:
     """Linears sharing an input, as one: their weights concatenated, run by the few-row kernels
-    below `small_below` rows (decoding.small_gemm), prepacked by oneDNN above; the modules
+    below `small_below` rows (decoding.cpu_kernels), prepacked by oneDNN above; the modules
     themselves below `eager_below` rows where no few-row kernel is there (float32: the default
     kernel beats oneDNN's there)."""
 
@@ -66,7 +66,7 @@ class _Fused:
         self.plain = w if self.packed is None else None  # no oneDNN: one plain linear
         self.eager_below = eager_below
         self.small_below = small_below
-        self.few = small_gemm.FewRowWeight(w) if small_below else None
+        self.few = cpu_kernels.FewRowWeight(w) if small_below else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] < self.small_below:
@@ -84,7 +84,7 @@ def _rms(x: torch.Tensor, norm) -> torch.Tensor:
 
 
 def _add_norm(x: torch.Tensor, norm, res: torch.Tensor | None = None, fused: bool = False):
-    """(x + res, RMSNorm of it); one pass of decoding.small_gemm's kernel where `fused` (torch's
+    """(x + res, RMSNorm of it); one pass of decoding.cpu_kernels's kernel where `fused` (torch's
     rms_norm on a CPU is ~10 ops, ~12 us a row)."""
     if fused:
         return torch.ops.specstop.add_rms_norm(x.contiguous(), None if res is None else res.contiguous(),
@@ -101,14 +101,21 @@ def _lean_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
     B, T, C = hidden_states.shape
     H, K, D = f["heads"], f["kv_heads"], a.head_dim
     x = hidden_states.reshape(B * T, C)
-    y = f["qkv"](_add_norm(x, self.input_layernorm, fused=f["fused_norm"])[1]).view(B, T, H + 2 * K, D)
-    if f["qk_norm"]:  # Qwen3: per-head norms before the rotary embedding
-        qk = torch.cat([_rms(y[:, :, :H], a.q_norm), _rms(y[:, :, H:H + K], a.k_norm)], 2).transpose(1, 2)
+    fused = f["fused"]
+    y = f["qkv"](_add_norm(x, self.input_layernorm, fused=fused)[1])
+    cos, sin = position_embeddings  # [B, T, D]
+    if fused and not f["qk_norm"]:  # one pass: split, rotate q and k, lay out [B, heads, T, D]
+        q, k, v = torch.ops.specstop.rope_qkv(y, cos.reshape(B * T, D).contiguous(),
+                                              sin.reshape(B * T, D).contiguous(), B, H, K)
     else:
-        qk = y[:, :, :H + K].transpose(1, 2)
-    cos, sin = (t[:, None] for t in position_embeddings)  # [B, 1, T, D]
-    qk = qk * cos + torch.cat((-qk[..., D // 2:], qk[..., :D // 2]), -1) * sin
-    q, k, v = qk[:, :H], qk[:, H:], y[:, :, H + K:].transpose(1, 2)
+        y = y.view(B, T, H + 2 * K, D)
+        if f["qk_norm"]:  # Qwen3: per-head norms before the rotary embedding
+            qk = torch.cat([_rms(y[:, :, :H], a.q_norm), _rms(y[:, :, H:H + K], a.k_norm)], 2).transpose(1, 2)
+        else:
+            qk = y[:, :, :H + K].transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
+        qk = qk * cos + torch.cat((-qk[..., D // 2:], qk[..., :D // 2]), -1) * sin
+        q, k, v = qk[:, :H], qk[:, H:], y[:, :, H + K:].transpose(1, 2)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, a.layer_idx)
     mask = attention_mask[..., : k.shape[2]] if attention_mask is not None else None
@@ -117,10 +124,10 @@ def _lean_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
         raise RuntimeError("lean forward: a causal block after cached tokens needs a mask")
     att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=a.scaling,
                                          enable_gqa=H != K)
-    x, h = _add_norm(x, self.post_attention_layernorm, f["o"](att.transpose(1, 2).reshape(B * T, H * D)),
-                     f["fused_norm"])
+    x, h = _add_norm(x, self.post_attention_layernorm, f["o"](att.transpose(1, 2).reshape(B * T, H * D)), fused)
     g = f["gate_up"](h)
-    x = x + f["down"](F.silu(g[:, : f["inter"]]) * g[:, f["inter"]:])
+    g = torch.ops.specstop.silu_mul(g) if fused else F.silu(g[:, : f["inter"]]) * g[:, f["inter"]:]
+    x = x + f["down"](g)
     return x.view(B, T, C)
 
 
@@ -131,7 +138,7 @@ def make_lean(model: torch.nn.Module, pack=lambda w: None, eager_below: dict | N
     supported). Call on an unpacked model, then `fast_forward.pack_linears` packs the rest (the
     output layer): the fused copies replace the layers' own packed weights. pack(weight): its
     prepacked form or None (fast_forward.pack_weight); eager_below: fast_forward.EAGER_BELOW;
-    small_below: dtype -> rows below which the few-row kernel runs (decoding.small_gemm)."""
+    small_below: dtype -> rows below which the few-row kernel runs (decoding.cpu_kernels)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     cfg = getattr(model, "config", None)
     if layers is None or cfg is None or any(why_not(layer, cfg) for layer in layers):
@@ -148,7 +155,7 @@ def make_lean(model: torch.nn.Module, pack=lambda w: None, eager_below: dict | N
             "gate_up": _Fused([m.gate_proj, m.up_proj], **kw), "down": _Fused([m.down_proj], **kw),
             "heads": a.q_proj.weight.shape[0] // a.head_dim, "kv_heads": a.k_proj.weight.shape[0] // a.head_dim,
             "inter": m.gate_proj.weight.shape[0], "qk_norm": FAMILIES[type(layer).__name__],
-            "fused_norm": kw["small_below"] > 0,  # the few-row kernels are built: so is their norm
+            "fused": kw["small_below"] > 0,  # the few-row kernels are built: so are the row-wise ops
         }
         for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
             lin._lean_fused = True  # computed by the fused copy: pack_linears leaves it alone

@@ -5,7 +5,7 @@ One target forward is what a decoding round pays for: the pending token plus n -
 fed against a cache of `context` committed tokens (n = 1 is a plain decoding step), exactly as
 the engine feeds it (decoding.cache.CachedModel). For each thread count, every variant (dtype x
 forward: eager = transformers' modules as loaded, packed / lean = decoding.fast_forward; a
-"/onednn" suffix leaves out the few-row kernel of decoding.small_gemm) is timed at
+"/torch" suffix leaves out decoding.cpu_kernels: torch's ops and oneDNN's linears) is timed at
 every n, variants alternating call by call within each repeat, so load from other processes
 hits all alike; medians and ratios are reported (ratios are what survives a shared machine).
 torch.profiler splits one forward per variant and size into GEMM time and the rest (per-op
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from .. import models, small_gemm
+from .. import cpu_kernels, models
 from ..cache import CachedModel, crop
 from ..fast_forward import packed_available, set_forward
 from ..tree import TreeLayout, layout_from_k_config
@@ -75,10 +75,10 @@ def _variants(dtypes, forwards, context: int, sizes) -> dict[str, _Forward]:
 
                 out[f"{dt} {fw}"] = CompiledForward(model, model.config.vocab_size, context, max(sizes))
                 continue
-            kind, _, only = fw.partition("/")  # "lean/onednn": without the few-row kernel
+            kind, _, only = fw.partition("/")  # "lean/torch": without decoding.cpu_kernels
             if kind != "eager" and not packed_available(model.dtype, "cpu"):
                 continue
-            set_forward(model, kind, small=only != "onednn")
+            set_forward(model, kind, kernels=only != "torch")
             out[f"{dt} {fw}"] = _Forward(model, model.config.vocab_size, context)
     return out
 
@@ -92,7 +92,7 @@ def forward_suite(dtypes=("float32", "bfloat16"), forwards=("eager", "packed"), 
     ref = "float32 eager" if "float32 eager" in variants else next(iter(variants))
     res = {"context": context, "repeats": repeats, "sizes": list(sizes), "reference": ref,
            "torch": torch.__version__, "cpu_flags": _cpu_flags(), "load_before": round(load, 2),
-           "small_gemm": small_gemm.why_not() or "on", "threads": {}, "agreement": {}}
+           "cpu_kernels": cpu_kernels.describe(), "threads": {}, "agreement": {}}
     for n in sizes:  # logits against the fp32 eager reference
         want = variants[ref].call(n, variants[ref].prepare(n))
         for name, v in variants.items():
@@ -138,7 +138,7 @@ def forward_markdown(r: dict, command: str) -> str:
     lines = [f"# Target forward cost (SmolLM2-135M, {r['context']}-token cache, {r['repeats']} repeats, "
              f"variants interleaved call by call; {load})", "", f"`{command}`", "",
              f"torch {r['torch']}; CPU flags: {', '.join(r['cpu_flags']) or '?'}. Reference: {r['reference']}. "
-             f"Few-row kernel (decoding.small_gemm): {r.get('small_gemm', '?')}.", ""]
+             f"decoding.cpu_kernels: {r.get('cpu_kernels', '?')}.", ""]
     for name, per in r.get("compile_s", {}).items():
         lines += [f"{name}: compile seconds per size " + ", ".join(f"n={n}: {s:.0f}" for n, s in per.items())
                   + " (paid once per process and size; a probe, not an engine forward)", ""]

@@ -3,7 +3,7 @@
 // Why: a decode step multiplies 1-16 rows by each weight matrix, so its cost is streaming the
 // weights. oneDNN's kernels reach ~9-10 GB/s on one core over a layer's small cold matrices;
 // this loop reaches the core's streaming rate by prefetching PF bytes ahead of the rows it
-// reads (the hardware prefetcher stops at 4 KiB page boundaries). See decoding/small_gemm.py.
+// reads (the hardware prefetcher stops at 4 KiB page boundaries). See decoding/cpu_kernels.py.
 //
 // Two kernels, both batch-invariant (a row's result does not depend on the other rows of the call
 // or on the thread count):
@@ -111,16 +111,16 @@ void run(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_gemm: x [T, K], w [N, K]");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "cpu_kernels: x [T, K], w [N, K]");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.scalar_type() == w.scalar_type(),
-              "small_gemm: contiguous x and w of one dtype");
+              "cpu_kernels: contiguous x and w of one dtype");
   at::Tensor b;
   if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
   if (x.scalar_type() == at::kBFloat16) run<Bf16>(x, w, bp, y);
   else if (x.scalar_type() == at::kFloat) run<F32>(x, w, bp, y);
-  else TORCH_CHECK(false, "small_gemm: bfloat16 or float32");
+  else TORCH_CHECK(false, "cpu_kernels: bfloat16 or float32");
   return y;
 }
 
@@ -216,65 +216,6 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N, cons
 }
 
 
-// ---- RMSNorm --------------------------------------------------------------------------------
-// torch's rms_norm on a CPU is a composite of ~10 ops (~12 us a row); this is one pass. fp32 math,
-// one rounding of the output: y = x / sqrt(mean(x^2) + eps) * w. With `res`, x + res first
-// (rounded to x's dtype, as the residual stream is stored), returned beside the norm.
-inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
-}
-inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline __mmask16 live(int64_t c, int64_t C) { return C - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (C - c)) - 1); }
-
-template <class T>
-void rms_rows(const T* x, const T* res, T* sum, const T* w, T* y, int64_t R, int64_t C, double eps) {
-  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * C;
-      if (res) {  // the residual add, stored in T, then normed as stored
-        for (int64_t c = 0; c < C; c += 16) {
-          const __mmask16 m = live(c, C);
-          store16(sum + r * C + c, _mm512_add_ps(load16(xr + c, m), load16(res + r * C + c, m)), m);
-        }
-        xr = sum + r * C;
-      }
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t c = 0; c < C; c += 16) {
-        const __m512 v = load16(xr + c, live(c, C));
-        acc = _mm512_fmadd_ps(v, v, acc);
-      }
-      const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)C + (float)eps));
-      for (int64_t c = 0; c < C; c += 16) {
-        const __mmask16 m = live(c, C);
-        store16(y + r * C + c, _mm512_mul_ps(_mm512_mul_ps(load16(xr + c, m), scale), load16(w + c, m)), m);
-      }
-    }
-  });
-}
-
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& res,
-                                                const at::Tensor& w, double eps) {
-  const bool has_res = res.has_value() && res->defined();
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1) &&
-              w.scalar_type() == x.scalar_type() &&
-              (!has_res || (res->sizes() == x.sizes() && res->is_contiguous() && res->scalar_type() == x.scalar_type())),
-              "rms_norm: contiguous x [R, C] (and res like it), weight [C], one dtype");
-  at::Tensor y = at::empty_like(x), sum = has_res ? at::empty_like(x) : x;
-  const int64_t R = x.size(0), C = x.size(1);
-  if (x.scalar_type() == at::kBFloat16)
-    rms_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), has_res ? res->data_ptr<at::BFloat16>() : nullptr,
-                           sum.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), R, C, eps);
-  else if (x.scalar_type() == at::kFloat)
-    rms_rows<float>(x.data_ptr<float>(), has_res ? res->data_ptr<float>() : nullptr, sum.data_ptr<float>(),
-                    w.data_ptr<float>(), y.data_ptr<float>(), R, C, eps);
-  else TORCH_CHECK(false, "rms_norm: bfloat16 or float32");
-  return {sum, y};
-}
-
 }  // namespace
 
 TORCH_LIBRARY(specstop, m) {
@@ -282,11 +223,9 @@ TORCH_LIBRARY(specstop, m) {
   m.def("amx_pack(Tensor w) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor wp, int n, Tensor? bias) -> Tensor");
   m.def("amx_ready() -> bool", &amx_ready);
-  m.def("add_rms_norm(Tensor x, Tensor? res, Tensor w, float eps) -> (Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(specstop, CPU, m) {
   m.impl("small_linear", &linear);
   m.impl("amx_pack", &amx_pack);
   m.impl("amx_linear", &amx_linear);
-  m.impl("add_rms_norm", &add_rms_norm);
 }

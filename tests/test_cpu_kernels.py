@@ -1,19 +1,21 @@
-"""The few-row kernel (decoding.small_gemm): exact to its dtype's rounding against a float64
-reference on every remainder of its blocking, batch- and thread-invariant, and absent cleanly."""
+"""decoding.cpu_kernels: the few-row linears exact to their dtype's rounding against a float64
+reference on every remainder of their blocking, batch- and thread-invariant; the row-wise ops
+equal to torch's composition to one rounding; everything absent cleanly."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from arch_models import tiny
-from decoding import small_gemm
+from decoding import cpu_kernels
 from decoding.cache import CachedModel
 from decoding.fast_forward import set_forward
 from decoding.tree import TreeLayout
 
-needs_kernel = pytest.mark.skipif(not small_gemm.available(), reason=f"no kernel here: {small_gemm.why_not()}")
-needs_amx = pytest.mark.skipif(not small_gemm.amx(), reason="no AMX tiles here")
+needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no kernel here: {cpu_kernels.why_not()}")
+needs_amx = pytest.mark.skipif(not cpu_kernels.amx(), reason="no AMX tiles here")
 
 
 def _case(dtype, t, k, n, bias, seed=0):
@@ -34,7 +36,7 @@ def test_equals_float64_to_the_dtypes_rounding(dtype, t, k, n, bias):
     terms plus one rounding of the output to `dtype`."""
     x, w, b = _case(dtype, t, k, n, bias)
     ref = x.double() @ w.double().T + (b.double() if bias else 0)
-    y = small_gemm.linear(x, w, b)
+    y = cpu_kernels.linear(x, w, b)
     assert y.dtype == dtype and y.shape == (t, n)
     mag = x.double().abs() @ w.double().abs().T + (b.double().abs() if bias else 0)
     out_round = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -23
@@ -48,7 +50,7 @@ def test_amx_tiles_equal_float64_to_bf16_rounding(t, k, n, bias):
     """AMX: K and N padded to the tiles' 32, rows over one (16) and two (32) tiles of x."""
     x, w, b = _case(torch.bfloat16, t, k, n, bias)
     ref = x.double() @ w.double().T + (b.double() if bias else 0)
-    y = small_gemm.FewRowWeight(w)(x, b)
+    y = cpu_kernels.FewRowWeight(w)(x, b)
     assert y.dtype == torch.bfloat16 and y.shape == (t, n)
     mag = x.double().abs() @ w.double().abs().T + (b.double().abs() if bias else 0)
     assert ((y.double() - ref).abs() <= mag * 2.0 ** -20 + ref.abs() * 2.0 ** -8).all()
@@ -72,16 +74,52 @@ def test_a_row_does_not_depend_on_the_other_rows_or_threads(dtype, rows):
     """Whatever the call carries, row i is the row fed alone, bit for bit, on 1 thread and on 2:
     the row-major kernel (one fp32 chain per output) and, in bf16 where the CPU has them, the AMX
     tiles (a verify of up to 32 rows and a 1-token step agree exactly)."""
-    if rows > 7 and not small_gemm.amx():
+    if rows > 7 and not cpu_kernels.amx():
         pytest.skip("no AMX tiles here")
     x, w, b = _case(dtype, rows, 577, 203, True, seed=1)
-    kernels = [lambda x, b: small_gemm.linear(x, w, b)]
-    if dtype == torch.bfloat16 and small_gemm.amx():
-        kernels.append(small_gemm.FewRowWeight(w))
+    kernels = [lambda x, b: cpu_kernels.linear(x, w, b)]
+    if dtype == torch.bfloat16 and cpu_kernels.amx():
+        kernels.append(cpu_kernels.FewRowWeight(w))
     for kernel in kernels[-1:] if rows > 7 else kernels:
         alone, together = _rows_alone_and_together(kernel, x, b)
         for i in range(rows):
             assert torch.equal(together[i:i + 1], alone[i])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_wise_ops_equal_torchs_composition_to_one_rounding(dtype):
+    """RMSNorm (with and without the residual add), the rotary split of a fused q/k/v row block
+    (B = 2, T = 3, GQA) and the SiLU gate, against torch in float32 rounded once."""
+    g = torch.Generator().manual_seed(3)
+    tol = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-6  # one rounding, relative to the magnitude
+    x, r = (torch.randn(5, 577, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(577, generator=g).to(dtype)
+    s, y = torch.ops.specstop.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(s, x + r)  # the residual stream as torch stores it
+    want = F.rms_norm(s.float(), (577,), w.float(), 1e-5)
+    assert ((y.float() - want).abs() <= tol * want.abs() + 1e-6).all()
+    same, y0 = torch.ops.specstop.add_rms_norm(x, None, w, 1e-5)
+    want = F.rms_norm(x.float(), (577,), w.float(), 1e-5)
+    assert same is x or torch.equal(same, x)
+    assert ((y0.float() - want).abs() <= tol * want.abs() + 1e-6).all()
+
+    B, T, H, K, D = 2, 3, 6, 2, 16
+    y = torch.randn(B * T, (H + 2 * K) * D, generator=g).to(dtype)
+    ang = torch.randn(B, T, D // 2, generator=g)
+    cos, sin = (torch.cat([f(ang), f(ang)], -1).to(dtype) for f in (torch.cos, torch.sin))
+    q, k, v = torch.ops.specstop.rope_qkv(y, cos.reshape(B * T, D), sin.reshape(B * T, D), B, H, K)
+    yy = y.float().view(B, T, H + 2 * K, D)
+    qk = yy[:, :, :H + K].transpose(1, 2)
+    rot = qk * cos.float()[:, None] + torch.cat((-qk[..., D // 2:], qk[..., :D // 2]), -1) * sin.float()[:, None]
+    assert q.shape == (B, H, T, D) and k.shape == v.shape == (B, K, T, D)
+    for got, want in ((q, rot[:, :H]), (k, rot[:, H:])):
+        assert ((got.float() - want).abs() <= tol * want.abs() + 1e-6).all()
+    assert torch.equal(v.float(), yy[:, :, H + K:].transpose(1, 2))
+
+    gu = torch.randn(4, 2 * 96, generator=g).to(dtype)
+    want = F.silu(gu[:, :96].float()) * gu[:, 96:].float()
+    assert ((torch.ops.specstop.silu_mul(gu).float() - want).abs() <= tol * want.abs() + 1e-6).all()
 
 
 @needs_kernel
@@ -92,9 +130,9 @@ def test_a_lean_step_runs_on_the_kernel_and_agrees_with_onednn():
         model = tiny("llama").to(dtype)
         logits = {}
         for small in (True, False):
-            set_forward(model, "lean", small=small)
+            set_forward(model, "lean", kernels=small)
             qkv = model.model.layers[0]._lean["qkv"]
-            assert qkv.small_below == (small_gemm.rows_below(dtype) if small else 0)
+            assert qkv.small_below == (cpu_kernels.rows_below(dtype) if small else 0)
             assert model.lm_head._small_below == qkv.small_below
             cm = CachedModel(model)
             cm.feed(list(range(3, 14)), TreeLayout(()), [], 0, 0)
@@ -107,24 +145,24 @@ def test_a_lean_step_runs_on_the_kernel_and_agrees_with_onednn():
 
 
 def test_off_by_environment_or_cpu_or_failed_build(monkeypatch):
-    """$SPECSTOP_SMALL_GEMM=0, a CPU without the instructions, a build that fails: not available,
+    """$SPECSTOP_CPU_KERNELS=0, a CPU without the instructions, a build that fails: not available,
     one phrase why, and rows_below is 0 (linears stay oneDNN's)."""
-    monkeypatch.setattr(small_gemm, "_state", {})
-    monkeypatch.setenv(small_gemm.ENV, "0")
-    assert not small_gemm.available() and small_gemm.why_not() == f"${small_gemm.ENV}=0"
-    assert small_gemm.rows_below(torch.bfloat16) == 0
-    monkeypatch.delenv(small_gemm.ENV)
-    monkeypatch.setattr(small_gemm, "_state", {})
-    monkeypatch.setattr(small_gemm, "_cpu_flags", lambda: {"avx2"})
-    assert "the CPU lacks avx512f" in small_gemm.why_not()
-    monkeypatch.setattr(small_gemm, "_state", {})
-    monkeypatch.setattr(small_gemm, "_cpu_flags", lambda: set(small_gemm.FLAGS))
-    monkeypatch.setattr(small_gemm, "_registered", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setenv(cpu_kernels.ENV, "0")
+    assert not cpu_kernels.available() and cpu_kernels.why_not() == f"${cpu_kernels.ENV}=0"
+    assert cpu_kernels.rows_below(torch.bfloat16) == 0
+    monkeypatch.delenv(cpu_kernels.ENV)
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2"})
+    assert "the CPU lacks avx512f" in cpu_kernels.why_not()
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: set(cpu_kernels.FLAGS))
+    monkeypatch.setattr(cpu_kernels, "_registered", lambda: False)
 
     def fail():
         raise RuntimeError("Ninja is required to load C++ extensions")
 
-    monkeypatch.setattr(small_gemm, "_build", fail)
+    monkeypatch.setattr(cpu_kernels, "_build", fail)
     with pytest.warns(UserWarning, match="linears stay oneDNN's"):
-        assert "did not build (RuntimeError: Ninja is required" in small_gemm.why_not()
-    assert small_gemm.rows_below(torch.float32) == 0
+        assert "did not build (RuntimeError: Ninja is required" in cpu_kernels.why_not()
+    assert cpu_kernels.rows_below(torch.float32) == 0

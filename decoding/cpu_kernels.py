@@ -1,24 +1,27 @@
-"""Few-row linears that stream the weight once: the kernels of a decode step on a CPU.
+"""The CPU kernels of a decode step: few-row linears that stream the weight once, and one-pass
+row-wise ops (RMSNorm, the rotary embedding, the SiLU gate) for the lean layers.
 
 A decoding step multiplies 1-32 rows (one token, or a verified tree) by every weight matrix, so
 its cost is reading the weights. oneDNN's prepacked kernels read a layer's small matrices
 (0.7-3.5 MB) at ~9-10 GB/s on one core of a 2-core AMX Xeon, because the hardware prefetcher
-stops at every 4 KiB page. `csrc/small_gemm.cpp` prefetches 16 KiB ahead itself:
+stops at every 4 KiB page. `csrc/gemm.cpp` prefetches 16 KiB ahead itself:
 - `amx_linear` (bf16 on CPUs with AMX): tiles over a weight packed once into their layout; the
   linears of a 30-layer step cost 0.74x oneDNN's at 1 row and 0.77-0.89x at 2-32 rows, so one
   kernel serves a plain step and every verify up to `AMX_ROWS`;
 - `small_linear` (bf16 with AVX512-BF16 but no AMX, and fp32): dot products over the row-major
   weight, out of arithmetic above a few rows (`ROWS_BELOW`).
-Above those sizes (a prefill, a very large tree) oneDNN's kernels run.
+Above those sizes (a prefill, a very large tree) oneDNN's kernels run. `csrc/layer_ops.cpp`:
+torch runs a CPU rms_norm as ~10 ops (~11 us a row; this one pass, ~2 us), the rotary embedding as
+~5; each becomes one loop with fp32 math and one rounding per output.
 
-Both are batch-invariant: a row's result does not depend on the other rows of the call or the
-thread count, so in bf16 a 1-token step and the same row inside a verify agree bit for bit where
-both run on AMX; where a row count switches kernels they agree to rounding.
+Both linears are batch-invariant: a row's result does not depend on the other rows of the call or
+the thread count, so in bf16 a 1-token step and the same row inside a verify agree bit for bit
+where both run on AMX; where a row count switches kernels they agree to rounding.
 
 Built on first use by torch's C++ extension loader (~10 s once per machine, cached under
-$TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default), only where the CPU has the
-instructions, a compiler is found and $SPECSTOP_SMALL_GEMM is not 0; otherwise `why_not()` says
-why and the linears stay oneDNN's.
+$TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default), only where the CPU has AVX512-BF16,
+a compiler is found and $SPECSTOP_CPU_KERNELS is not 0; otherwise `why_not()` says why and the
+lean forward keeps torch's ops and oneDNN's linears.
 """
 
 from __future__ import annotations
@@ -29,18 +32,18 @@ from pathlib import Path
 
 import torch
 
-ENV = "SPECSTOP_SMALL_GEMM"
-"""0 turns the kernels off (the linears stay oneDNN's)."""
+ENV = "SPECSTOP_CPU_KERNELS"
+"""0 turns the kernels off (the lean forward keeps torch's ops and oneDNN's linears)."""
 ROWS_BELOW = {torch.bfloat16: 4, torch.float32: 7}
 """Row counts below which `small_linear` runs; above, oneDNN's kernels are faster. Whole 1-thread
 forwards of SmolLM2-135M on a 2-core AMX Xeon, kernel / oneDNN: bf16 0.88x, 0.86x, 0.93x at 1, 2,
 3 rows, 1.00x at 4; fp32 0.92x-0.84x at 1-4 rows, 0.97x at 6, 1.01x at 8
-(reports/forward-2026-11-27-small-gemm)."""
+(reports/forward-2026-11-26-cpu-kernels)."""
 AMX_ROWS = 32
 """Most rows `amx_linear` takes: its linears cost 0.89x oneDNN's at 32 rows, 1.11x at 64."""
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 AMX_FLAGS = ("amx_tile", "amx_bf16")
-SOURCE = Path(__file__).parent / "csrc" / "small_gemm.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gemm.cpp", "layer_ops.cpp")]
 _state: dict = {}
 
 
@@ -60,7 +63,7 @@ def _build() -> None:
     from torch.utils.cpp_extension import load
 
     flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
-    load("specstop_small_gemm", [str(SOURCE)], extra_cflags=flags, is_python_module=False)
+    load("specstop_cpu_kernels", [str(p) for p in SOURCES], extra_cflags=flags, is_python_module=False)
 
 
 def _load() -> str | None:
@@ -78,7 +81,7 @@ def _load() -> str | None:
         lines = str(e).splitlines() or [""]
         first = next((ln for ln in lines if "error" in ln.lower() and ln is not lines[0]), lines[0])[:200]
         why = f"the kernel did not build ({type(e).__name__}: {first})"
-        warnings.warn(f"decoding.small_gemm: {why}; linears stay oneDNN's", stacklevel=3)
+        warnings.warn(f"decoding.cpu_kernels: {why}; linears stay oneDNN's", stacklevel=3)
         return why
     return None
 
