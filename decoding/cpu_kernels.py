@@ -63,7 +63,8 @@ def _build() -> None:
     from torch.utils.cpp_extension import load
 
     flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
-    load("specstop_cpu_kernels", [str(p) for p in SOURCES], extra_cflags=flags, is_python_module=False)
+    load("specstop_cpu_kernels", [str(p) for p in SOURCES], extra_cflags=flags + ["-fopenmp"],
+         extra_ldflags=["-fopenmp"], is_python_module=False)
 
 
 def _load() -> str | None:

@@ -126,12 +126,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& y, con
 }
 
 // g [R, 2 * I] (a fused gate / up projection) -> silu(gate) * up [R, I]
+// exp(x) to ~1 ulp in fp32: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 Taylor polynomial in r
+// (remainder < 3e-9), then scaled by 2^n; clamped where fp32 overflows / flushes.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-103.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
 template <class T>
 void silu_mul_rows(const T* g, T* out, int64_t R, int64_t I) {
+  const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t i = 0; i < I; ++i) {
-      const float a = (float)g[r * 2 * I + i], b = (float)g[r * 2 * I + I + i];
-      out[r * I + i] = T(a / (1.0f + std::exp(-a)) * b);
+    for (int64_t i = 0; i < I; i += 16) {
+      const __mmask16 m = live(i, I);
+      const __m512 a = load16(g + r * 2 * I + i, m), b = load16(g + r * 2 * I + I + i, m);
+      const __m512 silu = _mm512_div_ps(a, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), a))));
+      store16(out + r * I + i, _mm512_mul_ps(silu, b), m);
     }
 }
 
