@@ -26,6 +26,7 @@ lean forward keeps torch's ops and oneDNN's linears.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -39,11 +40,19 @@ ROWS_BELOW = {torch.bfloat16: 4, torch.float32: 7}
 forwards of SmolLM2-135M on a 2-core AMX Xeon, kernel / oneDNN: bf16 0.88x, 0.86x, 0.93x at 1, 2,
 3 rows, 1.00x at 4; fp32 0.92x-0.84x at 1-4 rows, 0.97x at 6, 1.01x at 8
 (reports/forward-2026-11-26-cpu-kernels)."""
+INVARIANT_ENV = "SPECSTOP_BATCH_INVARIANT"
+"""1: the lean layers attend with `row_attention` (each row over its visible keys in a fixed
+order) for steps and verifies of up to AMX_ROWS tokens, so with AMX linears a bf16 verify's rows
+equal 1-token steps bit for bit and bf16 speculation reproduces bf16 `ar` exactly. Off by
+default: each row rereads every key, so against torch's attention a bf16 forward (1 thread, AMX
+Xeon) costs 0.88x / 1.00x / 1.07x / 1.14x at 1 / 8 / 16 / 32 tokens with 200 cached tokens and
+0.87x / 1.29x / 1.75x / 2.33x with 1,500 (reports/forward-2026-11-26-batch-invariant-ctx*)."""
 AMX_ROWS = 32
 """Most rows `amx_linear` takes: its linears cost 0.89x oneDNN's at 32 rows, 1.11x at 64."""
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 AMX_FLAGS = ("amx_tile", "amx_bf16")
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gemm.cpp", "layer_ops.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("gemm.cpp", "layer_ops.cpp", "attention.cpp")]
 _state: dict = {}
 
 
@@ -63,7 +72,10 @@ def _build() -> None:
     from torch.utils.cpp_extension import load
 
     flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
-    load("specstop_cpu_kernels", [str(p) for p in SOURCES], extra_cflags=flags + ["-fopenmp"],
+    # the name carries a hash of every source and header: torch's loader rebuilds on a changed
+    # source but not on a changed header
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CSRC.iterdir()))).hexdigest()[:12]
+    load(f"specstop_cpu_kernels_{digest}", [str(p) for p in SOURCES], extra_cflags=flags + ["-fopenmp"],
          extra_ldflags=["-fopenmp"], is_python_module=False)
 
 
@@ -113,11 +125,17 @@ def rows_below(dtype: torch.dtype) -> int:
     return AMX_ROWS + 1 if dtype == torch.bfloat16 and amx() else ROWS_BELOW.get(dtype, 0)
 
 
+def batch_invariant() -> bool:
+    """$SPECSTOP_BATCH_INVARIANT=1 and the kernels are built (see INVARIANT_ENV)."""
+    return os.environ.get(INVARIANT_ENV, "").strip() == "1" and available()
+
+
 def describe() -> str:
     """What runs few-row linears here, in a few words (reports, bench headers)."""
     if not available():
         return f"oneDNN (few-row kernels off: {why_not()})"
-    return ("AMX tiles" if amx() else "AVX512-BF16 dot products") + " for bf16, AVX512F for fp32"
+    return (("AMX tiles" if amx() else "AVX512-BF16 dot products") + " for bf16, AVX512F for fp32"
+            + (", batch-invariant attention" if batch_invariant() else ""))
 
 
 class FewRowWeight:

@@ -5,17 +5,21 @@ AMX Xeon a 1-token bf16 forward of SmolLM2-135M is ~30 ms of GEMMs and ~16 ms of
 else: ~5,500 ops, most of them the framework's bookkeeping around seven small linears, two
 norms and the rotary embedding of each of 30 layers. The lean layer does the same arithmetic in
 fewer, larger steps: q, k and v in ONE linear (their weights concatenated), gate and up in one,
-RMSNorm as torch's fused `rms_norm`, the rotary embedding on q and k together, attention with
-`enable_gqa` (no repeated keys). The model around the layers (embedding, masks, rotary tables,
-final norm, output layer) and the KV cache stay transformers' own, so the engine's cache
+one-pass RMSNorm, the rotary embedding on q and k together, attention with GQA inside. Where
+decoding.cpu_kernels is built (CPUs with AVX512-BF16), those steps run on its kernels: few-row
+linears that stream the weights at the core's rate (AMX tiles for bf16), one-pass norm / rotary
+/ SiLU gate, and with $SPECSTOP_BATCH_INVARIANT=1 attention that visits each row's visible keys
+in a fixed order (so a row's result does not depend on how many rows or masked keys the forward
+carries); elsewhere they are torch's ops on oneDNN's prepacked linears. The model around the layers (embedding, masks, rotary
+tables, final norm, output layer) and the KV cache stay transformers' own, so the engine's cache
 bookkeeping, its tree masks and the feature heads' pre-hooks on the layers are unchanged.
 
 Only layers whose arithmetic is known are replaced (`FAMILIES`: Llama, Mistral, Qwen2, Qwen3 with
 silu MLPs and RMSNorm); anything else keeps transformers' layer, and the kind is then "packed".
-The result equals the eager forward to rounding (float32: ~1e-5; bfloat16: norms round once
-instead of twice), so it is a forward of its own: greedy equality and exact sampling are proven
-on it (tests/test_engine_greedy.py, tests/test_sampling_exact.py), and a bf16 lean row agrees
-with a bf16 lean `ar`, not with an eager one.
+The result equals the eager forward to rounding (float32: ~1e-5; bfloat16: each fused step
+rounds once), so it is a forward of its own: greedy equality and exact sampling are proven on it
+(tests/test_engine_greedy.py, tests/test_sampling_exact.py), and a bf16 lean row agrees with a
+bf16 lean `ar`, not with an eager one.
 """
 
 from __future__ import annotations
@@ -122,9 +126,12 @@ def _lean_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
     causal = mask is None and T > 1
     if causal and k.shape[2] > T:  # transformers builds a mask whenever a cache precedes the rows
         raise RuntimeError("lean forward: a causal block after cached tokens needs a mask")
-    att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=a.scaling,
-                                         enable_gqa=H != K)
-    x, h = _add_norm(x, self.post_attention_layernorm, f["o"](att.transpose(1, 2).reshape(B * T, H * D)), fused)
+    if fused and T <= f["row_attention_below"] and (mask is not None or T == 1):  # [B, T, H, D]
+        att = torch.ops.specstop.row_attention(q, k, v, mask, a.scaling).reshape(B * T, H * D)
+    else:
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=a.scaling,
+                                             enable_gqa=H != K).transpose(1, 2).reshape(B * T, H * D)
+    x, h = _add_norm(x, self.post_attention_layernorm, f["o"](att), fused)
     g = f["gate_up"](h)
     g = torch.ops.specstop.silu_mul(g) if fused else F.silu(g[:, : f["inter"]]) * g[:, f["inter"]:]
     x = x + f["down"](g)
@@ -156,6 +163,8 @@ def make_lean(model: torch.nn.Module, pack=lambda w: None, eager_below: dict | N
             "heads": a.q_proj.weight.shape[0] // a.head_dim, "kv_heads": a.k_proj.weight.shape[0] // a.head_dim,
             "inter": m.gate_proj.weight.shape[0], "qk_norm": FAMILIES[type(layer).__name__],
             "fused": kw["small_below"] > 0,  # the few-row kernels are built: so are the row-wise ops
+            # $SPECSTOP_BATCH_INVARIANT=1: steps and verifies attend row by row (a prefill: sdpa)
+            "row_attention_below": cpu_kernels.AMX_ROWS + 1 if kw["small_below"] and cpu_kernels.batch_invariant() else 0,
         }
         for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
             lin._lean_fused = True  # computed by the fused copy: pack_linears leaves it alone

@@ -166,3 +166,83 @@ def test_off_by_environment_or_cpu_or_failed_build(monkeypatch):
     with pytest.warns(UserWarning, match="linears stay oneDNN's"):
         assert "did not build (RuntimeError: Ninja is required" in cpu_kernels.why_not()
     assert cpu_kernels.rows_below(torch.float32) == 0
+
+
+def _sdpa64(q, k, v, visible, scale):
+    """float64 attention over the visible keys (bool [T, N]), GQA by repeating kv heads."""
+    rep = q.shape[1] // k.shape[1]
+    kk, vv = (x.double().repeat_interleave(rep, 1) for x in (k, v))
+    s = (q.double() @ kk.transpose(-1, -2)) * scale
+    s = s.masked_fill(~visible, float("-inf"))
+    return (s.softmax(-1) @ vv).transpose(1, 2)  # [B, T, H, D]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["none", "bool", "additive"])
+def test_row_attention_equals_float64_attention(dtype, kind):
+    """GQA (6 query heads over 2), keys and values as views into a longer cache buffer, a tree
+    mask as bool or additive (the dtype's min where hidden), or no mask (every key visible)."""
+    g = torch.Generator().manual_seed(5)
+    B, H, KV, T, N, D = 1, 6, 2, 1 if kind == "none" else 4, 37, 64
+    q = torch.randn(B, H, T, D, generator=g).to(dtype)
+    buf = torch.randn(2, B, KV, 64, D, generator=g).to(dtype)
+    k, v = buf[0][:, :, :N], buf[1][:, :, :N]
+    visible = torch.ones(T, N, dtype=torch.bool)
+    if kind != "none":
+        visible[:, N - T:] = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    mask = {"none": None, "bool": visible[None, None],
+            "additive": torch.zeros(T, N, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)[None, None]}[kind]
+    got = torch.ops.specstop.row_attention(q, k, v, mask, D ** -0.5)
+    want = _sdpa64(q, k, v, visible, D ** -0.5)
+    assert got.shape == (B, T, H, D)
+    tol = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5
+    assert ((got.double() - want).abs() <= tol * want.abs() + tol * 0.05).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_attention_of_a_row_depends_on_its_visible_keys_only(dtype):
+    """A row attended alone over the prefix and itself (a plain step: no mask) equals the same row
+    inside a verify that carries more rows and more keys, masked for it: bit for bit."""
+    g = torch.Generator().manual_seed(6)
+    H, KV, N, D = 4, 2, 50, 32
+    q = torch.randn(1, H, 5, D, generator=g).to(dtype)
+    k, v = (torch.randn(1, KV, N + 4, D, generator=g).to(dtype) for _ in range(2))
+    visible = torch.ones(5, N + 4, dtype=torch.bool)
+    visible[:, N:] = False
+    for t in range(5):  # rows 1-4 are a chain of tree nodes after row 0
+        visible[t, N:N + t] = True
+    both = torch.ops.specstop.row_attention(q, k, v, visible[None, None], 0.2)
+    for t in range(5):
+        alone = torch.ops.specstop.row_attention(q[:, :, t:t + 1].contiguous(), k[:, :, :N + t], v[:, :, :N + t],
+                                                 None, 0.2)
+        assert torch.equal(both[:, t], alone[:, 0])
+
+
+@needs_amx
+def test_bf16_verify_rows_equal_the_plain_steps_bit_for_bit(monkeypatch):
+    """$SPECSTOP_BATCH_INVARIANT=1: with AMX linears, the row-wise kernels and row attention, a
+    bf16 verify of a chain of up to 32 tokens gives each row exactly the logits a 1-token step
+    gives it, so bf16 greedy speculation reproduces bf16 `ar` with no near-tie flips."""
+    monkeypatch.setenv(cpu_kernels.INVARIANT_ENV, "1")
+    assert cpu_kernels.batch_invariant() and "batch-invariant" in cpu_kernels.describe()
+    model = tiny("llama").to(torch.bfloat16)
+    set_forward(model, "lean")
+    assert model.model.layers[0]._lean["row_attention_below"] == cpu_kernels.AMX_ROWS + 1
+    V = model.config.vocab_size
+    prompt, nxt = [(3 * i + 1) % V for i in range(27)], [(7 * i + 5) % V for i in range(32)]
+    from decoding.tree import layout_from_k_config
+
+    for n in (2, 9, 32):
+        steps = CachedModel(model)
+        steps.feed(prompt, TreeLayout(()), [], 0, 0)
+        one = [steps.feed(prompt + nxt[:i + 1], TreeLayout(()), [], 0, 0)[0][-1] for i in range(n)]
+        cm = CachedModel(model)
+        cm.feed(prompt, TreeLayout(()), [], 0, 0)
+        many = cm.feed(prompt + nxt[:1], layout_from_k_config([1] * (n - 1)), nxt[1:n], 0, n - 1)[0]
+        assert torch.equal(torch.stack(one), many)
+    monkeypatch.delenv(cpu_kernels.INVARIANT_ENV)
+    set_forward(model, "eager")
+    set_forward(model, "lean")  # off by default: torch's attention
+    assert model.model.layers[0]._lean["row_attention_below"] == 0

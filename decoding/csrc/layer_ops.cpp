@@ -9,23 +9,16 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "vec.h"
+
 #include <cmath>
 #include <tuple>
 
 namespace {
+using namespace specstop_vec;
 // torch's rms_norm on a CPU is a composite of ~10 ops (~12 us a row); this is one pass. fp32 math,
 // one rounding of the output: y = x / sqrt(mean(x^2) + eps) * w. With `res`, x + res first
 // (rounded to x's dtype, as the residual stream is stored), returned beside the norm.
-inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
-}
-inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline __mmask16 live(int64_t c, int64_t C) { return C - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (C - c)) - 1); }
-
 template <class T>
 void rms_rows(const T* x, const T* res, T* sum, const T* w, T* y, int64_t R, int64_t C, double eps) {
   at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
@@ -126,19 +119,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& y, con
 }
 
 // g [R, 2 * I] (a fused gate / up projection) -> silu(gate) * up [R, I]
-// exp(x) to ~1 ulp in fp32: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 Taylor polynomial in r
-// (remainder < 3e-9), then scaled by 2^n; clamped where fp32 overflows / flushes.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-103.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 in two parts
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
-
 template <class T>
 void silu_mul_rows(const T* g, T* out, int64_t R, int64_t I) {
   const __m512 one = _mm512_set1_ps(1.0f);
