@@ -18,7 +18,7 @@ Both linears are batch-invariant: a row's result does not depend on the other ro
 the thread count, so in bf16 a 1-token step and the same row inside a verify agree bit for bit
 where both run on AMX; where a row count switches kernels they agree to rounding.
 
-Built on first use by torch's C++ extension loader (~10 s once per machine, cached under
+Built on first use by torch's C++ extension loader (~14 s once per machine on 2 cores, cached under
 $TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default), only where the CPU has AVX512-BF16,
 a compiler is found and $SPECSTOP_CPU_KERNELS is not 0; otherwise `why_not()` says why and the
 lean forward keeps torch's ops and oneDNN's linears.
