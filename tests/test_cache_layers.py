@@ -1,0 +1,65 @@
+"""decoding.cache: growing layers append in place and roll back by slicing, like transformers'
+concatenating DynamicLayer, through the engine's commits (keep_path, cut_front, crop)."""
+
+import torch
+
+from conftest import tiny_llama
+from decoding.cache import CachedModel, _append, crop, cut_front, keep_path, new_cache
+from decoding.tree import TreeLayout
+
+
+def _kv(t, fill=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 2, t, 4, generator=g)
+    return x if fill is None else torch.full_like(x, fill)
+
+
+def test_append_writes_into_spare_room_and_doubles_when_full():
+    view, buf, ref = torch.empty(0), None, None
+    for i, t in enumerate((3, 1, 1, 70, 2)):
+        new = _kv(t, seed=i)
+        ref = new if ref is None else torch.cat([ref, new], -2)
+        old_buf = buf
+        view, buf = _append(view, buf, new)
+        assert torch.equal(view, ref)
+        if old_buf is not None and ref.shape[-2] <= old_buf.shape[-2]:
+            assert buf is old_buf  # room left: no new allocation, no copy of the cache
+    assert buf.shape[-2] >= ref.shape[-2] and view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+
+
+def test_append_after_a_cut_overwrites_the_dropped_rows_only():
+    view, buf = _append(torch.empty(0), None, _kv(10))
+    kept = view[..., :6, :]  # a rollback keeps 6 of 10
+    view2, buf2 = _append(kept, buf, _kv(1, fill=7.0))
+    assert buf2 is buf and torch.equal(view2[..., :6, :], kept) and (view2[..., 6, :] == 7).all()
+    front = view2[..., 2:, :]  # a sliding layer drops its 2 oldest
+    view3, _ = _append(front, buf2, _kv(1, fill=9.0))
+    assert torch.equal(view3[..., :-1, :], front) and (view3[..., -1, :] == 9).all()
+    other = torch.zeros(1, 2, 3, 4)  # not a view of the buffer (set from outside): copied, not aliased
+    view4, buf4 = _append(other, buf, _kv(1, fill=1.0))
+    assert buf4 is not buf and torch.equal(view4[..., :3, :], other) and (view4[..., 3, :] == 1).all()
+
+
+def test_the_engine_cache_on_growing_layers_equals_a_fresh_forward():
+    """Feed, keep a path, crop and cut as rounds do; logits of the next token equal those of one
+    forward over the committed sequence."""
+    model = tiny_llama(0, vocab=32, layers=2)
+    cache = new_cache(model)
+    assert all(type(layer).__name__ == "GrowingLayer" for layer in cache.layers)
+    cm = CachedModel(model)
+    seq = [3, 1, 4, 1, 5, 9, 2, 6]
+    cm.feed(seq, TreeLayout(()), [], 0, 0)
+    for tok in (5, 3, 5):
+        seq.append(tok)
+        cm.feed(seq, TreeLayout(()), [], 0, 0)
+    crop(cm.cache, len(seq) - 2)
+    cm.length = len(seq) - 2
+    seq = seq[:-1] + [7]
+    got = cm.feed(seq, TreeLayout(()), [], 0, 0)[0][-1]
+    with torch.no_grad():
+        want = model(torch.tensor([seq])).logits[0, -1].float()
+    assert torch.allclose(got, want, atol=1e-5)
+    n = cm.length
+    assert keep_path(cm.cache, n, [], 0) == n  # nothing fed beyond: unchanged
+    cut_front(cm.cache, [0], 2)
+    assert cm.cache.layers[0].keys.shape[-2] == n - 2 and cm.cache.layers[1].keys.shape[-2] == n
