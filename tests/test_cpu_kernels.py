@@ -246,3 +246,18 @@ def test_bf16_verify_rows_equal_the_plain_steps_bit_for_bit(monkeypatch):
     set_forward(model, "eager")
     set_forward(model, "lean")  # off by default: torch's attention
     assert model.model.layers[0]._lean["row_attention_below"] == 0
+
+
+def test_the_kernel_sources_ship_with_the_package():
+    """A wheel carries every source and header the build reads (package-data patterns)."""
+    import fnmatch
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    root = Path(__file__).resolve().parents[1]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["decoding"]
+    for f in (root / "decoding" / "csrc").iterdir():
+        if f.suffix in (".cpp", ".h"):
+            assert any(fnmatch.fnmatch(f"csrc/{f.name}", p) for p in patterns), f.name
+    assert set(cpu_kernels.SOURCES) <= set((root / "decoding" / "csrc").iterdir())
