@@ -87,3 +87,16 @@ def test_redistill_keeps_the_champion_when_vllm_would_serve_it_differently(tmp_p
     assert not d["promoted"] and d["serve_check"]["status"] == "failed"
     assert d["reason"].startswith("serve contract broken")
     assert {p.name: p.read_bytes() for p in champ.iterdir()} == before
+
+
+def test_ratios_pair_prompts_and_bracket_the_point():
+    """The serve-check's ours / vLLM ratios: tokens per second over all prompts, paired, with a
+    bootstrap interval over prompts that contains the point."""
+    from training.serve.report import _ratios
+
+    timed = {"bfloat16/specstop ar": {"tokens": [96, 96, 50], "seconds": [2.0, 3.0, 1.0]},
+             "bfloat16/vLLM plain": {"tokens": [96, 96, 50], "seconds": [3.0, 3.0, 2.0]}}
+    r = _ratios(timed, ["bfloat16", "float32"])
+    point, lo, hi = r["bfloat16: specstop ar / vLLM plain"]
+    assert point == pytest.approx((242 / 6.0) / (242 / 8.0), abs=1e-3) and lo <= point <= hi
+    assert list(r) == ["bfloat16: specstop ar / vLLM plain"]  # pairs without data are left out

@@ -22,8 +22,28 @@ def _rate(tokens: list[int], seconds: list[float]) -> float:
     return round(sum(tokens) / sum(seconds), 2) if sum(seconds) else 0.0
 
 
+COMPARED = (("specstop ar", "vLLM plain"), ("specstop default", "vLLM + head"),
+            ("specstop sd --gamma 3 --stop fixed", "vLLM + head"))
+"""(ours, theirs): the ratios reported with a 95% CI over prompts."""
+
+
+def _ratios(per_prompt: dict, dtypes) -> dict:
+    """ours / theirs in tokens per second, paired over prompts, with a percentile-bootstrap 95%
+    interval (decoding.bench.stats.speedup_ci: resampling prompts, one pass each)."""
+    from decoding.bench.stats import speedup_ci
+
+    out = {}
+    for dtype in dtypes:
+        for a, b in COMPARED:
+            ra, rb = per_prompt.get(f"{dtype}/{a}"), per_prompt.get(f"{dtype}/{b}")
+            if ra and rb:
+                point, lo, hi = speedup_ci([ra["tokens"]], [ra["seconds"]], [rb["tokens"]], [rb["seconds"]])
+                out[f"{dtype}: {a} / {b}"] = [round(point, 3), round(lo, 3), round(hi, 3)]
+    return out
+
+
 def summarise(cfg, rows, mine: dict, theirs: dict, eos: set[int], fails: list[str], total_s: float) -> dict:
-    runs, speed = theirs["runs"], {}
+    runs, speed, timed = theirs["runs"], {}, {}
     for dtype in cfg.dtypes:
         plain = runs.get(f"{dtype}/plain")
         for name, r in (("vLLM plain", plain), ("vLLM + head", runs.get(f"{dtype}/head")),
@@ -33,6 +53,7 @@ def summarise(cfg, rows, mine: dict, theirs: dict, eos: set[int], fails: list[st
                 continue
             toks = r.get("tokens") or [len(o) for o in r["outputs"]]
             speed[f"{dtype}/{name}"] = _rate(toks, r["seconds"])
+            timed[f"{dtype}/{name}"] = {"tokens": list(toks), "seconds": [round(x, 4) for x in r["seconds"]]}
     head = runs["float32/head"]
     per_prompt = [{"id": r["id"], "kind": r["kind"], "vllm_accepted": a, "specstop_accepted": b, "vllm_drafted": d}
                   for r, a, b, d in zip(rows, head["accepted"], mine["float32/sd"]["accepted"], head["drafted"])]
@@ -59,7 +80,7 @@ def summarise(cfg, rows, mine: dict, theirs: dict, eos: set[int], fails: list[st
                      "speculators_export_checked": "float32/speculators" in runs},
         "accepted_per_prompt": per_prompt, "vllm_mean_acceptance_length": acc_len,
         "bf16_head_equals_plain": None if bf16 is None else f"{bf16}/{len(rows)}",
-        "tokens_per_s": speed,
+        "tokens_per_s": speed, "ratios_ci": _ratios(timed, cfg.dtypes), "per_prompt_timing": timed,
         "speedup_vllm_head_over_plain": {d: round(speed[f"{d}/vLLM + head"] / speed[f"{d}/vLLM plain"], 3)
                                          for d in cfg.dtypes if speed.get(f"{d}/vLLM plain")},
         "construct_s": {k: round(v["construct_s"], 1) for k, v in runs.items()},
@@ -85,6 +106,10 @@ def write_report(out: Path, result: dict) -> None:
                   f"code {acc['code']}. bf16 vLLM + head equal to plain vLLM: {result['bf16_head_equals_plain']}.",
               "", "| run | tokens/s |", "|---|---:|"]
     lines += [f"| {k} | {v} |" for k, v in result["tokens_per_s"].items()]
+    if result.get("ratios_ci"):
+        lines += ["", "Ours over vLLM, tokens per second paired over prompts [95% CI, bootstrap over prompts]:", "",
+                  "| dtype: ours / vLLM | ratio [95% CI] |", "|---|---|"]
+        lines += [f"| {k} | {p:.2f}x [{lo:.2f}, {hi:.2f}] |" for k, (p, lo, hi) in result["ratios_ci"].items()]
     lines += ["", f"vLLM + head over plain vLLM: {result['speedup_vllm_head_over_plain']}. "
                   f"vLLM construction (s): {result['construct_s']}. Total {result['total_s']} s.", ""]
     _atomic(out / "results.md", "\n".join(lines))
