@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from . import cpu_kernels
 from .fast_forward import REVISION, forward_kind
 from .fingerprint import fingerprint
 from .growth import COST_SIZES, TOKENS, CostCurve, measure_cost
@@ -42,6 +43,16 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _forward_tag(target) -> str:
+    """The forward kind, its revision, and whether decoding.cpu_kernels run it (a curve timed
+    with the kernels is not this machine's curve with SPECSTOP_CPU_KERNELS=0)."""
+    kind = forward_kind(target)
+    if kind == "eager":
+        return kind
+    on = getattr(target, "_specstop_kernels", True) and cpu_kernels.available()
+    return f"{kind}-r{REVISION}" + ("-kernels" if on else "")
+
+
 def cost_key(target, draft) -> dict:
     """What the curve depends on (readable, stored beside the curve)."""
     dev = next(target.parameters()).device
@@ -49,7 +60,7 @@ def cost_key(target, draft) -> dict:
         "target": fingerprint(target)["weights_sha256"], "draft": fingerprint(draft)["weights_sha256"],
         "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model(),
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "forward": forward_kind(target) + ("" if forward_kind(target) == "eager" else f"-r{REVISION}"),
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "forward": _forward_tag(target),
         "sizes": list(COST_SIZES), "unit": TOKENS,  # how it is timed: a curve of another kind is a miss
     }
 

@@ -83,3 +83,21 @@ def test_a_hit_is_trusted_and_re_timed_only_when_asked(tmp_path, monkeypatch):
     monkeypatch.setenv(RETIME_ENV, "0")
     assert cached_cost(target, draft, tmp_path)[0].target(8) == today[8]  # the re-timed one, stored
     assert "now" in cached_cost(target, draft, tmp_path, retime=True)[1]
+
+
+def test_the_key_names_the_forward_and_whether_the_cpu_kernels_run_it():
+    """A curve timed on the CPU kernels is not the curve of the same forward without them
+    (SPECSTOP_CPU_KERNELS=0, or set_forward(kernels=False))."""
+    from decoding import cpu_kernels
+    from decoding.fast_forward import packed_available, set_forward
+
+    target, draft = tiny_llama(0, vocab=32, layers=2), tiny_llama(1, vocab=32, layers=1)
+    assert cost_key(target, draft)["forward"] == "eager"
+    if not packed_available(torch.float32, "cpu"):
+        return
+    set_forward(target, "lean", kernels=False)
+    off = cost_key(target, draft)["forward"]
+    set_forward(target, "lean")
+    on = cost_key(target, draft)["forward"]
+    assert off.startswith("lean-r") and not off.endswith("-kernels")
+    assert on == off + ("-kernels" if cpu_kernels.available() else "")
