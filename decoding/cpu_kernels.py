@@ -39,7 +39,7 @@ ROWS_BELOW = {torch.bfloat16: 4, torch.float32: 7}
 """Row counts below which `small_linear` runs; above, oneDNN's kernels are faster. Whole 1-thread
 forwards of SmolLM2-135M on a 2-core AMX Xeon, kernel / oneDNN: bf16 0.88x, 0.86x, 0.93x at 1, 2,
 3 rows, 1.00x at 4; fp32 0.92x-0.84x at 1-4 rows, 0.97x at 6, 1.01x at 8
-(reports/forward-2026-11-26-cpu-kernels)."""
+(reports/forward-2026-11-26-kernel-crossovers)."""
 INVARIANT_ENV = "SPECSTOP_BATCH_INVARIANT"
 """1: the lean layers attend with `row_attention` (each row over its visible keys in a fixed
 order) for steps and verifies of up to AMX_ROWS tokens, so with AMX linears a bf16 verify's rows
@@ -48,7 +48,8 @@ default: each row rereads every key, so against torch's attention a bf16 forward
 Xeon) costs 0.88x / 1.00x / 1.07x / 1.14x at 1 / 8 / 16 / 32 tokens with 200 cached tokens and
 0.87x / 1.29x / 1.75x / 2.33x with 1,500 (reports/forward-2026-11-26-batch-invariant-ctx*)."""
 AMX_ROWS = 32
-"""Most rows `amx_linear` takes: its linears cost 0.89x oneDNN's at 32 rows, 1.11x at 64."""
+"""Most rows `amx_linear` takes: a step's linears cost 0.82-0.89x oneDNN's at 32 rows, 0.93-1.11x at
+64 in two runs (reports/forward-2026-11-26-kernel-crossovers)."""
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 CSRC = Path(__file__).parent / "csrc"
