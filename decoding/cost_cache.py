@@ -45,12 +45,13 @@ def cpu_model() -> str:
 
 def _forward_tag(target) -> str:
     """The forward kind, its revision, and whether decoding.cpu_kernels run it (a curve timed
-    with the kernels is not this machine's curve with SPECSTOP_CPU_KERNELS=0)."""
+    with the kernels is not this machine's curve with SPECSTOP_CPU_KERNELS=0, nor with torch's
+    attention, SPECSTOP_BATCH_INVARIANT=0)."""
     kind = forward_kind(target)
     if kind == "eager":
         return kind
     on = getattr(target, "_specstop_kernels", True) and cpu_kernels.available()
-    return f"{kind}-r{REVISION}" + ("-kernels" if on else "")
+    return f"{kind}-r{REVISION}" + ("-kernels" if on else "") + ("-sdpa" if on and not cpu_kernels.batch_invariant() else "")
 
 
 def cost_key(target, draft) -> dict:

@@ -12,7 +12,9 @@ stops at every 4 KiB page. `csrc/gemm.cpp` prefetches 16 KiB ahead itself:
   weight, out of arithmetic above a few rows (`ROWS_BELOW`).
 Above those sizes (a prefill, a very large tree) oneDNN's kernels run. `csrc/layer_ops.cpp`:
 torch runs a CPU rms_norm as ~10 ops (~11 us a row; this one pass, ~2 us), the rotary embedding as
-~5; each becomes one loop with fp32 math and one rounding per output.
+~5; each becomes one loop with fp32 math and one rounding per output. `csrc/attention.cpp`: the
+attention of a step or a verify (scores on AMX tiles, rows as vector lanes), cheaper than torch's
+and batch-invariant (INVARIANT_ENV).
 
 Both linears are batch-invariant: a row's result does not depend on the other rows of the call or
 the thread count, so in bf16 a 1-token step and the same row inside a verify agree bit for bit
@@ -41,12 +43,12 @@ forwards of SmolLM2-135M on a 2-core AMX Xeon, kernel / oneDNN: bf16 0.88x, 0.86
 3 rows, 1.00x at 4; fp32 0.92x-0.84x at 1-4 rows, 0.97x at 6, 1.01x at 8
 (reports/forward-2026-11-26-kernel-crossovers)."""
 INVARIANT_ENV = "SPECSTOP_BATCH_INVARIANT"
-"""1: the lean layers attend with `row_attention` (each row over its visible keys in a fixed
-order) for steps and verifies of up to AMX_ROWS tokens, so with AMX linears a bf16 verify's rows
-equal 1-token steps bit for bit and bf16 speculation reproduces bf16 `ar` exactly. Off by
-default: each row rereads every key, so against torch's attention a bf16 forward (1 thread, AMX
-Xeon) costs 0.88x / 1.00x / 1.07x / 1.14x at 1 / 8 / 16 / 32 tokens with 200 cached tokens and
-0.87x / 1.29x / 1.75x / 2.33x with 1,500 (reports/forward-2026-11-26-batch-invariant-ctx*)."""
+"""0: the lean layers attend with torch's scaled_dot_product_attention instead of `row_attention`.
+By default steps and verifies of up to AMX_ROWS + 1 tokens attend with `row_attention`, whose rows
+depend only on their visible keys, so with AMX linears a bf16 verify's rows equal 1-token steps bit
+for bit and bf16 speculation reproduces bf16 `ar` exactly. It is also the cheaper kernel: a bf16
+forward (1 thread, AMX Xeon, 200 cached tokens) costs 0.89-0.94x torch's attention's at 1-32
+tokens (reports/forward-2026-11-27-row-attention)."""
 AMX_ROWS = 32
 """Most rows `amx_linear` takes: a step's linears cost 0.82-0.89x oneDNN's at 32 rows, 0.93-1.11x at
 64 in two runs (reports/forward-2026-11-26-kernel-crossovers)."""
@@ -72,7 +74,7 @@ def _registered() -> bool:
 def _build() -> None:
     from torch.utils.cpp_extension import load
 
-    flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
+    flags = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
     # the name carries a hash of every source and header: torch's loader rebuilds on a changed
     # source but not on a changed header
     files = sorted(p for p in CSRC.iterdir() if p.suffix in (".cpp", ".h"))
@@ -128,8 +130,9 @@ def rows_below(dtype: torch.dtype) -> int:
 
 
 def batch_invariant() -> bool:
-    """$SPECSTOP_BATCH_INVARIANT=1 and the kernels are built (see INVARIANT_ENV)."""
-    return os.environ.get(INVARIANT_ENV, "").strip() == "1" and available()
+    """The lean layers attend with `row_attention`: the kernels are built and $SPECSTOP_BATCH_INVARIANT
+    is not 0 (see INVARIANT_ENV)."""
+    return os.environ.get(INVARIANT_ENV, "").strip() != "0" and available()
 
 
 def describe() -> str:

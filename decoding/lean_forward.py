@@ -8,9 +8,9 @@ fewer, larger steps: q, k and v in ONE linear (their weights concatenated), gate
 one-pass RMSNorm, the rotary embedding on q and k together, attention with GQA inside. Where
 decoding.cpu_kernels is built (CPUs with AVX512-BF16), those steps run on its kernels: few-row
 linears that stream the weights at the core's rate (AMX tiles for bf16), one-pass norm / rotary
-/ SiLU gate, and with $SPECSTOP_BATCH_INVARIANT=1 attention that visits each row's visible keys
-in a fixed order (so a row's result does not depend on how many rows or masked keys the forward
-carries); elsewhere they are torch's ops on oneDNN's prepacked linears. The model around the layers (embedding, masks, rotary
+/ SiLU gate, and attention whose rows depend only on their visible keys (so a row's result does not
+depend on how many rows or masked keys the forward carries; $SPECSTOP_BATCH_INVARIANT=0: torch's
+scaled_dot_product_attention instead); elsewhere they are torch's ops on oneDNN's prepacked linears. The model around the layers (embedding, masks, rotary
 tables, final norm, output layer) and the KV cache stay transformers' own, so the engine's cache
 bookkeeping, its tree masks and the feature heads' pre-hooks on the layers are unchanged.
 
@@ -163,7 +163,7 @@ def make_lean(model: torch.nn.Module, pack=lambda w: None, eager_below: dict | N
             "heads": a.q_proj.weight.shape[0] // a.head_dim, "kv_heads": a.k_proj.weight.shape[0] // a.head_dim,
             "inter": m.gate_proj.weight.shape[0], "qk_norm": FAMILIES[type(layer).__name__],
             "fused": kw["small_below"] > 0,  # the few-row kernels are built: so are the row-wise ops
-            # $SPECSTOP_BATCH_INVARIANT=1: steps and verifies attend row by row (a prefill: sdpa)
+            # steps and verifies attend on the kernel (a prefill: sdpa); $SPECSTOP_BATCH_INVARIANT=0: sdpa
             "row_attention_below": cpu_kernels.AMX_ROWS + 1 if kw["small_below"] and cpu_kernels.batch_invariant() else 0,
         }
         for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):

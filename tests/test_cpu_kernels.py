@@ -202,30 +202,47 @@ def test_row_attention_equals_float64_attention(dtype, kind):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_attention_of_a_row_depends_on_its_visible_keys_only(dtype):
-    """A row attended alone over the prefix and itself (a plain step: no mask) equals the same row
-    inside a verify that carries more rows and more keys, masked for it: bit for bit."""
-    g = torch.Generator().manual_seed(6)
-    H, KV, N, D = 4, 2, 50, 32
-    q = torch.randn(1, H, 5, D, generator=g).to(dtype)
-    k, v = (torch.randn(1, KV, N + 4, D, generator=g).to(dtype) for _ in range(2))
-    visible = torch.ones(5, N + 4, dtype=torch.bool)
-    visible[:, N:] = False
-    for t in range(5):  # rows 1-4 are a chain of tree nodes after row 0
-        visible[t, N:N + t] = True
-    both = torch.ops.specstop.row_attention(q, k, v, visible[None, None], 0.2)
-    for t in range(5):
-        alone = torch.ops.specstop.row_attention(q[:, :, t:t + 1].contiguous(), k[:, :, :N + t], v[:, :, :N + t],
-                                                 None, 0.2)
-        assert torch.equal(both[:, t], alone[:, 0])
+@pytest.mark.parametrize("H, KV, T, D", [(4, 2, 5, 32), (9, 3, 20, 64), (4, 4, 3, 48)])
+def test_row_attention_of_a_row_depends_on_its_visible_keys_only(dtype, H, KV, T, D):
+    """A row attended alone over the prefix and its ancestors (a plain step: no mask, keys in the
+    order they were committed) equals the same row inside a verify of a tree that carries more
+    rows (here up to 60 query rows per kv head: several lane vectors and tasks) and more keys,
+    the masked ones between its ancestors: bit for bit, on 1 and 2 threads."""
+    g = torch.Generator().manual_seed(6 + T)
+    N = 50 + T % 7  # cached keys: not a whole number of 16-key tiles
+    parent = [-1] + [int(torch.randint(0, t, (1,), generator=g)) for t in range(1, T)]  # a random tree
+    q = torch.randn(1, H, T, D, generator=g).to(dtype)
+    k, v = (torch.randn(1, KV, N + T, D, generator=g).to(dtype) for _ in range(2))
+    visible = torch.zeros(T, N + T, dtype=torch.bool)
+    visible[:, :N] = True
+    path = []
+    for t in range(T):
+        a, path_t = t, []
+        while a >= 0:
+            path_t.append(a)
+            a = parent[a]
+        path.append(path_t[::-1])  # root .. t
+        visible[t, [N + a for a in path_t]] = True
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            both = torch.ops.specstop.row_attention(q, k, v, visible[None, None], 0.2)
+            for t in range(T):
+                idx = list(range(N)) + [N + a for a in path[t]]
+                alone = torch.ops.specstop.row_attention(q[:, :, t:t + 1].contiguous(), k[:, :, idx], v[:, :, idx],
+                                                         None, 0.2)
+                assert torch.equal(both[:, t], alone[:, 0]), (threads, t)
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_amx
 def test_bf16_verify_rows_equal_the_plain_steps_bit_for_bit(monkeypatch):
-    """$SPECSTOP_BATCH_INVARIANT=1: with AMX linears, the row-wise kernels and row attention, a
-    bf16 verify of a chain of up to 32 tokens gives each row exactly the logits a 1-token step
-    gives it, so bf16 greedy speculation reproduces bf16 `ar` with no near-tie flips."""
-    monkeypatch.setenv(cpu_kernels.INVARIANT_ENV, "1")
+    """By default, with AMX linears, the row-wise kernels and row attention, a bf16 verify of a
+    chain of up to 32 tokens gives each row exactly the logits a 1-token step gives it, so bf16
+    greedy speculation reproduces bf16 `ar` with no near-tie flips."""
+    monkeypatch.delenv(cpu_kernels.INVARIANT_ENV, raising=False)
     assert cpu_kernels.batch_invariant() and "batch-invariant" in cpu_kernels.describe()
     model = tiny("llama").to(torch.bfloat16)
     set_forward(model, "lean")
@@ -242,10 +259,10 @@ def test_bf16_verify_rows_equal_the_plain_steps_bit_for_bit(monkeypatch):
         cm.feed(prompt, TreeLayout(()), [], 0, 0)
         many = cm.feed(prompt + nxt[:1], layout_from_k_config([1] * (n - 1)), nxt[1:n], 0, n - 1)[0]
         assert torch.equal(torch.stack(one), many)
-    monkeypatch.delenv(cpu_kernels.INVARIANT_ENV)
+    monkeypatch.setenv(cpu_kernels.INVARIANT_ENV, "0")
     set_forward(model, "eager")
-    set_forward(model, "lean")  # off by default: torch's attention
-    assert model.model.layers[0]._lean["row_attention_below"] == 0
+    set_forward(model, "lean")  # turned off: torch's attention
+    assert model.model.layers[0]._lean["row_attention_below"] == 0 and not cpu_kernels.batch_invariant()
 
 
 def test_the_kernel_sources_ship_with_the_package():

@@ -209,8 +209,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--forward-threads", default="1,2", help="forward suite: torch thread counts")
     ap.add_argument("--forwards", default="eager,packed",
                     help="forward suite: eager, packed, lean, compiled (a torch.compile probe over a static "
-                         "cache); packed/torch, lean/torch: without decoding.cpu_kernels; lean/invariant: "
-                         "with $SPECSTOP_BATCH_INVARIANT=1")
+                         "cache); packed/torch, lean/torch: without decoding.cpu_kernels; lean/sdpa: "
+                         "torch's attention ($SPECSTOP_BATCH_INVARIANT=0)")
     ap.add_argument("--context", type=int, default=200, help="forward suite: cached tokens before the forward")
     ap.add_argument("--sizes", default="1,2,4,8,16", help="forward suite: new tokens per forward")
     ap.add_argument("--new-tokens", type=int, default=64, help="engine / cli suites: new tokens")

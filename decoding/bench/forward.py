@@ -5,8 +5,8 @@ One target forward is what a decoding round pays for: the pending token plus n -
 fed against a cache of `context` committed tokens (n = 1 is a plain decoding step), exactly as
 the engine feeds it (decoding.cache.CachedModel). For each thread count, every variant (dtype x
 forward: eager = transformers' modules as loaded, packed / lean = decoding.fast_forward; a
-"/torch" suffix leaves out decoding.cpu_kernels: torch's ops and oneDNN's linears; "/invariant"
-runs with $SPECSTOP_BATCH_INVARIANT=1) is timed at
+"/torch" suffix leaves out decoding.cpu_kernels: torch's ops and oneDNN's linears; "/sdpa" keeps
+them but attends with torch's attention, $SPECSTOP_BATCH_INVARIANT=0) is timed at
 every n, variants alternating call by call within each repeat, so load from other processes
 hits all alike; medians and ratios are reported (ratios are what survives a shared machine).
 torch.profiler splits one forward per variant and size into GEMM time and the rest (per-op
@@ -76,13 +76,13 @@ def _variants(dtypes, forwards, context: int, sizes) -> dict[str, _Forward]:
 
                 out[f"{dt} {fw}"] = CompiledForward(model, model.config.vocab_size, context, max(sizes))
                 continue
-            # "lean/torch": without decoding.cpu_kernels; "lean/invariant": $SPECSTOP_BATCH_INVARIANT=1
+            # "lean/torch": without decoding.cpu_kernels; "lean/sdpa": $SPECSTOP_BATCH_INVARIANT=0
             kind, _, only = fw.partition("/")
             if kind != "eager" and not packed_available(model.dtype, "cpu"):
                 continue
             before = os.environ.pop(cpu_kernels.INVARIANT_ENV, None)
-            if only == "invariant":
-                os.environ[cpu_kernels.INVARIANT_ENV] = "1"
+            if only == "sdpa":
+                os.environ[cpu_kernels.INVARIANT_ENV] = "0"
             try:
                 set_forward(model, kind, kernels=only != "torch")
             finally:

@@ -1,11 +1,20 @@
-// Attention for a decoding step or a verified tree (decoding/cpu_kernels.py): each query row
-// visits exactly the keys its mask lets it see, in position order, with a fixed fp32 reduction.
+// Attention for a decoding step or a verified tree (decoding/cpu_kernels.py), batch-invariant:
+// a query row's result depends only on the keys its mask lets it see, not on how many rows or
+// masked keys the call carries.
 //
-// Why not torch's scaled_dot_product_attention: its CPU kernels vectorise over the key axis, so
-// a row's rounding depends on how many keys the call carries, visible or not; a token attended
-// alone (a plain step, every key visible) and the same token inside a verify (one more key per
-// tree node, masked) then differ in the last bf16 bit, and greedy bf16 speculation drifts from
-// bf16 `ar` at near-ties. Here a row's result depends only on its visible keys.
+// Why not torch's scaled_dot_product_attention: its CPU kernels block the key axis, so a row's
+// rounding depends on how many keys the call carries, visible or not; a token attended alone (a
+// plain step) and the same token inside a verify (one more key per tree node, masked) then differ
+// in the last bf16 bit, and greedy bf16 speculation drifts from bf16 `ar` at near-ties.
+//
+// How, for the query rows (t, head) of one kv head, laid out as vector lanes ("rows"):
+// - scores S[key][row]: bf16 with AMX as K (16 keys) x Q^T (16 rows) tiles, each score one
+//   tile dot product; otherwise (fp32, no AMX) one FMA chain per lane over the head dimension;
+// - softmax per lane, keys in position order: max, exp, a sequential sum; a masked key is
+//   -inf, so it adds an exact 0 to the sum;
+// - out[row] = sum over keys in position order of p * v (lanes: the head dimension), one FMA
+//   chain per output element; a masked key's p is 0 and leaves the chain as it was.
+// Every step's arithmetic per row is the same whatever the other rows and masked keys are.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -16,6 +25,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -23,90 +33,247 @@ namespace {
 
 using namespace specstop_vec;
 
-constexpr int MAXD = 256;  // head_dim up to 256: 16 vectors of accumulators
+constexpr int MAXD = 256;  // head_dim up to 256
+constexpr int CH = 2;      // lane vectors (16 query rows each) per task
+
+struct TileCfg {
+  uint8_t palette, start;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+inline float to_f(float x) { return x; }
+inline float to_f(at::BFloat16 x) { return (float)x; }
+template <class M> inline bool plain(M x) {  // visible with nothing added
+  if constexpr (std::is_same_v<M, bool>) return x;
+  else return to_f(x) == 0.0f;
+}
+template <class M> inline float additive(M x) {  // -inf: masked
+  if constexpr (std::is_same_v<M, bool>) return x ? 0.0f : -INFINITY;
+  else { const float f = to_f(x); return f <= -1e30f ? -INFINITY : f; }
+}
+
+// The mask of batch b, once per call: keys [0, full) are visible to every row with nothing added
+// (a verify's cached prefix); for the rest, add[(j - full) * TP + t] (TP: T padded by 16 lanes).
+struct MaskView {
+  int64_t full = 0, TP = 0;
+  std::vector<float> add;
+};
+
+template <class M>
+MaskView mask_view(const at::Tensor& mask, int64_t b, int64_t Tn, int64_t N) {
+  MaskView mv;
+  mv.TP = Tn + 16;
+  if (!mask.defined()) { mv.full = N; return mv; }
+  const M* base = mask.data_ptr<M>() + (mask.size(0) > 1 ? b * mask.stride(0) : 0);
+  const int64_t mt = mask.stride(2), mn = mask.stride(3);
+  int64_t full = N;
+  for (int64_t t = 0; t < Tn; ++t) {
+    const M* row = base + t * mt;
+    int64_t j = 0;
+    while (j < full && plain(row[j * mn])) ++j;
+    full = j;
+  }
+  mv.full = full;
+  mv.add.assign((size_t)(N - full) * mv.TP, 0.0f);
+  for (int64_t t = 0; t < Tn; ++t)
+    for (int64_t j = full; j < N; ++j) mv.add[(j - full) * mv.TP + t] = additive(base[t * mt + j * mn]);
+  return mv;
+}
+
+struct Scratch {  // per thread, reused across calls
+  std::vector<float> S, QT, VF, KF;
+  std::vector<uint16_t> QB, tail;
+};
+Scratch& scratch() {
+  static thread_local Scratch s;
+  return s;
+}
+
+// S[j][l] = q_l . k_j on AMX tiles: A = 16 keys x 32 dims (straight from the cache), B = 32 dims x
+// 16 rows in VNNI pairs (QB, built per task), C = 16 keys x 16 rows, stored into S.
+void scores_amx(const uint16_t* K, int64_t ks, int64_t N, int64_t D, const uint16_t* QB, int nv, float* S,
+                int64_t LW, std::vector<uint16_t>& tail) {
+  TileCfg cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 3; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }  // 0: C, 1: A (keys), 2: B (rows)
+  _tile_loadconfig(&cfg);
+  const int64_t DC = D / 32;
+  for (int64_t j0 = 0; j0 < N; j0 += 16) {
+    const uint16_t* A = K + j0 * ks;
+    int64_t as = ks * 2;
+    if (j0 + 16 > N) {  // the last keys, zero-padded to a whole tile (never read past the cache)
+      tail.assign(16 * D, 0);
+      for (int64_t j = j0; j < N; ++j) std::memcpy(tail.data() + (j - j0) * D, K + j * ks, D * 2);
+      A = tail.data();
+      as = D * 2;
+    }
+    for (int c = 0; c < nv; ++c) {
+      _tile_zero(0);
+      for (int64_t kc = 0; kc < DC; ++kc) {
+        _tile_loadd(1, A + kc * 32, as);
+        _tile_loadd(2, QB + (c * DC + kc) * 512, 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, S + j0 * LW + 16 * c, LW * 4);
+    }
+  }
+  _tile_release();
+}
+
+// The same scores by FMAs, lanes = rows: one chain per lane over d, KB keys at a time.
+template <int NV, int KB>
+void scores_fma(const float* KF, int64_t kstride, int64_t N, int64_t D, const float* QT, int64_t LW, float* S) {
+  int64_t j = 0;
+  for (; j + KB <= N; j += KB) {
+    __m512 acc[NV][KB];
+    for (int v = 0; v < NV; ++v)
+      for (int k = 0; k < KB; ++k) acc[v][k] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      __m512 q[NV];
+      for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_ps(QT + d * LW + 16 * v);
+      for (int k = 0; k < KB; ++k) {
+        const __m512 kv = _mm512_set1_ps(KF[(j + k) * kstride + d]);
+        for (int v = 0; v < NV; ++v) acc[v][k] = _mm512_fmadd_ps(q[v], kv, acc[v][k]);
+      }
+    }
+    for (int k = 0; k < KB; ++k)
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(S + (j + k) * LW + 16 * v, acc[v][k]);
+  }
+  for (; j < N; ++j)
+    for (int v = 0; v < NV; ++v) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; ++d)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(QT + d * LW + 16 * v), _mm512_set1_ps(KF[j * kstride + d]), acc);
+      _mm512_storeu_ps(S + j * LW + 16 * v, acc);
+    }
+}
+
+// out rows of lanes [g0, g0 + G): sum over keys of p * v, lanes = the head dimension (DV vectors)
+template <class T, int DV, int G>
+void weigh(const float* S, int64_t LW, const float* VF, int64_t N, int64_t g0, float* o) {
+  __m512 acc[G][DV];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < DV; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < N; ++j) {
+    __m512 v[DV];
+    for (int c = 0; c < DV; ++c) v[c] = _mm512_loadu_ps(VF + j * DV * 16 + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(S[j * LW + g0 + g]);
+      for (int c = 0; c < DV; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(o + (g * DV + c) * 16, acc[g][c]);
+}
 
 // q [B, H, T, D], k / v [B, KV, N, D] (any strides, unit last), mask: none (every key visible),
-// bool [Bm, Hm, T, >= N] (true: visible) or additive [Bm, Hm, T, >= N] (visible unless <= -1e30)
-// -> out [B, T, H, D]. The query heads of one kv head are done together, each key and value read once.
-template <class T, class M, int DV>  // DV: 16-float vectors per head row (compile-time: registers)
+// bool [Bm, 1, T, >= N] (true: visible) or additive [Bm, 1, T, >= N] (visible unless <= -1e30)
+// -> out [B, T, H, D].
+template <class T, class M, int DV>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, double scale,
-            at::Tensor& out) {
+            bool tiles, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), Tn = q.size(2), D = q.size(3), KV = k.size(1), N = k.size(2);
-  const int64_t rep = H / KV;
+  const int64_t rep = H / KV, NL = Tn * rep, chunk = 16 * CH, nch = (NL + chunk - 1) / chunk;
+  constexpr int G = DV >= 16 ? 1 : 16 / DV;  // output rows per pass over the values
+  std::vector<MaskView> mv;
+  for (int64_t b = 0; b < B; ++b) mv.push_back(mask_view<M>(mask, b, Tn, N));
   const T* Q = q.data_ptr<T>();
   const T* K = k.data_ptr<T>();
   const T* V = v.data_ptr<T>();
-  const M* Mk = mask.defined() ? mask.data_ptr<M>() : nullptr;
   T* O = out.data_ptr<T>();
-  const int64_t mb = mask.defined() && mask.size(0) > 1 ? mask.stride(0) : 0,
-                mh = mask.defined() && mask.size(1) > 1 ? mask.stride(1) : 0,
-                mt = mask.defined() ? mask.stride(2) : 0, mn = mask.defined() ? mask.stride(3) : 0;
-  constexpr int MAXREP = 16;  // query heads per kv head handled together (each key loaded once)
-  TORCH_CHECK(rep <= MAXREP, "row_attention: at most 16 query heads per kv head");
-  at::parallel_for(0, B * KV * Tn, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> score((size_t)rep * N);
-    std::vector<int64_t> key(N);
+  const float sc = (float)scale;
+  at::parallel_for(0, B * KV * nch, 1, [&](int64_t i0, int64_t i1) {
+    Scratch& s = scratch();
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / (KV * Tn), g = (i / Tn) % KV, t = i % Tn;
-      // the rep heads of kv head g share one mask row (a mask per head is refused above)
-      const M* mrow = Mk ? Mk + b * mb + g * rep * mh + t * mt : nullptr;
-      int64_t n = 0;
-      for (int64_t j = 0; j < N; ++j) {  // visible keys in position order
-        if (mrow) {
-          if constexpr (std::is_same_v<M, bool>) {
-            if (!mrow[j * mn]) continue;
-          } else {
-            if ((float)mrow[j * mn] <= -1e30f) continue;
+      const int64_t b = i / (KV * nch), g = (i / nch) % KV, l0 = (i % nch) * chunk;
+      const int64_t nl = std::min(chunk, NL - l0), nv = (nl + 15) / 16, LW = 16 * nv;
+      const MaskView& m = mv[b];
+      const T* Kb = K + b * k.stride(0) + g * k.stride(1);
+      const T* Vb = V + b * v.stride(0) + g * v.stride(1);
+      auto qrow = [&](int64_t l) {  // lane l of this task: row t, query head g * rep + r
+        const int64_t t = (l0 + l) / rep, r = (l0 + l) % rep;
+        return Q + b * q.stride(0) + (g * rep + r) * q.stride(1) + t * q.stride(2);
+      };
+      s.S.resize((size_t)((N + 15) / 16 * 16) * LW);
+      float* S = s.S.data();
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (tiles) {
+          const int64_t DC = D / 32;
+          s.QB.assign((size_t)nv * DC * 512, 0);  // [lane vector][32 dims][16 pairs][16 lanes] of bf16 pairs
+          uint32_t* qb = (uint32_t*)s.QB.data();
+          for (int64_t l = 0; l < nl; ++l) {
+            const uint32_t* qr = (const uint32_t*)qrow(l);  // pairs of dims (D even: whole tiles)
+            uint32_t* col = qb + (l / 16) * DC * 256 + l % 16;
+            for (int64_t p = 0; p < D / 2; ++p) col[(p / 16) * 256 + (p % 16) * 16] = qr[p];
           }
-        }
-        key[n++] = j;
-      }
-      float top[MAXREP];
-      __m512 qv[MAXREP][DV];
-      for (int r = 0; r < rep; ++r) {
-        top[r] = -INFINITY;
-        const T* qr = Q + b * q.stride(0) + (g * rep + r) * q.stride(1) + t * q.stride(2);
-        for (int c = 0; c < DV; ++c) qv[r][c] = load16(qr + 16 * c, live(16 * c, D));
-      }
-      for (int64_t m = 0; m < n; ++m) {  // each key row loaded once for the rep heads
-        const T* kr = K + b * k.stride(0) + g * k.stride(1) + key[m] * k.stride(2);
-        __m512 kv[DV];
-        for (int c = 0; c < DV; ++c) kv[c] = load16(kr + 16 * c, live(16 * c, D));
-        float add = 0.0f;
-        if constexpr (!std::is_same_v<M, bool>)
-          if (mrow) add = (float)mrow[key[m] * mn];
-        for (int r = 0; r < rep; ++r) {
-          __m512 acc = _mm512_mul_ps(qv[r][0], kv[0]);
-          for (int c = 1; c < DV; ++c) acc = _mm512_fmadd_ps(qv[r][c], kv[c], acc);
-          const float s = _mm512_reduce_add_ps(acc) * (float)scale + add;
-          score[r * N + m] = s;
-          top[r] = std::max(top[r], s);
+          scores_amx((const uint16_t*)Kb, k.stride(2), N, D, s.QB.data(), (int)nv, S, LW, s.tail);
         }
       }
-      float total[MAXREP];
-      for (int r = 0; r < rep; ++r) {  // fixed order: the same n visible keys give the same sums
-        float* sr = score.data() + r * N;
+      if (!tiles) {
+        s.QT.assign((size_t)D * LW, 0.0f);
+        for (int64_t l = 0; l < nl; ++l) {
+          const T* qr = qrow(l);
+          for (int64_t d = 0; d < D; ++d) s.QT[d * LW + l] = to_f(qr[d]);
+        }
+        const float* KF = (const float*)Kb;
+        int64_t kst = k.stride(2);
+        if constexpr (!std::is_same_v<T, float>) {
+          s.KF.resize((size_t)N * D);
+          float* kf = s.KF.data();
+          for (int64_t j = 0; j < N; ++j)
+            for (int64_t d = 0; d < D; d += 16) store16(kf + j * D + d, load16(Kb + j * kst + d, live(d, D)), live(d, D));
+          KF = kf;
+          kst = D;
+        }
+        if (nv == 1) scores_fma<1, 8>(KF, kst, N, D, s.QT.data(), LW, S);
+        else scores_fma<2, 4>(KF, kst, N, D, s.QT.data(), LW, S);
+      }
+      // softmax per lane: scale, mask, max; then exp and a sequential sum, keys in position order
+      alignas(64) float inv[16 * CH];
+      for (int64_t c = 0; c < nv; ++c) {
+        const int64_t t0 = (l0 + 16 * c) / rep;
+        alignas(64) int32_t idx[16];
+        for (int e = 0; e < 16; ++e) idx[e] = (int32_t)((l0 + 16 * c + e) / rep - t0);
+        const __m512i perm = _mm512_load_si512(idx);
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < N; ++j) {
+          float* sj = S + j * LW + 16 * c;
+          const __m512 add = j < m.full ? _mm512_setzero_ps()
+                                        : _mm512_permutexvar_ps(perm, _mm512_loadu_ps(m.add.data() + (j - m.full) * m.TP + t0));
+          const __m512 x = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(sj), _mm512_set1_ps(sc)), add);
+          _mm512_storeu_ps(sj, x);
+          mx = _mm512_max_ps(mx, x);
+        }
         __m512 sum = _mm512_setzero_ps();
-        for (int64_t m = 0; m < n; m += 16) {
-          const __mmask16 lm = live(m, n);
-          const __m512 p = _mm512_maskz_mov_ps(lm, exp16(_mm512_sub_ps(load16(sr + m, lm), _mm512_set1_ps(top[r]))));
-          _mm512_mask_storeu_ps(sr + m, lm, p);
+        for (int64_t j = 0; j < N; ++j) {
+          float* sj = S + j * LW + 16 * c;
+          const __m512 x = _mm512_loadu_ps(sj);
+          const __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+          const __m512 p = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, mx)));
+          _mm512_storeu_ps(sj, p);
           sum = _mm512_add_ps(sum, p);
         }
-        total[r] = _mm512_reduce_add_ps(sum);
+        const __mmask16 any = _mm512_cmp_ps_mask(sum, _mm512_setzero_ps(), _CMP_GT_OQ);
+        _mm512_store_ps(inv + 16 * c, _mm512_maskz_div_ps(any, _mm512_set1_ps(1.0f), sum));
       }
-      for (int r = 0; r < rep; ++r) {  // in the keys' order, accumulators in registers
-        const float* pr = score.data() + r * N;
-        __m512 o[DV];
-        for (int c = 0; c < DV; ++c) o[c] = _mm512_setzero_ps();
-        for (int64_t m = 0; m < n; ++m) {
-          const T* vr = V + b * v.stride(0) + g * v.stride(1) + key[m] * v.stride(2);
-          const __m512 p = _mm512_set1_ps(pr[m]);
-          for (int c = 0; c < DV; ++c) o[c] = _mm512_fmadd_ps(p, load16(vr + 16 * c, live(16 * c, D)), o[c]);
+      // values in fp32, rows padded to DV vectors (zeros past D)
+      if (D == DV * 16) s.VF.resize((size_t)N * DV * 16);
+      else s.VF.assign((size_t)N * DV * 16, 0.0f);
+      float* VF = s.VF.data();
+      const int64_t vs = v.stride(2);
+      for (int64_t j = 0; j < N; ++j)
+        for (int64_t d = 0; d < D; d += 16) store16(VF + j * DV * 16 + d, load16(Vb + j * vs + d, live(d, D)), live(d, D));
+      alignas(64) float o[G * DV * 16];
+      for (int64_t g0 = 0; g0 < nl; g0 += G) {
+        weigh<T, DV, G>(S, LW, VF, N, g0, o);
+        for (int64_t e = 0; e < G && g0 + e < nl; ++e) {
+          const int64_t l = l0 + g0 + e, t = l / rep, h = g * rep + l % rep;
+          T* orow = O + ((b * Tn + t) * H + h) * D;
+          const __m512 iv = _mm512_set1_ps(inv[g0 + e]);
+          for (int64_t d = 0; d < D; d += 16) store16(orow + d, _mm512_mul_ps(_mm512_loadu_ps(o + e * DV * 16 + d), iv), live(d, D));
         }
-        const __m512 inv = _mm512_set1_ps(n ? 1.0f / total[r] : 0.0f);
-        T* orow = O + ((b * Tn + t) * H + g * rep + r) * D;
-        for (int c = 0; c < DV; ++c) store16(orow + 16 * c, _mm512_mul_ps(o[c], inv), live(16 * c, D));
       }
     }
   });
@@ -131,10 +298,12 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
   TORCH_CHECK(st == at::kBFloat16 || st == at::kFloat, "row_attention: bfloat16 or float32");
   TORCH_CHECK(mt == at::kBool || mt == st, "row_attention: a bool mask or one of q's dtype");
   const int64_t D = q.size(3);
+  // bf16 scores on AMX tiles where the CPU has them and the head dimension is whole tiles
+  const bool tiles = st == at::kBFloat16 && D % 32 == 0 && amx_ready();
   // head_dim 64 / 128 (most models) get their vector count at compile time, the rest up to 256
-#define SPECSTOP_ATTEND(T, M) \
-  (D == 64 ? attend<T, M, 4>(q, k, v, m, scale, out) : D == 128 ? attend<T, M, 8>(q, k, v, m, scale, out) \
-           : D <= 32 ? attend<T, M, 2>(q, k, v, m, scale, out) : attend<T, M, MAXD / 16>(q, k, v, m, scale, out))
+#define SPECSTOP_ATTEND(T, M)                                                                           \
+  (D == 64 ? attend<T, M, 4>(q, k, v, m, scale, tiles, out) : D == 128 ? attend<T, M, 8>(q, k, v, m, scale, tiles, out) \
+           : D <= 32 ? attend<T, M, 2>(q, k, v, m, scale, tiles, out) : attend<T, M, MAXD / 16>(q, k, v, m, scale, tiles, out))
   if (st == at::kBFloat16) {
     if (mt == at::kBool) SPECSTOP_ATTEND(at::BFloat16, bool);
     else SPECSTOP_ATTEND(at::BFloat16, at::BFloat16);

@@ -19,14 +19,16 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <tuple>
 
+#include "vec.h"
+
 namespace {
+
+using specstop_vec::amx_ready;
 
 constexpr int64_t PF = 16384;  // bytes of lookahead (4-32 KiB measured; 16 best on an AMX Xeon)
 constexpr int R = 4;           // weight rows per block
@@ -132,11 +134,6 @@ struct TileCfg {
   uint16_t colsb[16];
   uint8_t rows[16];
 };
-
-bool amx_ready() {  // Linux hands out the tile state only on request, once per process
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-}
 
 // w [N, K] -> [N/32][K/32][2 tiles][16 pair-rows][16 columns x 2], zero-padded to multiples of 32
 at::Tensor amx_pack(const at::Tensor& w) {

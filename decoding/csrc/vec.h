@@ -3,6 +3,8 @@
 #pragma once
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cstdint>
 
@@ -16,6 +18,11 @@ inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m) {
   _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
 }
 inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+// Linux hands out the AMX tile state only on request, once per process (one flag for every file)
+inline bool amx_ready() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
 inline __mmask16 live(int64_t c, int64_t C) { return C - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (C - c)) - 1); }
 
 // exp(x) to ~1 ulp in fp32: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 Taylor polynomial in r
