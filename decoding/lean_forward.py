@@ -138,6 +138,36 @@ def _lean_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
     return x.view(B, T, C)
 
 
+_ROPE: tuple = (None, None)  # (position_embeddings of the last forward, its cos / sin as rows)
+
+
+def _kernel_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                          use_cache=False, position_embeddings=None, **kwargs):
+    """The lean layer where every step runs on decoding.cpu_kernels (a step or a verify of up to
+    `row_attention_below` - 1 tokens, no per-head q/k norms): the same arithmetic as
+    _lean_layer_forward, with the Python between the kernels cut to what a step needs (a layer's
+    Python was ~1/8 of a bf16 step)."""
+    f = self._lean
+    B, T, C = hidden_states.shape
+    if T >= f["row_attention_below"] or (attention_mask is None and T > 1):
+        return _lean_layer_forward(self, hidden_states, attention_mask, position_ids, past_key_values, use_cache,
+                                   position_embeddings, **kwargs)
+    ops = torch.ops.specstop
+    x = hidden_states.reshape(B * T, C)
+    global _ROPE
+    rope = _ROPE  # read once: another thread's forward may replace it
+    if rope[0] is not position_embeddings:  # once per forward, not per layer
+        cos, sin = position_embeddings
+        rope = _ROPE = (position_embeddings, (cos.reshape(B * T, -1).contiguous(), sin.reshape(B * T, -1).contiguous()))
+    cos, sin = rope[1]
+    q, k, v = ops.rope_qkv(f["qkv"](ops.add_rms_norm(x, None, *f["norm1"])[1]), cos, sin, B, f["heads"], f["kv_heads"])
+    if past_key_values is not None:
+        k, v = past_key_values.update(k, v, f["layer"])
+    att = ops.row_attention(q, k, v, attention_mask, f["scaling"]).view(B * T, -1)  # mask: >= the keys
+    x, h = ops.add_rms_norm(x, f["o"](att), *f["norm2"])
+    return (x + f["down"](ops.silu_mul(f["gate_up"](h)))).view(B, T, C)
+
+
 @torch.no_grad()
 def make_lean(model: torch.nn.Module, pack=lambda w: None, eager_below: dict | None = None,
               small_below: dict | None = None) -> int:
@@ -166,9 +196,14 @@ def make_lean(model: torch.nn.Module, pack=lambda w: None, eager_below: dict | N
             # steps and verifies attend on the kernel (a prefill: sdpa); $SPECSTOP_BATCH_INVARIANT=0: sdpa
             "row_attention_below": cpu_kernels.AMX_ROWS + 1 if kw["small_below"] and cpu_kernels.batch_invariant() else 0,
         }
+        f = layer._lean
+        f.update(norm1=(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
+                 norm2=(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
+                 layer=a.layer_idx, scaling=a.scaling)
         for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
             lin._lean_fused = True  # computed by the fused copy: pack_linears leaves it alone
-        layer.forward = types.MethodType(_lean_layer_forward, layer)
+        on_kernels = f["row_attention_below"] and not f["qk_norm"]
+        layer.forward = types.MethodType(_kernel_layer_forward if on_kernels else _lean_layer_forward, layer)
         n += 1
     return n
 
