@@ -16,7 +16,7 @@ import torch
 from . import acceptance as acc
 from .cache import CachedModel
 from .proposers import DraftTree, TreeProposer, empty_tree
-from .sampling import SamplingConfig, warp
+from .sampling import SamplingConfig, argmax_rows, warp
 from .stats import RunStats
 from .stopping import FixedDepth, StopPolicy
 
@@ -114,11 +114,11 @@ class SpeculativeEngine:
         if self.longest_branch:
             if n == 0:  # first round only reads the prompt
                 return Outcome([], [], p_at(-1))
-            argmax = [-1] + logits[-n:].argmax(-1).tolist()
+            argmax = [-1] + argmax_rows(logits[-n:])
             w = acc.longest_branch(ch, tree.tokens, self.sampling.greedy, argmax, p_at, q_at, gen)
             return Outcome(w.path, [tree.tokens[i] for i in w.path], p_at(w.path[-1]))
         if self.sampling.greedy:
-            w = acc.walk_greedy(ch, tree.tokens, logits[-n - 1:].argmax(-1).tolist())
+            w = acc.walk_greedy(ch, tree.tokens, argmax_rows(logits[-n - 1:]))
         else:
             w = acc.walk_sampling(ch, tree.tokens, tree.valid, p_at, q_at, self.replacement, gen)
         return Outcome(w.path, [tree.tokens[i] for i in w.path] + [w.next_token])

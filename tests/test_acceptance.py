@@ -185,3 +185,18 @@ def test_top_p_warp_keeps_nucleus():
     assert torch.allclose(p, torch.tensor([0.625, 0.375, 0, 0]))
     g = warp(logits, SamplingConfig(temperature=0.0))
     assert torch.allclose(g, torch.softmax(logits, 0))
+
+
+def test_argmax_rows_is_torch_argmax_first_index_at_ties():
+    """The greedy walk's argmax (numpy on CPU float32) picks what torch.argmax picks, ties to
+    the first index, on strided views and in every dtype."""
+    from decoding.sampling import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 300, generator=g)
+    x[2, [5, 17, 290]] = 10.0  # a three-way tie
+    x[4] = 0.0  # all tied
+    for v in (x, x[1::2], x[:, ::3], x.t().contiguous().t(), x.to(torch.bfloat16), x.double()):
+        assert argmax_rows(v) == v.argmax(-1).tolist()
+    assert argmax_rows(x)[2] == 5 and argmax_rows(x)[4] == 0
+    assert argmax_rows(x[-1:]) == [int(x[-1].argmax())]
