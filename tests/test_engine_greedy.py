@@ -204,3 +204,21 @@ def test_dynamic_tree_layout_is_the_drafted_subtree(pair):
     # the chain below branch 0 is what the draft alone would draft greedily from its root
     full = TreeProposer(draft, layout_from_k_config((1, 1, 1)), GREEDY).propose([1, 2, 3], StopPolicy(), None)
     assert [tree.tokens[i] for i in (0, 3, 4)] == full.tokens
+
+
+@pytest.mark.parametrize("cfg", [c for c in LOSSLESS if c.k_config != "4,2,2,1"], ids=lambda c: c.name)
+def test_bf16_speculation_equals_bf16_ar_bit_for_bit(pair, cfg):
+    """With AMX, the lean forward's kernels are batch-invariant (a verify row of up to 32 tokens
+    equals the 1-token step bit for bit), so in bf16 too every lossless strategy whose trees stay
+    within 32 nodes reproduces bf16 `ar` token for token: no near-tie allowance."""
+    from decoding import cpu_kernels
+
+    if not cpu_kernels.amx() or not cpu_kernels.batch_invariant():
+        pytest.skip(f"batch-invariant bf16 needs AMX and the kernels: {cpu_kernels.describe()}")
+    target, draft = (copy.deepcopy(m).to(torch.bfloat16) for m in pair)
+    for m in (target, draft):
+        assert set_forward(m, "lean") == "lean"
+    eng = build_engine(target, draft, cfg, GREEDY)
+    ar = build_engine(target, None, StrategyConfig(strategy="ar"), GREEDY)
+    for prompt in PROMPTS:
+        assert eng.generate(prompt, N)[0] == ar.generate(prompt, N)[0]

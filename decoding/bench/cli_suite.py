@@ -93,10 +93,10 @@ def cli_markdown(res: dict, command: str, cpu: str) -> str:
              "| call | median wall s | generating s | start-up + loading s | tok/s once running |",
              "|---|---|---|---|---|",
              f"| first default call (cost curve timed, `SPECSTOP_RETIME_COST=1`) | {f['wall_s']:.2f} | "
-             f"{f['generate_s']:.2f} | {f['wall_s'] - f['generate_s']:.2f} | {f['tokens_per_s']} |"]
+             f"{f['generate_s']:.2f} | {f['wall_s'] - f['generate_s']:.2f} | {f['tokens_per_s']:.1f} |"]
     for name, v in (("default (later calls)", d), ("`--strategy ar`", a)):
         lines.append(f"| {name}: {v['strategy']} | {v['median_wall_s']:.2f} | {v['median_generate_s']:.2f} | "
-                     f"{v['median_startup_s']:.2f} | {v['median_tokens_per_s_running']} |")
+                     f"{v['median_startup_s']:.2f} | {v['median_tokens_per_s_running']:.1f} |")
     lines += ["", f"Default over ar, end-to-end tokens per wall second: **{pt:.2f}x** [95% CI {lo:.2f}, {hi:.2f}]"
               + "; by kind: " + ", ".join(f"{k} {v[0]:.2f}x [{v[1]:.2f}, {v[2]:.2f}]"
                                            for k, v in res["default_over_ar_by_kind"].items()) + ".",
