@@ -8,17 +8,19 @@ stops at every 4 KiB page. `csrc/gemm.cpp` prefetches 16 KiB ahead itself:
 - `amx_linear` (bf16 on CPUs with AMX): tiles over a weight packed once into their layout; the
   linears of a 30-layer step cost 0.74x oneDNN's at 1 row and 0.77-0.89x at 2-32 rows, so one
   kernel serves a plain step and every verify up to `AMX_ROWS`;
-- `small_linear` (bf16 with AVX512-BF16 but no AMX, and fp32): dot products over the row-major
-  weight, out of arithmetic above a few rows (`ROWS_BELOW`).
+- `panel_linear` (fp32): FMAs over a weight packed once into panels of 64 outputs, one chain per
+  output; the 121 linears of a step cost 0.79x oneDNN's at 1 row, 0.92-0.98x at 8-32 rows;
+- `small_linear` (bf16 with AVX512-BF16 but no AMX): dot products over the row-major weight, out
+  of arithmetic above a few rows (`ROWS_BELOW`).
 Above those sizes (a prefill, a very large tree) oneDNN's kernels run. `csrc/layer_ops.cpp`:
 torch runs a CPU rms_norm as ~10 ops (~11 us a row; this one pass, ~2 us), the rotary embedding as
 ~5; each becomes one loop with fp32 math and one rounding per output. `csrc/attention.cpp`: the
 attention of a step or a verify (scores on AMX tiles, rows as vector lanes), cheaper than torch's
 and batch-invariant (INVARIANT_ENV).
 
-Both linears are batch-invariant: a row's result does not depend on the other rows of the call or
-the thread count, so in bf16 a 1-token step and the same row inside a verify agree bit for bit
-where both run on AMX; where a row count switches kernels they agree to rounding.
+The linears are batch-invariant: a row's result does not depend on the other rows of the call or
+the thread count, so a 1-token step and the same row inside a verify of up to 32 tokens agree bit
+for bit (bf16 on AMX, fp32 on the panels); where a row count switches kernels they agree to rounding.
 
 Built on first use by torch's C++ extension loader (~14 s once per machine on 2 cores, cached under
 $TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default), only where the CPU has AVX512-BF16,
@@ -37,25 +39,25 @@ import torch
 
 ENV = "SPECSTOP_CPU_KERNELS"
 """0 turns the kernels off (the lean forward keeps torch's ops and oneDNN's linears)."""
-ROWS_BELOW = {torch.bfloat16: 4, torch.float32: 7}
-"""Row counts below which `small_linear` runs; above, oneDNN's kernels are faster. Whole 1-thread
-forwards of SmolLM2-135M on a 2-core AMX Xeon, kernel / oneDNN: bf16 0.88x, 0.86x, 0.93x at 1, 2,
-3 rows, 1.00x at 4; fp32 0.92x-0.84x at 1-4 rows, 0.97x at 6, 1.01x at 8
-(reports/forward-2026-11-26-kernel-crossovers)."""
+ROWS_BELOW = {torch.bfloat16: 4}
+"""Row counts below which `small_linear` runs (bf16 without AMX); above, oneDNN's kernels are
+faster. Whole 1-thread forwards of SmolLM2-135M on a 2-core AMX Xeon, kernel / oneDNN: bf16 0.88x,
+0.86x, 0.93x at 1, 2, 3 rows, 1.00x at 4 (reports/forward-2026-11-26-kernel-crossovers; fp32 was
+0.92x-0.84x at 1-4 rows, 1.01x at 8, before `panel_linear` replaced it)."""
 INVARIANT_ENV = "SPECSTOP_BATCH_INVARIANT"
 """0: the lean layers attend with torch's scaled_dot_product_attention instead of `row_attention`.
 By default steps and verifies of up to AMX_ROWS + 1 tokens attend with `row_attention`, whose rows
 depend only on their visible keys, so with AMX linears a bf16 verify's rows equal 1-token steps bit
 for bit and bf16 speculation reproduces bf16 `ar` exactly. It is also the cheaper kernel: a bf16
-forward (1 thread, AMX Xeon, 200 cached tokens) costs 0.89-0.94x torch's attention's at 1-32
-tokens (reports/forward-2026-11-27-row-attention)."""
+forward (1 thread, AMX Xeon, 200 cached tokens, the same weights) costs 0.90-0.98x torch's
+attention's at 1-32 tokens (reports/forward-2026-11-27-row-attention/same_weights_ab.md)."""
 AMX_ROWS = 32
 """Most rows `amx_linear` takes: a step's linears cost 0.82-0.89x oneDNN's at 32 rows, 0.93-1.11x at
 64 in two runs (reports/forward-2026-11-26-kernel-crossovers)."""
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("gemm.cpp", "layer_ops.cpp", "attention.cpp")]
+SOURCES = [CSRC / name for name in ("gemm.cpp", "layer_ops.cpp", "attention.cpp", "panel.cpp")]
 _state: dict = {}
 
 
@@ -126,7 +128,9 @@ def rows_below(dtype: torch.dtype) -> int:
     """Row counts below which a linear in `dtype` runs on these kernels here (0: never)."""
     if not available():
         return 0
-    return AMX_ROWS + 1 if dtype == torch.bfloat16 and amx() else ROWS_BELOW.get(dtype, 0)
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and amx()):
+        return AMX_ROWS + 1  # panels (fp32) / tiles (bf16): one kernel for a step and every verify
+    return ROWS_BELOW.get(dtype, 0)
 
 
 def batch_invariant() -> bool:
@@ -139,23 +143,28 @@ def describe() -> str:
     """What runs few-row linears here, in a few words (reports, bench headers)."""
     if not available():
         return f"oneDNN (few-row kernels off: {why_not()})"
-    return (("AMX tiles" if amx() else "AVX512-BF16 dot products") + " for bf16, AVX512F for fp32"
+    return (("AMX tiles" if amx() else "AVX512-BF16 dot products") + " for bf16, AVX512F panels for fp32"
             + (", batch-invariant attention" if batch_invariant() else ""))
 
 
 class FewRowWeight:
-    """A weight [N, K] prepared for this CPU's few-row kernel (AMX tiles or row-major)."""
+    """A weight [N, K] prepared for this CPU's few-row kernel: AMX tiles (bf16), panels (fp32),
+    else row-major (bf16 without AMX)."""
 
     def __init__(self, w: torch.Tensor):
         self.n = w.shape[0]
-        self.tiles = w.dtype == torch.bfloat16 and amx()
         w = w.detach()
-        self.w = torch.ops.specstop.amx_pack(w) if self.tiles else w.contiguous()
+        if w.dtype == torch.bfloat16 and amx():
+            self.w, self.op = torch.ops.specstop.amx_pack(w), torch.ops.specstop.amx_linear.default
+        elif w.dtype == torch.float32:
+            self.w, self.op = torch.ops.specstop.panel_pack(w), torch.ops.specstop.panel_linear.default
+        else:
+            self.w, self.op = w.contiguous(), None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] (contiguous, the weight's dtype) @ w.T + bias -> [T, N]."""
-        if self.tiles:
-            return torch.ops.specstop.amx_linear(x, self.w, self.n, bias)
+        if self.op is not None:
+            return self.op(x, self.w, self.n, bias)
         return torch.ops.specstop.small_linear(x, self.w, bias)
 
 

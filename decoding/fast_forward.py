@@ -29,9 +29,10 @@ import torch
 from . import cpu_kernels
 from .lean_forward import make_lean, unmake_lean
 from .options import FORWARDS
-REVISION = 5
+REVISION = 6
 """Bumped when what the packed forward runs changes (3: float32 below 4 rows on the eager
-kernel; 4: few rows on decoding.cpu_kernels; 5: steps and verifies attend on them); stored cost curves are keyed by it
+kernel; 4: few rows on decoding.cpu_kernels; 5: steps and verifies attend on them; 6: float32
+linears of 1-32 rows on their panels); stored cost curves are keyed by it
 (decoding.cost_cache)."""
 ENV = "SPECSTOP_FORWARD"
 """Environment override of the default forward (eager or packed)."""

@@ -56,6 +56,20 @@ def test_amx_tiles_equal_float64_to_bf16_rounding(t, k, n, bias):
     assert ((y.double() - ref).abs() <= mag * 2.0 ** -20 + ref.abs() * 2.0 ** -8).all()
 
 
+@needs_kernel
+@pytest.mark.parametrize("t,k,n", [(1, 64, 64), (2, 577, 37), (6, 31, 130), (7, 96, 70), (33, 1536, 9)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_panels_equal_float64_to_fp32_rounding(t, k, n, bias):
+    """fp32 panels: N padded to the panels' 64 (tails of 16-lane vectors too), rows over one
+    (6) and several passes, one FMA chain per output over K."""
+    x, w, b = _case(torch.float32, t, k, n, bias)
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    y = cpu_kernels.FewRowWeight(w)(x, b)
+    assert y.dtype == torch.float32 and y.shape == (t, n)
+    mag = x.double().abs() @ w.double().abs().T + (b.double().abs() if bias else 0)
+    assert ((y.double() - ref).abs() <= mag * 2.0 ** -20 + ref.abs() * 2.0 ** -23).all()
+
+
 def _rows_alone_and_together(kernel, x, b):
     th = torch.get_num_threads()
     try:
@@ -69,16 +83,17 @@ def _rows_alone_and_together(kernel, x, b):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype,rows", [(torch.float32, 7), (torch.bfloat16, 7), (torch.bfloat16, 33)])
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 7), (torch.float32, 33), (torch.bfloat16, 7),
+                                        (torch.bfloat16, 33)])
 def test_a_row_does_not_depend_on_the_other_rows_or_threads(dtype, rows):
     """Whatever the call carries, row i is the row fed alone, bit for bit, on 1 thread and on 2:
-    the row-major kernel (one fp32 chain per output) and, in bf16 where the CPU has them, the AMX
-    tiles (a verify of up to 32 rows and a 1-token step agree exactly)."""
-    if rows > 7 and not cpu_kernels.amx():
+    the row-major kernel (one fp32 chain per output), the fp32 panels and, in bf16 where the CPU
+    has them, the AMX tiles (a verify of up to 32 rows and a 1-token step agree exactly)."""
+    if rows > 7 and dtype == torch.bfloat16 and not cpu_kernels.amx():
         pytest.skip("no AMX tiles here")
     x, w, b = _case(dtype, rows, 577, 203, True, seed=1)
     kernels = [lambda x, b: cpu_kernels.linear(x, w, b)]
-    if dtype == torch.bfloat16 and cpu_kernels.amx():
+    if dtype == torch.float32 or cpu_kernels.amx():
         kernels.append(cpu_kernels.FewRowWeight(w))
     for kernel in kernels[-1:] if rows > 7 else kernels:
         alone, together = _rows_alone_and_together(kernel, x, b)
@@ -139,7 +154,7 @@ def test_a_lean_step_runs_on_the_kernel_and_agrees_with_onednn():
             with torch.profiler.profile() as prof:
                 logits[small] = cm.feed(list(range(3, 15)), TreeLayout(()), [], 0, 0)[0]
             ops = {e.key for e in prof.key_averages()}
-            assert bool(ops & {"specstop::small_linear", "specstop::amx_linear"}) == small
+            assert bool(ops & {"specstop::small_linear", "specstop::amx_linear", "specstop::panel_linear"}) == small
         tol = 1e-4 if dtype == torch.float32 else 0.02 * logits[False].abs().max()
         assert (logits[True] - logits[False]).abs().max() <= tol
 

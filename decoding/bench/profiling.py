@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::_mkl_linear",
-            "mkl::_mkl_linear", "specstop::small_linear", "specstop::amx_linear")
+            "mkl::_mkl_linear", "specstop::small_linear", "specstop::amx_linear", "specstop::panel_linear")
 
 
 def profile_one(call) -> dict:
