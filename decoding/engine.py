@@ -90,6 +90,9 @@ class SpeculativeEngine:
             if hit is not None:
                 break
         stats.wall_s = time.perf_counter() - t_start
+        stats.context = len(committed)
+        head = getattr(getattr(self.proposer, "model", None), "draft", None)  # a feature head records its window
+        stats.trained_window = getattr(head, "trained_window", None)
         return committed[n0:], stats
 
     def _verifying(self):

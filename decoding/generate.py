@@ -136,14 +136,18 @@ def main(argv=None) -> int:
     except (ModelError, ValueError, FileNotFoundError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    d = res.stats
     if args.json:
-        print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": res.stats}))
+        print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": d}))
     else:
         print()
-        d = res.stats
         print(f"[{d['strategy']}] {d['new_tokens']} tokens in {d['wall_s']:.2f}s = {d['tokens_per_s']} tok/s; "
               f"block efficiency {d['block_efficiency']}, acceptance {d['acceptance_rate']}, "
               f"target calls {d['target_calls']}, lossless={d['lossless']}", file=sys.stderr)
+    if d.get("past_trained_window"):
+        print(f"note: the draft head was trained on rows of up to {d['trained_window']} tokens and this context "
+              f"reached {d['context_tokens']}: past its window its acceptance may fall (the output does not "
+              "change)", file=sys.stderr)
     return 0
 
 

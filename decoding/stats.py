@@ -26,6 +26,10 @@ class RunStats:
     drafted_depths: Counter = field(default_factory=Counter)
     tree_sizes: Counter = field(default_factory=Counter)
     """Nodes verified per round (dynamic trees vary their width as well as their depth)."""
+    context: int = 0
+    """Tokens in the context at the end (prompt + generated)."""
+    trained_window: int | None = None
+    """Longest row the draft head was trained on (its checkpoint's marker), if it records one."""
 
     def add_round(self, tree, path, committed: int, draft_s: float, verify_s: float, book_s: float):
         self.rounds += 1
@@ -56,6 +60,12 @@ class RunStats:
         return sum(k * v for k, v in self.tree_sizes.items()) / self.rounds if self.rounds else 0.0
 
     @property
+    def past_trained_window(self) -> int:
+        """Context positions beyond the head's trained window (its acceptance may fall there;
+        the output does not change: the rule is lossless)."""
+        return max(0, self.context - self.trained_window) if self.trained_window else 0
+
+    @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s else 0.0
 
@@ -79,4 +89,7 @@ class RunStats:
             "accepted_lengths": dict(sorted(self.accepted_lengths.items())),
             "drafted_depths": dict(sorted(self.drafted_depths.items())),
             "mean_tree_size": round(self.mean_tree_size, 3),
+            "context_tokens": self.context,
+            "trained_window": self.trained_window,
+            "past_trained_window": self.past_trained_window,
         }

@@ -246,3 +246,39 @@ def test_hf_assisted_refuses_a_feature_head(feature_pair):
     target, draft = feature_pair
     with pytest.raises(ModelError, match="stand-alone draft .* feature head.*draft: checkpoints/drafts/"):
         HFRunner(target, draft, StrategySpec("hf-assisted", "hf-assisted"), GREEDY, None, True)
+
+
+def test_a_run_past_the_heads_trained_window_is_reported(feature_pair, tmp_path, capsys, monkeypatch):
+    """A head records the longest row it was trained on (`data.window`); a run whose context
+    outgrows it says by how much (stats, and a note under the CLI's stats line), a run within it
+    and a head without a window say nothing."""
+    from decoding import generate as cli
+
+    target, draft = feature_pair
+    out = save_feature_draft(draft, tmp_path / "head", target, {"data": {"window": 12}})
+    head = load_feature_draft(out, target)
+    assert head.trained_window == 12
+    eng = build_engine(target, head, StrategyConfig(strategy="sd", gamma=2), GREEDY)
+    s = eng.generate([1, 2, 3, 4, 5], 20)[1].to_dict()
+    assert (s["context_tokens"], s["trained_window"], s["past_trained_window"]) == (25, 12, 13)
+    assert eng.generate([1, 2, 3], 5)[1].to_dict()["past_trained_window"] == 0
+    bare = load_feature_draft(save_feature_draft(draft, tmp_path / "bare", target), target)
+    s = build_engine(target, bare, StrategyConfig(strategy="sd", gamma=2), GREEDY).generate([1, 2, 3], 20)[1]
+    assert s.trained_window is None and s.past_trained_window == 0
+
+    class Res:
+        text, token_ids, stats = "", [], {**s.to_dict(), "trained_window": 12, "context_tokens": 23,
+                                           "past_trained_window": 11}
+
+    class Dec:
+        @staticmethod
+        def load(*a, **k):
+            return Dec
+
+        @staticmethod
+        def generate(*a, **k):
+            return Res
+
+    monkeypatch.setattr("decoding.api.Decoder", Dec)
+    assert cli.main(["--prompt", "hi", "--max-new-tokens", "20"]) == 0
+    assert "trained on rows of up to 12 tokens and this context reached 23" in capsys.readouterr().err

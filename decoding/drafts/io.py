@@ -101,6 +101,8 @@ def load_feature_draft(path, target, dtype: str = "float32", device: str = "cpu"
     draft = draft.to(device=device, dtype=DTYPES[dtype]).eval()
     draft.attach_embeddings(target.get_input_embeddings().weight)
     draft.config._name_or_path = str(p)  # as transformers does: fingerprints name the folder
+    window = (marker.get("data") or {}).get("window")
+    draft.trained_window = int(window) if isinstance(window, int) and window > 0 else None
     return draft
 
 
