@@ -127,8 +127,9 @@ def time_forwards(model, sizes, repeats: int = 3, context: int = 256) -> list[fl
 @torch.inference_mode()
 def _time_feature_head(head, sizes, repeats: int, context: int) -> list[float]:
     """time_forwards for a feature (EAGLE-3) head: one tree level of n nodes after `context`
-    committed entries, as FeatureCache.feed runs it (head step with the tree mask, q scattered
+    committed entries, as FeatureCache.feed runs it (head step, lean where it runs, with the tree mask, q scattered
     to the target vocabulary). The features are random: the cost does not depend on them."""
+    from .drafts import lean_step
     from .drafts.feature import DraftKV
     from .models import MASKED_LOGIT
     from .tree import layout_from_k_config
@@ -138,7 +139,7 @@ def _time_feature_head(head, sizes, repeats: int, context: int) -> list[float]:
     cache = DraftKV()
     toks = (torch.arange(context + max(sizes)) % c.draft_vocab_size).to(dev)[None]
     aux = torch.randn(1, context, 3 * c.target_hidden_size, generator=g).to(device=dev, dtype=dt)
-    head.step(toks[:, :context], head.fuse(aux), torch.arange(context, device=dev)[None], cache)
+    lean_step.step(head, toks[:, :context], head.fuse(aux), torch.arange(context, device=dev)[None], cache)
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(repeats + 1):
         for n in sizes:
@@ -147,7 +148,7 @@ def _time_feature_head(head, sizes, repeats: int, context: int) -> list[float]:
             hid = torch.randn(1, n, c.hidden_size, generator=g).to(device=dev, dtype=dt)
             pos = torch.full((1, n), context, device=dev)
             t = time.perf_counter()
-            logits, _ = head.step(toks[:, context: context + n], hid, pos, cache, mask)
+            logits, _ = lean_step.step(head, toks[:, context: context + n], hid, pos, cache, mask)
             head.to_target(logits[0].float(), MASKED_LOGIT)
             times[n].append(1000 * (time.perf_counter() - t))
             cache.crop(context)

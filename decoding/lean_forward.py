@@ -107,10 +107,10 @@ def _lean_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
     x = hidden_states.reshape(B * T, C)
     fused = f["fused"]
     y = f["qkv"](_add_norm(x, self.input_layernorm, fused=fused)[1])
-    cos, sin = position_embeddings  # [B, T, D]
+    cos, sin = position_embeddings  # [B or 1, T, D]
     if fused and not f["qk_norm"]:  # one pass: split, rotate q and k, lay out [B, heads, T, D]
-        q, k, v = torch.ops.specstop.rope_qkv(y, cos.reshape(B * T, D).contiguous(),
-                                              sin.reshape(B * T, D).contiguous(), B, H, K)
+        q, k, v = torch.ops.specstop.rope_qkv(y, cos.expand(B, T, D).reshape(B * T, D).contiguous(),
+                                              sin.expand(B, T, D).reshape(B * T, D).contiguous(), B, H, K)
     else:
         y = y.view(B, T, H + 2 * K, D)
         if f["qk_norm"]:  # Qwen3: per-head norms before the rotary embedding
@@ -158,7 +158,8 @@ def _kernel_layer_forward(self, hidden_states, attention_mask=None, position_ids
     rope = _ROPE  # read once: another thread's forward may replace it
     if rope[0] is not position_embeddings:  # once per forward, not per layer
         cos, sin = position_embeddings
-        rope = _ROPE = (position_embeddings, (cos.reshape(B * T, -1).contiguous(), sin.reshape(B * T, -1).contiguous()))
+        cos, sin = (c.expand(B, T, c.shape[-1]).reshape(B * T, -1).contiguous() for c in (cos, sin))  # [B or 1, T, D]
+        rope = _ROPE = (position_embeddings, (cos, sin))
     cos, sin = rope[1]
     q, k, v = ops.rope_qkv(f["qkv"](ops.add_rms_norm(x, None, *f["norm1"])[1]), cos, sin, B, f["heads"], f["kv_heads"])
     if past_key_values is not None:

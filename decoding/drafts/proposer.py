@@ -24,6 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
+from . import lean_step
 from .capture import capture_aux, decoder_layers
 from .feature import DraftKV, FeatureDraft
 from ..models import MASKED_LOGIT
@@ -82,7 +83,7 @@ class FeatureCache:
         pos = (n - 2 + layout.depth_ids[start:end]).to(dev)[None]
         mask = torch.cat((torch.ones(end - start, self.length, dtype=torch.bool), layout.mask[start:end, :end]), 1)
         toks = torch.tensor([list(node_tokens)], device=dev)
-        logits, h = d.step(toks, hid, pos, self.cache, mask)
+        logits, h = lean_step.step(d, toks, hid, pos, self.cache, mask)
         for i, node in enumerate(range(start, end)):
             self.node_h[node] = h[0, i]
         return self._out(logits[0], d.norm(h[0]) if hidden else None)
@@ -100,7 +101,7 @@ class FeatureCache:
         k = e - self.length
         toks = torch.tensor([committed[self.length + 1: e + 1]], device=dev)
         pos = torch.arange(self.length, e, device=dev)[None]
-        logits, h = d.step(toks, d.fuse(self.rows[:k].to(dev))[None], pos, self.cache)
+        logits, h = lean_step.step(d, toks, d.fuse(self.rows[:k].to(dev))[None], pos, self.cache)
         self.rows = self.rows[k:]
         self.length = e
         if e == n - 1:

@@ -1,0 +1,88 @@
+"""The feature head's inference step on decoding.cpu_kernels.
+
+A grown tree calls the head 3-4 times a round, each call a few rows through one decoder layer:
+as torch modules that is ~90 ops (norms as 6 ops each, the rotary tables rebuilt per call, q / k /
+v as three linears, the draft cache re-concatenated and expanded to every query head), most of a
+call's time. `LeanStep` runs the same arithmetic as `FeatureDraft.step` in a dozen: q / k / v in
+one linear, gate / up in one, one-pass RMSNorm, rotary split and SiLU gate, `row_attention` over
+the cache with GQA inside, and the draft cache appended in place. Each fused step rounds once
+(float32 math), so in bf16 the head's outputs move within rounding, never its target's: what
+is committed is the target's decision either way (lossless), and in float32 it equals the module
+step to ~1e-6 (tests/test_feature_decoding.py compares it with training-time test).
+
+Used (`step`) where the kernels run (CPUs with AVX512-BF16) and the head runs a fast forward, for
+steps of up to `cpu_kernels.AMX_ROWS + 1` rows; elsewhere, and for longer steps, the modules run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import cpu_kernels
+from ..cache import _append
+
+
+class LeanStep:
+    """FeatureDraft.step over fused copies of the head's layer weights (shared norms)."""
+
+    def __init__(self, draft):
+        m, a = draft.midlayer, draft.midlayer.self_attn
+        cat = lambda *ls: torch.cat([x.weight.detach() for x in ls]).contiguous()  # noqa: E731
+        self.qkv = cpu_kernels.FewRowWeight(cat(a.q_proj, a.k_proj, a.v_proj))
+        self.o = cpu_kernels.FewRowWeight(a.o_proj.weight.detach())
+        self.gate_up = cpu_kernels.FewRowWeight(cat(m.mlp.gate_proj, m.mlp.up_proj))
+        self.down = cpu_kernels.FewRowWeight(m.mlp.down_proj.weight.detach())
+        self.norms = {name: (n.weight.detach(), n.eps) for name, n in (
+            ("input", m.input_layernorm), ("hidden", m.hidden_norm), ("post", m.post_attention_layernorm),
+            ("final", draft.norm))}
+        self.inv_freq = a.inv_freq.detach().float().clone()  # fp32, as the module keeps it
+        c = draft.config
+        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.rows = cpu_kernels.AMX_ROWS + 1
+
+    def _norm(self, x, name):
+        return torch.ops.specstop.add_rms_norm(x, None, *self.norms[name])[1]
+
+    def __call__(self, draft, tokens, hidden, positions, cache, mask):
+        """As FeatureDraft.step: (draft-vocab logits [B, T, N], pre-norm h [B, T, H])."""
+        ops = torch.ops.specstop
+        B, T = tokens.shape
+        H = hidden.shape[-1]
+        h0 = hidden.reshape(B * T, H).contiguous()
+        x = torch.cat((self._norm(draft.embed(tokens).reshape(B * T, H).contiguous(), "input"),
+                       self._norm(h0, "hidden")), -1)
+        ang = positions.reshape(B * T, 1).float() * self.inv_freq
+        emb = torch.cat((ang, ang), -1)
+        cos, sin = emb.cos().to(h0.dtype), emb.sin().to(h0.dtype)
+        q, k, v = ops.rope_qkv(self.qkv(x), cos, sin, B, self.heads, self.kv_heads)
+        if cache is not None:
+            cache.k, cache._kb = _append(cache.k, getattr(cache, "_kb", None), k) if cache.k is not None else (k, None)
+            cache.v, cache._vb = _append(cache.v, getattr(cache, "_vb", None), v) if cache.v is not None else (v, None)
+            k, v = cache.k, cache.v
+        S = k.shape[2]
+        if mask is None:
+            mask = torch.ones(T, S, dtype=torch.bool).tril_(S - T)
+        att = ops.row_attention(q, k, v, mask[None, None], self.head_dim ** -0.5).reshape(B * T, -1)
+        h, post = ops.add_rms_norm(h0, self.o(att), *self.norms["post"])  # h + attention, then its norm
+        h = h + self.down(ops.silu_mul(self.gate_up(post)))
+        return draft.lm_head(self._norm(h, "final")).view(B, T, -1), h.view(B, T, H)
+
+
+def step(draft, tokens, hidden, positions, cache=None, mask=None):
+    """`draft.step(...)`, on the lean step where it applies: the head runs a fast forward (packed /
+    lean, decoding.fast_forward; eager stays the modules: the reference), the kernels run here,
+    the step has few enough rows, and nothing is being trained."""
+    lean = getattr(draft, "_lean_step", False)
+    if lean is False:  # decided once per head
+        lean = draft._lean_step = _build(draft)
+    if (lean is not None and getattr(draft, "_specstop_forward", "eager") != "eager"
+            and tokens.shape[1] <= lean.rows and not torch.is_grad_enabled()):
+        return lean(draft, tokens, hidden, positions, cache, mask)
+    return draft.step(tokens, hidden, positions, cache, mask)
+
+
+def _build(draft):
+    w = draft.fc.weight
+    if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or not cpu_kernels.batch_invariant():
+        return None
+    return LeanStep(draft)

@@ -1,0 +1,87 @@
+"""decoding.drafts.lean_step: the feature head's step on the CPU kernels computes what the module
+step computes (float32, to rounding; the same draft cache), is what runs once the head has a fast
+forward, and leaves decoding lossless: greedy equal to `ar` in float32 and, with AMX, in bf16 bit
+for bit; sampling exact over an enumerated vocabulary."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from test_feature_decoding import CASES, GREEDY, N, PROMPTS, SAMPLES, feature_pair, tiny_pair  # noqa: F401
+from test_sampling_exact import chi2_pvalue, exact_distribution, speculative_counts
+from decoding import cpu_kernels
+from decoding.drafts import lean_step
+from decoding.drafts.feature import DraftKV
+from decoding.fast_forward import set_forward
+from decoding.sampling import SamplingConfig
+from decoding.strategies import StrategyConfig, build_engine
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.batch_invariant(), reason=f"kernels: {cpu_kernels.describe()}")
+
+
+def fast(models, dtype=torch.float32):
+    """Copies in `dtype` on the lean (target) / packed (head) forward."""
+    out = tuple(copy.deepcopy(m).to(dtype) for m in models)
+    for m in out:
+        set_forward(m, "lean")
+    return out
+
+
+def test_lean_step_equals_the_module_step(feature_pair):  # noqa: F811
+    """Catch-up (causal, no mask) then a tree level (a bool mask over cache + level) against the
+    module step on the same head and an equal cache: logits and h to fp32 rounding, and the cache
+    holds the same keys and values."""
+    target, draft = feature_pair
+    head = fast((draft,))[0]
+    g = torch.Generator().manual_seed(0)
+    hid = torch.randn(1, 5, draft.config.hidden_size, generator=g)
+    toks, pos = torch.tensor([[1, 4, 2, 7, 3]]), torch.arange(5)[None]
+    tree_toks, tree_pos = torch.tensor([[5, 6, 8]]), torch.tensor([[5, 5, 6]])
+    mask = torch.cat((torch.ones(3, 5, dtype=torch.bool), torch.tensor([[1, 0, 0], [0, 1, 0], [1, 0, 1]]).bool()), 1)
+    got, want = DraftKV(), DraftKV()
+    with torch.inference_mode():
+        outs = [lean_step.step(head, toks, hid, pos, got), head.step(toks, hid, pos, want)]
+        h = outs[1][1][:, -3:]
+        outs += [lean_step.step(head, tree_toks, h, tree_pos, got, mask), head.step(tree_toks, h, tree_pos, want, mask)]
+    assert head._lean_step is not None
+    for (lg, hl), (lw, hw) in (outs[:2], outs[2:]):
+        torch.testing.assert_close(lg, lw, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(hl, hw, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.k, want.k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.v, want.v, rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():  # an eager head keeps the modules (the reference)
+        set_forward(head, "eager")
+        assert torch.equal(lean_step.step(head, toks, hid, pos)[0], head.step(toks, hid, pos)[0])
+
+
+@pytest.mark.parametrize("cfg", CASES, ids=lambda c: c.name)
+def test_greedy_with_the_lean_head_equals_ar(feature_pair, cfg):  # noqa: F811
+    target, draft = fast(feature_pair)
+    ar = build_engine(target, None, StrategyConfig(strategy="ar"), GREEDY)
+    eng = build_engine(target, draft, cfg, GREEDY)
+    for prompt in PROMPTS:
+        assert eng.generate(prompt, N)[0] == ar.generate(prompt, N)[0]
+    assert draft._lean_step is not None
+
+
+@pytest.mark.skipif(not cpu_kernels.amx(), reason="bf16 batch invariance needs AMX linears")
+def test_bf16_greedy_with_the_lean_head_equals_bf16_ar_bit_for_bit(feature_pair):  # noqa: F811
+    target, draft = fast(feature_pair, torch.bfloat16)
+    ar = build_engine(target, None, StrategyConfig(strategy="ar"), GREEDY)
+    for cfg in CASES:
+        eng = build_engine(target, draft, cfg, GREEDY)
+        for prompt in PROMPTS:
+            assert eng.generate(prompt, N)[0] == ar.generate(prompt, N)[0], cfg.name
+
+
+def test_sampling_with_the_lean_head_is_exact(tiny_pair):  # noqa: F811
+    target, draft = fast(tiny_pair)
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9)
+    cfg = StrategyConfig(strategy="ti-mcsd", width=2, depth=2, stop="confidence", confidence_threshold=0.3)
+    counts, depths, _ = speculative_counts(build_engine(target, draft, cfg, sampling), SAMPLES)
+    assert draft._lean_step is not None
+    assert sum(v for d, v in depths.items() if d >= 1) > 0.3 * SAMPLES
+    assert chi2_pvalue(counts, exact_distribution(target, sampling), SAMPLES) > 1e-3
