@@ -148,7 +148,11 @@ def forward_markdown(r: dict, command: str) -> str:
     lines = [f"# Target forward cost (SmolLM2-135M, {r['context']}-token cache, {r['repeats']} repeats, "
              f"variants interleaved call by call; {load})", "", f"`{command}`", "",
              f"torch {r['torch']}; CPU flags: {', '.join(r['cpu_flags']) or '?'}. Reference: {r['reference']}. "
-             f"decoding.cpu_kernels: {r.get('cpu_kernels', '?')}.", ""]
+             f"decoding.cpu_kernels: {r.get('cpu_kernels', '?')}.", "",
+             "Each variant is its own loaded copy of the model: copies of one model have differed by up to ~10% "
+             "in GEMM time alone (the same kernel over weights placed elsewhere in memory; "
+             "reports/forward-2026-11-27-row-attention), so a ratio between two variants of one dtype under ~1.1x "
+             "is not evidence; the cost over a variant's own 1-token forward is.", ""]
     for name, per in r.get("compile_s", {}).items():
         lines += [f"{name}: compile seconds per size " + ", ".join(f"n={n}: {s:.0f}" for n, s in per.items())
                   + " (paid once per process and size; a probe, not an engine forward)", ""]
