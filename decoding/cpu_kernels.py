@@ -19,8 +19,9 @@ attention of a step or a verify (scores on AMX tiles, rows as vector lanes), che
 and batch-invariant (INVARIANT_ENV).
 
 The linears are batch-invariant: a row's result does not depend on the other rows of the call or
-the thread count, so a 1-token step and the same row inside a verify of up to 32 tokens agree bit
-for bit (bf16 on AMX, fp32 on the panels); where a row count switches kernels they agree to rounding.
+the thread count, so a 1-token step and the same row inside a verify agree bit for bit (bf16 on
+AMX up to AMX_ROWS, fp32 on the panels up to PANEL_ROWS); where a row count switches kernels
+they agree to rounding.
 
 Built on first use by torch's C++ extension loader (~14 s once per machine on 2 cores, cached under
 $TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default), only where the CPU has AVX512-BF16,
@@ -46,14 +47,20 @@ faster. Whole 1-thread forwards of SmolLM2-135M on a 2-core AMX Xeon, kernel / o
 0.92x-0.84x at 1-4 rows, 1.01x at 8, before `panel_linear` replaced it)."""
 INVARIANT_ENV = "SPECSTOP_BATCH_INVARIANT"
 """0: the lean layers attend with torch's scaled_dot_product_attention instead of `row_attention`.
-By default steps and verifies of up to AMX_ROWS + 1 tokens attend with `row_attention`, whose rows
+By default steps and verifies attend with `row_attention` (up to `attention_rows`), whose rows
 depend only on their visible keys, so with AMX linears a bf16 verify's rows equal 1-token steps bit
 for bit and bf16 speculation reproduces bf16 `ar` exactly. It is also the cheaper kernel: a bf16
 forward (1 thread, AMX Xeon, 200 cached tokens, the same weights) costs 0.90-0.98x torch's
 attention's at 1-32 tokens (reports/forward-2026-11-27-row-attention/same_weights_ab.md)."""
-AMX_ROWS = 32
-"""Most rows `amx_linear` takes: a step's linears cost 0.82-0.89x oneDNN's at 32 rows, 0.93-1.11x at
-64 in two runs (reports/forward-2026-11-26-kernel-crossovers)."""
+AMX_ROWS = 65
+"""Most rows `amx_linear` (and, in bf16 with AMX, `row_attention`) take: a grown tree's 64 nodes
+and the pending token, so every verify of the default trees is batch-invariant. A step's linears
+cost 0.82-0.89x oneDNN's at 32 rows (reports/forward-2026-11-26-kernel-crossovers); whole bf16
+forwards of 33-65 tokens on one loaded target, against oneDNN + torch's attention: 0.94-1.07x on
+1 thread, 0.85-0.98x on 2 (reports/forward-2026-11-27-row-attention/rows-33-65.md)."""
+PANEL_ROWS = 32
+"""Most rows `panel_linear` (fp32) takes: 0.92-0.98x oneDNN's at 12-32 rows, compute-bound above
+(reports/forward-2026-11-27-fp32-panels)."""
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 CSRC = Path(__file__).parent / "csrc"
@@ -128,9 +135,18 @@ def rows_below(dtype: torch.dtype) -> int:
     """Row counts below which a linear in `dtype` runs on these kernels here (0: never)."""
     if not available():
         return 0
-    if dtype == torch.float32 or (dtype == torch.bfloat16 and amx()):
-        return AMX_ROWS + 1  # panels (fp32) / tiles (bf16): one kernel for a step and every verify
+    if dtype == torch.bfloat16 and amx():
+        return AMX_ROWS + 1  # tiles: one kernel for a step and every verify
+    if dtype == torch.float32:
+        return PANEL_ROWS + 1
     return ROWS_BELOW.get(dtype, 0)
+
+
+def attention_rows(dtype: torch.dtype) -> int:
+    """Most rows a lean forward in `dtype` attends with `row_attention` (0: torch's attention)."""
+    if not batch_invariant():
+        return 0
+    return AMX_ROWS if dtype == torch.bfloat16 and amx() else PANEL_ROWS
 
 
 def batch_invariant() -> bool:

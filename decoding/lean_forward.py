@@ -195,7 +195,7 @@ def make_lean(model: torch.nn.Module, pack=lambda w: None, eager_below: dict | N
             "inter": m.gate_proj.weight.shape[0], "qk_norm": FAMILIES[type(layer).__name__],
             "fused": kw["small_below"] > 0,  # the few-row kernels are built: so are the row-wise ops
             # steps and verifies attend on the kernel (a prefill: sdpa); $SPECSTOP_BATCH_INVARIANT=0: sdpa
-            "row_attention_below": cpu_kernels.AMX_ROWS + 1 if kw["small_below"] and cpu_kernels.batch_invariant() else 0,
+            "row_attention_below": (cpu_kernels.attention_rows(dt) + 1) if kw["small_below"] and cpu_kernels.attention_rows(dt) else 0,
         }
         f = layer._lean
         f.update(norm1=(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),

@@ -255,18 +255,19 @@ def test_row_attention_of_a_row_depends_on_its_visible_keys_only(dtype, H, KV, T
 @needs_amx
 def test_bf16_verify_rows_equal_the_plain_steps_bit_for_bit(monkeypatch):
     """By default, with AMX linears, the row-wise kernels and row attention, a bf16 verify of a
-    chain of up to 32 tokens gives each row exactly the logits a 1-token step gives it, so bf16
-    greedy speculation reproduces bf16 `ar` with no near-tie flips."""
+    chain of up to 65 tokens (a grown tree's 64 nodes and the pending one) gives each row exactly
+    the logits a 1-token step gives it, so bf16 greedy speculation reproduces bf16 `ar` with no
+    near-tie flips."""
     monkeypatch.delenv(cpu_kernels.INVARIANT_ENV, raising=False)
     assert cpu_kernels.batch_invariant() and "batch-invariant" in cpu_kernels.describe()
     model = tiny("llama").to(torch.bfloat16)
     set_forward(model, "lean")
-    assert model.model.layers[0]._lean["row_attention_below"] == cpu_kernels.AMX_ROWS + 1
+    assert model.model.layers[0]._lean["row_attention_below"] == 66 == cpu_kernels.rows_below(torch.bfloat16)
     V = model.config.vocab_size
-    prompt, nxt = [(3 * i + 1) % V for i in range(27)], [(7 * i + 5) % V for i in range(32)]
+    prompt, nxt = [(3 * i + 1) % V for i in range(27)], [(7 * i + 5) % V for i in range(65)]
     from decoding.tree import layout_from_k_config
 
-    for n in (2, 9, 32):
+    for n in (2, 9, 33, 65):
         steps = CachedModel(model)
         steps.feed(prompt, TreeLayout(()), [], 0, 0)
         one = [steps.feed(prompt + nxt[:i + 1], TreeLayout(()), [], 0, 0)[0][-1] for i in range(n)]

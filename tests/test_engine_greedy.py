@@ -206,11 +206,12 @@ def test_dynamic_tree_layout_is_the_drafted_subtree(pair):
     assert [tree.tokens[i] for i in (0, 3, 4)] == full.tokens
 
 
-@pytest.mark.parametrize("cfg", [c for c in LOSSLESS if c.k_config != "4,2,2,1"], ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg", LOSSLESS, ids=lambda c: c.name)
 def test_bf16_speculation_equals_bf16_ar_bit_for_bit(pair, cfg):
-    """With AMX, the lean forward's kernels are batch-invariant (a verify row of up to 32 tokens
+    """With AMX, the lean forward's kernels are batch-invariant (a verify row of up to 65 tokens
     equals the 1-token step bit for bit), so in bf16 too every lossless strategy whose trees stay
-    within 32 nodes reproduces bf16 `ar` token for token: no near-tie allowance."""
+    within 64 nodes (all of these: the 4,2,2,1 tree has 44) reproduces bf16 `ar` token for token:
+    no near-tie allowance."""
     from decoding import cpu_kernels
 
     if not cpu_kernels.amx() or not cpu_kernels.batch_invariant():

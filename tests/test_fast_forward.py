@@ -55,7 +55,7 @@ def test_few_rows_take_the_small_kernel_or_the_default_one_and_more_rows_the_pac
     more rows take oneDNN's packed kernel."""
     from decoding import cpu_kernels
 
-    x = torch.randn(40, 64)
+    x = torch.randn(80, 64)  # more rows than any few-row kernel takes
     calls = {"packed": 0, "small": 0}
     real_packed = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",

@@ -11,7 +11,7 @@
 //   vector lane; good for 1-3 bf16 rows (then out of arithmetic), 1-6 fp32 rows.
 // - amx_linear: AMX tiles (bf16) over a weight packed once by amx_pack into the tiles' layout
 //   (VNNI pairs, 32 columns by 32 rows of K per 2 KiB step), prefetched the same way; memory-bound
-//   up to ~16-32 rows, so a 1-token step and a verify of 2-32 tokens share one kernel.
+//   up to ~16-32 rows, so a 1-token step and a verify share one kernel (up to cpu_kernels.AMX_ROWS).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

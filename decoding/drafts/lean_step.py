@@ -11,7 +11,7 @@ is committed is the target's decision either way (lossless), and in float32 it e
 step to ~1e-6 (tests/test_feature_decoding.py compares it with training-time test).
 
 Used (`step`) where the kernels run (CPUs with AVX512-BF16) and the head runs a fast forward, for
-steps of up to `cpu_kernels.AMX_ROWS + 1` rows; elsewhere, and for longer steps, the modules run.
+steps of up to `cpu_kernels.attention_rows` rows; elsewhere, and for longer steps, the modules run.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class LeanStep:
         self.inv_freq = a.inv_freq.detach().float().clone()  # fp32, as the module keeps it
         c = draft.config
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.rows = cpu_kernels.AMX_ROWS + 1
+        self.rows = cpu_kernels.attention_rows(draft.fc.weight.dtype)
 
     def _norm(self, x, name):
         return torch.ops.specstop.add_rms_norm(x, None, *self.norms[name])[1]
