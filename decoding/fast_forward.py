@@ -122,6 +122,7 @@ def pack_linears(model: torch.nn.Module, kernels: bool = True) -> int:
 def unpack_linears(model: torch.nn.Module) -> None:
     """Back to the reference (eager) forward."""
     unmake_lean(model)
+    model.__dict__.pop("_lean_step", None)  # a feature head's fused copies (decoding.drafts.lean_step)
     for mod in model.modules():
         if hasattr(mod, "_packed_weight"):
             del mod._packed_weight, mod._packed_dtype, mod._eager_below, mod._small_below, mod._few

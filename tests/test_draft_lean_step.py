@@ -85,3 +85,23 @@ def test_sampling_with_the_lean_head_is_exact(tiny_pair):  # noqa: F811
     assert draft._lean_step is not None
     assert sum(v for d, v in depths.items() if d >= 1) > 0.3 * SAMPLES
     assert chi2_pvalue(counts, exact_distribution(target, sampling), SAMPLES) > 1e-3
+
+
+def test_the_lean_step_lives_as_long_as_the_fast_forward(feature_pair):  # noqa: F811
+    """Like packed weights, the fused copies belong to one set_forward: switching the forward drops
+    them, and the next fast forward (here after a dtype change) builds them anew."""
+    _, draft = feature_pair
+    head = fast((draft,))[0]
+    toks, hid, pos = torch.tensor([[1, 4]]), torch.randn(1, 2, draft.config.hidden_size), torch.arange(2)[None]
+    with torch.inference_mode():
+        lean_step.step(head, toks, hid, pos)
+        assert head._lean_step is not None
+        set_forward(head, "eager")
+        assert "_lean_step" not in head.__dict__
+        head.to(torch.bfloat16)
+        set_forward(head, "lean")
+        hid = hid.to(torch.bfloat16)
+        got = lean_step.step(head, toks, hid, pos)[0]
+        want = head.step(toks, hid, pos)[0]
+    assert head._lean_step is not None and got.dtype == torch.bfloat16
+    assert (got.float() - want.float()).abs().max() <= 0.05 * want.float().abs().max()

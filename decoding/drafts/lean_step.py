@@ -73,7 +73,7 @@ def step(draft, tokens, hidden, positions, cache=None, mask=None):
     lean, decoding.fast_forward; eager stays the modules: the reference), the kernels run here,
     the step has few enough rows, and nothing is being trained."""
     lean = getattr(draft, "_lean_step", False)
-    if lean is False:  # decided once per head
+    if lean is False:  # once per head and fast forward (set_forward drops it, as it drops packed weights)
         lean = draft._lean_step = _build(draft)
     if (lean is not None and getattr(draft, "_specstop_forward", "eager") != "eager"
             and tokens.shape[1] <= lean.rows and not torch.is_grad_enabled()):
