@@ -26,6 +26,17 @@ def _case(dtype, t, k, n, bias, seed=0):
     return x, w, b
 
 
+def _assert_float64_to_rounding(y, x, w, b):
+    """y = x @ w.T + b in x's dtype, within fp32 accumulation over K (2^-20 of the terms'
+    magnitude) plus one rounding of the output to the dtype."""
+    dtype = x.dtype
+    ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    assert y.dtype == dtype and y.shape == ref.shape
+    mag = x.double().abs() @ w.double().abs().T + (b.double().abs() if b is not None else 0)
+    out_round = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -23
+    assert ((y.double() - ref).abs() <= mag * 2.0 ** -20 + ref.abs() * out_round).all()
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,k,n", [(1, 64, 8), (2, 577, 37), (3, 31, 5), (4, 96, 4), (5, 1536, 9), (9, 33, 3)])
@@ -35,12 +46,7 @@ def test_equals_float64_to_the_dtypes_rounding(dtype, t, k, n, bias):
     pass: every tail of the loop. Accumulation is fp32, so the error bound is fp32's over K
     terms plus one rounding of the output to `dtype`."""
     x, w, b = _case(dtype, t, k, n, bias)
-    ref = x.double() @ w.double().T + (b.double() if bias else 0)
-    y = cpu_kernels.linear(x, w, b)
-    assert y.dtype == dtype and y.shape == (t, n)
-    mag = x.double().abs() @ w.double().abs().T + (b.double().abs() if bias else 0)
-    out_round = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -23
-    assert ((y.double() - ref).abs() <= mag * 2.0 ** -20 + ref.abs() * out_round).all()
+    _assert_float64_to_rounding(cpu_kernels.linear(x, w, b), x, w, b)
 
 
 @needs_amx
@@ -49,11 +55,7 @@ def test_equals_float64_to_the_dtypes_rounding(dtype, t, k, n, bias):
 def test_amx_tiles_equal_float64_to_bf16_rounding(t, k, n, bias):
     """AMX: K and N padded to the tiles' 32, rows over one (16) and two (32) tiles of x."""
     x, w, b = _case(torch.bfloat16, t, k, n, bias)
-    ref = x.double() @ w.double().T + (b.double() if bias else 0)
-    y = cpu_kernels.FewRowWeight(w)(x, b)
-    assert y.dtype == torch.bfloat16 and y.shape == (t, n)
-    mag = x.double().abs() @ w.double().abs().T + (b.double().abs() if bias else 0)
-    assert ((y.double() - ref).abs() <= mag * 2.0 ** -20 + ref.abs() * 2.0 ** -8).all()
+    _assert_float64_to_rounding(cpu_kernels.FewRowWeight(w)(x, b), x, w, b)
 
 
 @needs_kernel
@@ -63,11 +65,7 @@ def test_fp32_panels_equal_float64_to_fp32_rounding(t, k, n, bias):
     """fp32 panels: N padded to the panels' 64 (tails of 16-lane vectors too), rows over one
     (6) and several passes, one FMA chain per output over K."""
     x, w, b = _case(torch.float32, t, k, n, bias)
-    ref = x.double() @ w.double().T + (b.double() if bias else 0)
-    y = cpu_kernels.FewRowWeight(w)(x, b)
-    assert y.dtype == torch.float32 and y.shape == (t, n)
-    mag = x.double().abs() @ w.double().abs().T + (b.double().abs() if bias else 0)
-    assert ((y.double() - ref).abs() <= mag * 2.0 ** -20 + ref.abs() * 2.0 ** -23).all()
+    _assert_float64_to_rounding(cpu_kernels.FewRowWeight(w)(x, b), x, w, b)
 
 
 def _rows_alone_and_together(kernel, x, b):
