@@ -8,8 +8,9 @@ stops at every 4 KiB page. `csrc/gemm.cpp` prefetches 16 KiB ahead itself:
 - `amx_linear` (bf16 on CPUs with AMX): tiles over a weight packed once into their layout; the
   linears of a 30-layer step cost 0.74x oneDNN's at 1 row and 0.77-0.89x at 2-32 rows, so one
   kernel serves a plain step and every verify up to `AMX_ROWS`;
-- `panel_linear` (fp32): FMAs over a weight packed once into panels of 64 outputs, one chain per
-  output; the 121 linears of a step cost 0.79x oneDNN's at 1 row, 0.92-0.98x at 8-32 rows;
+- `panel_linear` (fp32): FMAs over a weight packed once into panels of 48 outputs, one chain per
+  output, up to 8 rows in one pass over the weight; the 121 linears of a step cost ~0.75x oneDNN's
+  at 1 row and ~0.8-0.9x at 8-32 rows;
 - `small_linear` (bf16 with AVX512-BF16 but no AMX): dot products over the row-major weight, out
   of arithmetic above a few rows (`ROWS_BELOW`).
 Above those sizes (a prefill, a very large tree) oneDNN's kernels run. `csrc/layer_ops.cpp`:

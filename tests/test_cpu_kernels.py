@@ -59,11 +59,12 @@ def test_amx_tiles_equal_float64_to_bf16_rounding(t, k, n, bias):
 
 
 @needs_kernel
-@pytest.mark.parametrize("t,k,n", [(1, 64, 64), (2, 577, 37), (6, 31, 130), (7, 96, 70), (33, 1536, 9)])
+@pytest.mark.parametrize("t,k,n", [(1, 64, 48), (2, 577, 37), (8, 31, 130), (9, 96, 70), (13, 40, 100),
+                                   (33, 1536, 9)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp32_panels_equal_float64_to_fp32_rounding(t, k, n, bias):
-    """fp32 panels: N padded to the panels' 64 (tails of 16-lane vectors too), rows over one
-    (6) and several passes, one FMA chain per output over K."""
+    """fp32 panels: N padded to the panels' 48 (tails of 16-lane vectors too), rows in one pass
+    (up to 8) and several balanced ones (9 = 4 + 5, 13 = 6 + 7, 33), one FMA chain per output."""
     x, w, b = _case(torch.float32, t, k, n, bias)
     _assert_float64_to_rounding(cpu_kernels.FewRowWeight(w)(x, b), x, w, b)
 

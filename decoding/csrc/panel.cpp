@@ -1,13 +1,16 @@
-// y = x @ w.T (+ bias) in float32 for 1-32 rows of x, over a weight packed once into panels of 64
+// y = x @ w.T (+ bias) in float32 for 1-32 rows of x, over a weight packed once into panels of 48
 // output columns (decoding/cpu_kernels.py).
 //
 // Why: the row-major fp32 kernel (gemm.cpp, small_linear) reduces along K, one dot product per
 // output, and runs out of arithmetic above ~6 rows; oneDNN then streams the weights at ~9 GB/s.
-// Here the weight is laid out [N / 64][K][64]: for each k, 64 outputs' weights are one 256-byte
+// Here the weight is laid out [N / 48][K][48]: for each k, 48 outputs' weights are one 192-byte
 // load, each row of x a broadcast, and every output one FMA chain over k in order. So a row's
-// result does not depend on the other rows of the call or on the thread count (batch-invariant),
-// and up to ~16-20 rows cost about what reading the weights once costs (streamed with our own
-// prefetch, as the bf16 kernels do); more rows re-read each panel from L2.
+// result does not depend on the other rows of the call or on the thread count (batch-invariant).
+// Up to 8 rows share one pass over a panel (8 x 3 accumulators fill the registers), so a verify of
+// up to 8 tokens reads each weight once, streamed with our own prefetch as the bf16 kernels do;
+// more rows take balanced passes, the later ones over the panel in L2. An fp32 verify is still
+// dearer than a step on a core with one 512-bit FMA port: the FMAs only partly hide under the
+// weight stream (reports/forward-2026-11-27-panels-48).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -19,9 +22,10 @@
 
 namespace {
 
-constexpr int64_t PW = 64;      // outputs per panel: 4 vectors
+constexpr int V = 3;            // vectors of 16 outputs per panel
+constexpr int64_t PW = 16 * V;  // outputs per panel
 constexpr int64_t PF = 16384;   // bytes of lookahead in the panel stream
-constexpr int TR = 6;           // rows per pass (4 x 6 accumulators)
+constexpr int TR = 8;           // most rows per pass (TR x V accumulators)
 
 // w [N, K] -> [ceil(N / 64), K, 64], zero-padded past N
 at::Tensor panel_pack(const at::Tensor& w) {
@@ -42,25 +46,32 @@ at::Tensor panel_pack(const at::Tensor& w) {
   return out;
 }
 
+// rows [0, R) of x against one panel: acc[r][c] = sum over k in order of x[r][k] * w[k][c]
 template <int R>
-inline void pass(const float* x, int64_t K, const float* p, bool prefetch, __m512 (&acc)[TR][4]) {
+inline void pass(const float* x, int64_t K, const float* p, bool prefetch, const float* bias, float* y, int64_t N,
+                 int64_t n0) {
+  __m512 acc[R][V];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < V; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const float* pk = p + k * PW;
     if (prefetch) {
       const char* f = (const char*)pk + PF;
-      for (int l = 0; l < 256; l += 64) _mm_prefetch(f + l, _MM_HINT_T0);
+      for (int l = 0; l < PW * 4; l += 64) _mm_prefetch(f + l, _MM_HINT_T0);
     }
-    const __m512 w0 = _mm512_loadu_ps(pk), w1 = _mm512_loadu_ps(pk + 16), w2 = _mm512_loadu_ps(pk + 32),
-                 w3 = _mm512_loadu_ps(pk + 48);
+    __m512 w[V];
+    for (int c = 0; c < V; ++c) w[c] = _mm512_loadu_ps(pk + 16 * c);
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * K + k]);
-      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(xv, w2, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(xv, w3, acc[r][3]);
+      for (int c = 0; c < V; ++c) acc[r][c] = _mm512_fmadd_ps(xv, w[c], acc[r][c]);
     }
+  }
+  for (int c = 0; c < V; ++c) {
+    const int64_t n = n0 + 16 * c;
+    if (n >= N) break;
+    const __mmask16 live = n + 16 <= N ? (__mmask16)0xffff : (__mmask16)((1u << (N - n)) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(live, bias + n) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * N + n, live, _mm512_add_ps(acc[r][c], bv));
   }
 }
 
@@ -77,29 +88,23 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N, co
   const float* X = xc.data_ptr<float>();
   const float* P = wp.data_ptr<float>();
   float* Y = y.data_ptr<float>();
+  const int64_t passes = (T + TR - 1) / TR;  // balanced: 12 rows are 6 + 6, not 8 + 4
   at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
-    __m512 acc[TR][4];
     for (int64_t nb = b0; nb < b1; ++nb) {
       const float* p = P + nb * K * PW;
-      const int64_t n0 = nb * PW;
-      for (int64_t t0 = 0; t0 < T; t0 += TR) {  // a second pass re-reads the panel from cache
-        const int R = (int)std::min<int64_t>(TR, T - t0);
+      int64_t t0 = 0;
+      for (int64_t q = 0; q < passes; ++q) {  // a later pass re-reads the panel from cache
+        const int R = (int)((T - t0) / (passes - q));
         const float* xr = X + t0 * K;
+        float* yr = Y + t0 * N;
         switch (R) {
-          case 6: pass<6>(xr, K, p, t0 == 0, acc); break;
-          case 5: pass<5>(xr, K, p, t0 == 0, acc); break;
-          case 4: pass<4>(xr, K, p, t0 == 0, acc); break;
-          case 3: pass<3>(xr, K, p, t0 == 0, acc); break;
-          case 2: pass<2>(xr, K, p, t0 == 0, acc); break;
-          default: pass<1>(xr, K, p, t0 == 0, acc); break;
+#define SPECSTOP_PASS(r) \
+  case r: pass<r>(xr, K, p, q == 0, B, yr, N, nb * PW); break;
+          SPECSTOP_PASS(8) SPECSTOP_PASS(7) SPECSTOP_PASS(6) SPECSTOP_PASS(5) SPECSTOP_PASS(4) SPECSTOP_PASS(3)
+          SPECSTOP_PASS(2) SPECSTOP_PASS(1)
+#undef SPECSTOP_PASS
         }
-        for (int c = 0; c < 4; ++c) {
-          const int64_t n = n0 + 16 * c;
-          if (n >= N) break;
-          const __mmask16 live = n + 16 <= N ? (__mmask16)0xffff : (__mmask16)((1u << (N - n)) - 1);
-          const __m512 bv = B ? _mm512_maskz_loadu_ps(live, B + n) : _mm512_setzero_ps();
-          for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(Y + (t0 + r) * N + n, live, _mm512_add_ps(acc[r][c], bv));
-        }
+        t0 += R;
       }
     }
   });
