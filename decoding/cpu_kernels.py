@@ -60,12 +60,12 @@ cost 0.82-0.89x oneDNN's at 32 rows (reports/forward-2026-11-26-kernel-crossover
 forwards of 33-65 tokens on one loaded target, against oneDNN + torch's attention: 0.94-1.07x on
 1 thread, 0.85-0.98x on 2 (reports/forward-2026-11-27-row-attention/rows-33-65.md)."""
 PANEL_ROWS = 32
-"""Most rows `panel_linear` (fp32) takes: 0.92-0.98x oneDNN's at 12-32 rows, compute-bound above
-(reports/forward-2026-11-27-fp32-panels)."""
+"""Most rows `panel_linear` (fp32) takes: ~0.8-0.95x oneDNN's at 8-32 rows
+(reports/forward-2026-11-27-panels-48); above, oneDNN's blocked GEMM."""
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("gemm.cpp", "layer_ops.cpp", "attention.cpp", "panel.cpp")]
+SOURCES = [CSRC / name for name in ("gemm.cpp", "layer_ops.cpp", "attention.cpp", "panel.cpp", "peaks.cpp")]
 _state: dict = {}
 
 

@@ -26,6 +26,7 @@ from .. import cpu_kernels, models
 from ..cache import CachedModel, crop
 from ..fast_forward import packed_available, set_forward
 from ..tree import TreeLayout, layout_from_k_config
+from . import roofline
 from .profiling import profile_one
 
 SIZES = (1, 2, 4, 8, 16)
@@ -110,6 +111,10 @@ def forward_suite(dtypes=("float32", "bfloat16"), forwards=("eager", "packed"), 
             agree = res["agreement"].setdefault(name, {"same_argmax": True, "max_abs_diff": 0.0})
             agree["same_argmax"] &= bool(torch.equal(got.argmax(-1), want.argmax(-1)))
             agree["max_abs_diff"] = max(agree["max_abs_diff"], float((got - want).abs().max()))
+    work = {}  # per dtype, for the roofline
+    for name, v in variants.items():
+        if hasattr(v, "m"):
+            work.setdefault(name.split()[0], roofline.work_of(v.m.model))
     for th in threads:
         torch.set_num_threads(th)
         for v in variants.values():  # warm-up at this thread count
@@ -127,6 +132,9 @@ def forward_suite(dtypes=("float32", "bfloat16"), forwards=("eager", "packed"), 
             "over_one_token": {name: {n: med[name][n] / med[name][1] for n in sizes} for name in med},
             "profile": {name: {n: v.profile(n) for n in (1, 8) if n in sizes} for name, v in variants.items()},
         }
+        peaks = roofline.measure(th)
+        if peaks is not None:
+            res["threads"][th]["roofline"] = roofline.suite_rows(work, sizes, context, peaks, med)
     res["load_after"] = round(os.getloadavg()[0], 2)
     res["compile_s"] = {name: v.compile_s for name, v in variants.items() if hasattr(v, "compile_s")}
     return res
@@ -167,6 +175,8 @@ def forward_markdown(r: dict, command: str) -> str:
                   "|---|" + "---|" * len(sizes)]
         for name, x in t["over_one_token"].items():
             lines.append(f"| {name} | " + " | ".join(f"{x[n]:.2f}" for n in sizes) + " |")
+        if "roofline" in t:
+            lines += [""] + roofline.markdown(t["roofline"], sizes, th)
         lines += ["", "torch.profiler, one forward: GEMM share of self CPU time, op count, top ops:", "",
                   "| variant | n | ops | GEMM share | top ops (ms) |", "|---|---|---|---|---|"]
         for name, per in t["profile"].items():
