@@ -29,10 +29,11 @@ import torch
 from . import cpu_kernels
 from .lean_forward import make_lean, unmake_lean
 from .options import FORWARDS
-REVISION = 8
+REVISION = 9
 """Bumped when what the packed forward runs changes (3: float32 below 4 rows on the eager
 kernel; 4: few rows on decoding.cpu_kernels; 5: steps and verifies attend on them; 6: float32
-linears of 1-32 rows on their panels; 7: a feature head's steps on them, decoding.drafts.lean_step; 8: bf16 up to 65 rows on AMX);
+linears of 1-32 rows on their panels; 7: a feature head's steps on them, decoding.drafts.lean_step;
+8: bf16 up to 65 rows on AMX; 9: fp32 panels of 48 outputs, 8 rows a pass, streamed into L2);
 stored cost curves are keyed by it (decoding.cost_cache)."""
 ENV = "SPECSTOP_FORWARD"
 """Environment override of the default forward (eager or packed)."""
