@@ -1,7 +1,8 @@
 """The serve gate (training/serve/gate.py) and its use by training.draft.redistill, with vLLM's
 half replaced by a fake interpreter (the test seam: `serve_check_python`). The fake answers
-the request as vllm_side.py does: greedy tokens from transformers' own `generate` (not
-specstop's engine) and the accepted counts the test tells it (vLLM's counter)."""
+the requests as vllm_side.py does (one engine per process, a JSON line per prompt): greedy tokens
+from transformers' own `generate` (not specstop's engine) and the accepted counts the test tells
+it (vLLM's counter)."""
 
 from __future__ import annotations
 
@@ -24,18 +25,18 @@ import json, os, sys, torch
 from transformers import AutoModelForCausalLM
 req = json.load(open(sys.argv[2]))
 if os.environ.get("FAKE_VLLM_FAIL"):
-    json.dump({{"error": "ValueError: cannot load the draft"}}, open(sys.argv[3], "w")); sys.exit(1)
+    print(json.dumps({{"error": "ValueError: cannot load the draft"}}), flush=True); sys.exit(1)
 m = AutoModelForCausalLM.from_pretrained(req["target"], dtype=torch.float32).eval()
-outs = []
-for ids in req["prompts"]:
+acc = json.load(open(os.environ["FAKE_VLLM_ACCEPTED"]))
+speculative = bool(req.get("draft") or req.get("model"))
+print(json.dumps({{"ready": True, "vllm": "fake", "construct_s": 0.0}}), flush=True)
+for i, line in enumerate(sys.stdin):
+    ids = json.loads(line)["ids"]
     g = m.generate(torch.tensor([ids]), max_new_tokens=req["max_tokens"], do_sample=False,
                    eos_token_id=req["eos"] or None, pad_token_id=0)
-    outs.append(g[0, len(ids):].tolist())
-acc = json.load(open(os.environ["FAKE_VLLM_ACCEPTED"]))
-run = lambda a: {{"outputs": outs, "seconds": [1.0] * len(outs), "accepted": a,
-                 "drafted": [3 * len(o) for o in outs], "construct_s": 0.0}}
-runs = {{"float32/plain": run([]), "float32/head": run(acc)}}
-json.dump({{"vllm": "fake", "runs": runs}}, open(sys.argv[3], "w"))
+    out = g[0, len(ids):].tolist()
+    print(json.dumps({{"outputs": out, "seconds": 1.0, "accepted": acc[i] if speculative else 0,
+                      "drafted": 3 * len(out)}}), flush=True)
 '''
 
 
@@ -66,7 +67,8 @@ def test_gate_passes_fails_and_skips(tmp_path, tiny, fake, monkeypatch):
     assert ok["status"] == "passed" and ok["accepted"] == acc, ok
     (tmp_path / "acc.json").write_text(json.dumps([a + 1 for a in acc]))
     bad = gate.serve_gate(champ, cfg.target, str(fake), rows, 12, log=lambda m: None)
-    assert bad["status"] == "failed" and len(bad["failures"]) == 3 and "vLLM + head accepted" in bad["reason"]
+    assert bad["status"] == "failed" and "vLLM + head accepted" in bad["reason"]
+    assert len(bad["failures"]) == 6  # 3 prompts, each through the eagle3 and the speculators export
     monkeypatch.setenv("FAKE_VLLM_FAIL", "1")
     broken = gate.serve_gate(champ, cfg.target, str(fake), rows, 12, log=lambda m: None)
     assert broken["status"] == "failed" and "cannot load the draft" in broken["reason"]

@@ -11,7 +11,8 @@ chat template applied by specstop, the same token ids to both engines), greedy, 
   specstop's `sd --gamma 3 --stop fixed`;
 - report: tokens/s of vLLM plain, vLLM + head, specstop `ar` and specstop's default, fp32 and
   bf16, one run each (bf16 equality to plain vLLM is reported, not required).
-The vLLM half runs in its own venv (training/serve/vllm_side.py, JSON in and out).
+vLLM runs in its own venv (training/serve/vllm_side.py, one engine per process, JSON lines), kept
+alive while the prompts alternate between it and specstop's engine (training/serve/paired.py).
 Exit codes: 0 contract holds | 1 contract broken | 2 bad input or vLLM unusable.
 """
 
@@ -19,21 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .paired import CheckError, run_paired  # noqa: F401 (CheckError re-exported)
 from .report import summarise, trim, write_report  # noqa: F401 (trim re-exported)
 
-SIDE = Path(__file__).with_name("vllm_side.py")
 VLLM_PYTHON = ".venv-vllm/bin/python"
 DOMAINS = {"general": "data/prompts/heldout_general.jsonl", "code": "data/prompts/heldout_code.jsonl"}
-# CPU libraries vLLM wants preloaded (speculative decoding loses much without Intel OpenMP)
-PRELOAD = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "lib/libiomp5.so")
 
 
 @dataclass
@@ -52,76 +49,12 @@ class CheckConfig:
     timeout_s: int = 3600
 
 
-class CheckError(Exception):
-    """Bad input or an unusable vLLM (exit 2), one line."""
-
-
 def prompts(per_domain: int) -> list[dict]:
     out = []
     for kind, path in DOMAINS.items():
         rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
         out += [{"id": r["id"], "kind": kind, "prompt": r["prompt"]} for r in rows[:per_domain]]
     return out
-
-
-def vllm_env(python: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-               VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
-    venv = Path(python).parent.parent
-    libs = [str(p) for p in (Path(PRELOAD[0]), venv / PRELOAD[1]) if p.is_file()]
-    if libs:
-        env["LD_PRELOAD"] = ":".join([*libs, env.get("LD_PRELOAD", "")]).rstrip(":")
-    return env
-
-
-def run_vllm(cfg: CheckConfig, request: dict, log) -> dict:
-    """The vLLM half in its own interpreter; CheckError when it cannot run."""
-    if not Path(cfg.python).is_file():
-        raise CheckError(f"no vLLM python at {cfg.python} (make serve-check builds .venv-vllm)")
-    with tempfile.TemporaryDirectory(prefix="serve-check-") as tmp:
-        req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        req.write_text(json.dumps(request))
-        t = time.perf_counter()
-        try:
-            proc = subprocess.run([cfg.python, str(SIDE), str(req), str(res)], env=vllm_env(cfg.python),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  timeout=cfg.timeout_s)
-        except subprocess.TimeoutExpired:
-            raise CheckError(f"vLLM did not finish in {cfg.timeout_s} s") from None
-        log(f"serve-check: vLLM half {time.perf_counter() - t:.0f} s")
-        out = json.loads(res.read_text()) if res.is_file() else {}
-        if proc.returncode or out.get("error") or not out.get("runs"):
-            fd, logf = tempfile.mkstemp(prefix="serve-check-vllm-", suffix=".log")
-            with os.fdopen(fd, "w") as f:
-                f.write(proc.stdout)
-            raise CheckError(f"vLLM failed: {out.get('error') or f'exit {proc.returncode}'} (its log: {logf})")
-        return out
-
-
-def ours(dec, rows: list[dict], max_new: int) -> dict:
-    out = {"outputs": [], "seconds": [], "accepted": [], "tokens": []}
-    for r in rows:
-        res = dec.generate(r["ids"], max_new_tokens=max_new)
-        out["outputs"].append(res.token_ids)
-        out["seconds"].append(res.stats["wall_s"])
-        out["accepted"].append(res.stats.get("accepted", 0))
-        out["tokens"].append(res.stats["new_tokens"])
-    return out
-
-
-def run_ours(cfg: CheckConfig, rows: list[dict], log) -> dict:
-    from decoding import Decoder
-
-    runs = {}
-    for dtype in cfg.dtypes:
-        t = time.perf_counter()
-        sd = Decoder.load(cfg.target, cfg.draft, dtype=dtype, strategy="sd", gamma=cfg.gamma, stop="fixed")
-        runs[f"{dtype}/sd"] = ours(sd, rows, cfg.max_new_tokens)
-        runs[f"{dtype}/ar"] = ours(sd.variant("ar"), rows, cfg.max_new_tokens)
-        if not cfg.contract_only:
-            runs[f"{dtype}/default"] = ours(sd.default_variant(), rows, cfg.max_new_tokens)
-        log(f"serve-check: specstop {dtype} {time.perf_counter() - t:.0f} s")
-    return runs
 
 
 def contract(rows, mine: dict, theirs: dict, eos: set[int]) -> list[str]:
@@ -177,11 +110,10 @@ def check(cfg: CheckConfig, out_dir: Path | None, log=print, rows: list[dict] | 
                          verifier=target_dir, speculative_tokens=cfg.gamma) if cfg.speculators else None
         del base
         log(f"serve-check: export + prompts {time.perf_counter() - t0:.0f} s")
-        theirs = run_vllm(cfg, {"target": target_dir, "draft": str(export), "prompts": [r["ids"] for r in rows],
-                                "max_tokens": cfg.max_new_tokens, "dtypes": cfg.dtypes, "eos": sorted(eos),
-                                "speculative_tokens": cfg.gamma, "speculators": spec and str(spec),
-                                "max_model_len": min(1024, tcfg.max_position_embeddings)}, log)
-    mine = run_ours(cfg, rows, log)
+        request = {"target": target_dir, "draft": str(export), "max_tokens": cfg.max_new_tokens,
+                   "eos": sorted(eos), "speculative_tokens": cfg.gamma,
+                   "max_model_len": min(1024, tcfg.max_position_embeddings)}
+        theirs, mine = run_paired(cfg, rows, request, spec and str(spec), log)
     fails = contract(rows, mine, theirs["runs"], eos)
     result = summarise(cfg, rows, mine, theirs, eos, fails, time.perf_counter() - t0)
     if out_dir is not None:

@@ -71,7 +71,7 @@ def summarise(cfg, rows, mine: dict, theirs: dict, eos: set[int], fails: list[st
     return {
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "vllm": theirs.get("vllm"),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "threads": 1, "note": "timings of one run; shared-machine figures unless rerun quietly"},
+                    "threads": 1, "note": "timings of one run, vLLM and specstop alternating prompt by prompt (one engine of each alive)"},
         "config": asdict(cfg), "prompts": [{"id": r["id"], "kind": r["kind"]} for r in rows],
         "contract": {"ok": not fails, "failures": fails,
                      "checks": "fp32: vLLM + head (eagle3 export; and the speculators export served as "

@@ -1,21 +1,25 @@
 """The vLLM half of the serve-check, run by .venv-vllm's python (imports only vLLM and the
-standard library: specstop's own venv has another transformers).
+standard library: specstop's own venv has another transformers). One engine per process, kept
+alive while the driver alternates prompts between it and specstop's engine, so both are timed
+in the same minutes of a shared machine.
 
-    python vllm_side.py REQUEST.json RESULT.json
+    python vllm_side.py REQUEST.json       (then one JSON line per prompt on stdin)
 
-REQUEST: {"target": DIR, "draft": DIR | null, "prompts": [[ids]], "max_tokens": 96,
-"dtypes": ["float32", ...], "speculative_tokens": 3, "eos": [ids], "max_model_len": 1024,
-"speculators": DIR | null}. For each dtype,
-plain vLLM and (with a draft) vLLM + the EAGLE-3 head generate greedily, one prompt at a time
-(batch 1, as specstop's engine). RESULT: per dtype and mode the new token ids, seconds per
-prompt (generation only) and, with the head, the draft tokens accepted per prompt (the
-difference of vLLM's spec-decode counter around each prompt), plus the construction seconds.
-Any failure writes {"error": "..."} and exits 1.
+REQUEST: {"target": DIR, "draft": DIR | null, "model": DIR | null, "dtype": "float32",
+"max_tokens": 96, "speculative_tokens": 3, "eos": [ids], "max_model_len": 1024, "warmup": [ids]}.
+`model`: a speculators-format head dir given as the model (vLLM finds the target and head in its
+config, as `vllm serve DIR` does). The engine is built, warmed up on `warmup`, and announced with
+one line {"ready": true, "vllm": version, "construct_s": s}; then each stdin line {"ids": [...]}
+gets one line {"outputs": [ids], "seconds": s, "accepted": n, "drafted": n} (batch 1, greedy;
+seconds: generation only; accepted / drafted: vLLM's spec-decode counters around the prompt).
+End of stdin ends the process. Any failure answers {"error": "..."} and exits 1. vLLM's own
+output goes to stderr: stdout carries the protocol only.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -29,65 +33,61 @@ def counter(llm, name: str) -> int:
     return total
 
 
-def run_mode(req: dict, dtype: str, draft: str | None, model: str | None = None) -> dict:
-    """model: a speculators-format head dir given as the model (vLLM finds target and head
-    in its config, as `vllm serve DIR` does)."""
+def build(req: dict):
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
     spec = None
-    if draft:
-        spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": req["speculative_tokens"]}
-    llm = LLM(model=model or req["target"], dtype=dtype, speculative_config=spec, seed=0,
+    if req.get("draft"):
+        spec = {"method": "eagle3", "model": req["draft"], "num_speculative_tokens": req["speculative_tokens"]}
+    llm = LLM(model=req.get("model") or req["target"], dtype=req["dtype"], speculative_config=spec, seed=0,
               max_model_len=req.get("max_model_len", 1024), skip_tokenizer_init=True,
               disable_log_stats=False, max_num_seqs=1)
     built = time.perf_counter() - t0
     # no tokenizer in vLLM (specstop tokenised the prompts): EOS comes from the request
     params = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], detokenize=False,
                             stop_token_ids=req.get("eos") or None)
-    llm.generate([TokensPrompt(prompt_token_ids=req["prompts"][0])], params, use_tqdm=False)  # warm-up
-    out = {"outputs": [], "seconds": [], "accepted": [], "drafted": [], "construct_s": built}
-    for ids in req["prompts"]:
-        draft = draft or model
-        a0 = counter(llm, "vllm:spec_decode_num_accepted_tokens") if draft else 0
-        d0 = counter(llm, "vllm:spec_decode_num_draft_tokens") if draft else 0
-        t = time.perf_counter()
-        res = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
-        out["seconds"].append(time.perf_counter() - t)
-        out["outputs"].append(list(res[0].outputs[0].token_ids))
-        if draft:
-            out["accepted"].append(counter(llm, "vllm:spec_decode_num_accepted_tokens") - a0)
-            out["drafted"].append(counter(llm, "vllm:spec_decode_num_draft_tokens") - d0)
-    del llm
+    return llm, params, built
+
+
+def generate(llm, params, ids: list[int], speculative: bool) -> dict:
+    from vllm.inputs import TokensPrompt
+
+    a0 = counter(llm, "vllm:spec_decode_num_accepted_tokens") if speculative else 0
+    d0 = counter(llm, "vllm:spec_decode_num_draft_tokens") if speculative else 0
+    t = time.perf_counter()
+    res = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+    out = {"seconds": time.perf_counter() - t, "outputs": list(res[0].outputs[0].token_ids),
+           "accepted": 0, "drafted": 0}
+    if speculative:
+        out["accepted"] = counter(llm, "vllm:spec_decode_num_accepted_tokens") - a0
+        out["drafted"] = counter(llm, "vllm:spec_decode_num_draft_tokens") - d0
     return out
 
 
 def main(argv: list[str]) -> int:
-    req_path, res_path = argv[1], argv[2]
-    req = json.loads(open(req_path).read())
-    result: dict = {"vllm": None, "runs": {}}
+    proto = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's own stdout
+    os.dup2(2, 1)  # anything else printed goes to stderr
+
+    def say(obj: dict) -> None:
+        proto.write(json.dumps(obj) + "\n")
+
     try:
         import vllm
 
-        result["vllm"] = vllm.__version__
-        for dtype in req["dtypes"]:
-            for mode, draft in (("plain", None), ("head", req.get("draft"))):
-                if mode == "head" and not draft:
-                    continue
-                print(f"vllm_side: {dtype} {mode} ...", file=sys.stderr, flush=True)
-                result["runs"][f"{dtype}/{mode}"] = run_mode(req, dtype, draft)
-        if req.get("speculators"):  # the `vllm serve DIR` path, fp32: part of the contract
-            print("vllm_side: float32 speculators ...", file=sys.stderr, flush=True)
-            result["runs"]["float32/speculators"] = run_mode(req, "float32", None, req["speculators"])
-        rc = 0
+        req = json.loads(open(argv[1]).read())
+        speculative = bool(req.get("draft") or req.get("model"))
+        llm, params, built = build(req)
+        generate(llm, params, req["warmup"], speculative)
+        say({"ready": True, "vllm": vllm.__version__, "construct_s": built})
+        for line in sys.stdin:
+            if line.strip():
+                say(generate(llm, params, json.loads(line)["ids"], speculative))
+        return 0
     except Exception as e:  # reported to the driver in one line, the trace on stderr
         traceback.print_exc()
-        result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        rc = 1
-    with open(res_path, "w") as f:
-        json.dump(result, f)
-    return rc
+        say({"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+        return 1
 
 
 if __name__ == "__main__":
