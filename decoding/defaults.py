@@ -142,6 +142,15 @@ def device_kind(device: str = "cpu") -> str:
     return "cpu-bf16" if cpu_prefers_bf16() else "cpu"
 
 
+def run_kind(device: str, dtype: str) -> str:
+    """The entry a bench run's pick belongs to: on a CPU its dtype decides, not the CPU (an fp32
+    run on an AMX CPU measures the `cpu` entry; writing it into the bf16 entry this CPU loads
+    would switch that entry to fp32)."""
+    if str(device).startswith("cuda"):
+        return "cuda"
+    return "cpu-bf16" if dtype == "bfloat16" else "cpu"
+
+
 def load_defaults(path: str | os.PathLike | None = None) -> dict[str, dict]:
     """The raw entries, checked: unknown keys are an error naming the file."""
     p = Path(path or DEFAULTS_PATH)

@@ -110,6 +110,13 @@ def test_device_kind_follows_amx():
     assert D.device_kind("cuda:0") == "cuda" and D.device_kind("cpu") in ("cpu", "cpu-bf16")
 
 
+def test_a_run_writes_the_entry_of_its_dtype():
+    """An fp32 run on an AMX CPU measured the `cpu` entry: written into `cpu-bf16` (the entry the
+    machine loads) it turned that entry's dtype to float32."""
+    assert D.run_kind("cpu", "float32") == "cpu" and D.run_kind("cpu", "bfloat16") == "cpu-bf16"
+    assert D.run_kind("cuda:0", "bfloat16") == "cuda" and D.run_kind("cuda", "float32") == "cuda"
+
+
 def test_committed_defaults_are_valid_and_reproduce_their_report():
     data = D.load_defaults()
     assert set(D.KINDS) | {D.OTHER} <= set(data)
@@ -134,7 +141,7 @@ def test_bench_write_defaults(tmp_path, capsys):
     assert main(["--quick", "--no-sweep", "--temperatures", "0", "--repeats", "1", "--out", str(out),
                  "--write-defaults", str(f)]) == 0
     res = json.loads((out / "results.json").read_text())
-    entry = D.load_defaults(f)[D.device_kind("cpu")]
+    entry = D.load_defaults(f)[D.run_kind("cpu", res["meta"]["dtype"])]
     assert entry == D.pick_best(res, source=str(out / "results.json"))
     # the package's own file is only rewritten from the shipped pair (refused before the run)
     capsys.readouterr()

@@ -229,10 +229,11 @@ def _check_defaults_pair(cfg: BenchConfig, path: str) -> None:
 
 
 def _write_defaults(results: dict, cfg: BenchConfig, out: Path, path: str) -> None:
-    from ..defaults import device_kind, pick_best, write_defaults
+    from ..defaults import pick_best, run_kind, write_defaults
 
     _check_defaults_pair(cfg, path)
-    entry, kind = pick_best(results, source=str(out / "results.json")), device_kind(cfg.device)
+    entry = pick_best(results, source=str(out / "results.json"))
+    kind = run_kind(cfg.device, entry["dtype"])
     written = write_defaults(entry, kind, path or None)
     _log(f"defaults for {kind} in {written}: {entry['strategy']} ({entry['source']})")
 
