@@ -60,11 +60,12 @@ def test_amx_tiles_equal_float64_to_bf16_rounding(t, k, n, bias):
 
 @needs_kernel
 @pytest.mark.parametrize("t,k,n", [(1, 64, 48), (2, 577, 37), (8, 31, 130), (9, 96, 70), (13, 40, 100),
-                                   (33, 1536, 9)])
+                                   (16, 577, 130), (33, 1536, 9)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp32_panels_equal_float64_to_fp32_rounding(t, k, n, bias):
     """fp32 panels: N padded to the panels' 48 (tails of 16-lane vectors too), rows in one pass
-    (up to 8) and several balanced ones (9 = 4 + 5, 13 = 6 + 7, 33), one FMA chain per output."""
+    (up to 8) or in balanced groups over chunks of K (9 = 4 + 5, 13 = 6 + 7, 16, 33; K of one
+    chunk, several, a 1-step tail), one FMA chain per output."""
     x, w, b = _case(torch.float32, t, k, n, bias)
     _assert_float64_to_rounding(cpu_kernels.FewRowWeight(w)(x, b), x, w, b)
 

@@ -8,9 +8,9 @@
 // result does not depend on the other rows of the call or on the thread count (batch-invariant).
 // Up to 8 rows share one pass over a panel (8 x 3 accumulators fill the registers), so a verify of
 // up to 8 tokens reads each weight once, streamed with our own prefetch as the bf16 kernels do;
-// more rows take balanced passes, the later ones over the panel in L2. An fp32 verify is still
-// dearer than a step on a core with one 512-bit FMA port: the FMAs only partly hide under the
-// weight stream (reports/forward-2026-11-27-panels-48).
+// more rows go in groups over chunks of K (KC). The CPU would allow a verify of up to 16 tokens at
+// the cost of a step (the forward suite's roofline); the FMAs only partly hide under the weight
+// stream, so it costs more (reports/forward-2026-11-27-panels-48).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -19,6 +19,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <vector>
 
 namespace {
 
@@ -30,8 +31,14 @@ constexpr int TR = 8;           // most rows per pass (TR x V accumulators)
 // which leaves L1 to the rows of x and the FMAs (4 / 8 / 16 rows: 0.88x / 0.89x / 0.94x the time
 // of L1 prefetches; 1 row 1.03x; reports/forward-2026-11-27-panels-48)
 constexpr int NO_PREFETCH = 0, TO_L1 = 1, TO_L2 = 2;
+// More than TR rows: the rows go in balanced groups (12 = 6 + 6) and K in chunks of KC steps
+// (12 KiB of panel): the first group streams a chunk in, the others reuse it from L1, so the
+// weight stream never waits for a whole second pass (12 / 16 / 24 rows: 0.91-0.96x / 0.92-0.96x
+// / 0.95-0.97x the time of whole passes, same packed weights, two runs). Accumulators carry over chunks through memory, so every
+// output is still one FMA chain over k in order.
+constexpr int64_t KC = 64;
 
-// w [N, K] -> [ceil(N / 64), K, 64], zero-padded past N
+// w [N, K] -> [ceil(N / 48), K, 48], zero-padded past N
 at::Tensor panel_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "panel_pack: a float32 [N, K] weight");
   const at::Tensor wc = w.contiguous();
@@ -50,14 +57,14 @@ at::Tensor panel_pack(const at::Tensor& w) {
   return out;
 }
 
-// rows [0, R) of x against one panel: acc[r][c] = sum over k in order of x[r][k] * w[k][c]
+// rows [0, R) of x against k in [k0, k1) of one panel: acc[r][c] += x[r][k] * w[k][c], k in
+// order; the accumulators start at zero (k0 == 0) or where `carry` left them, and end in `carry`
 template <int R>
-inline void pass(const float* x, int64_t K, const float* p, int prefetch, const float* bias, float* y, int64_t N,
-                 int64_t n0) {
+inline void pass(const float* x, int64_t K, const float* p, int64_t k0, int64_t k1, int prefetch, float* carry) {
   __m512 acc[R][V];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < V; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
+    for (int c = 0; c < V; ++c) acc[r][c] = k0 ? _mm512_loadu_ps(carry + (r * V + c) * 16) : _mm512_setzero_ps();
+  for (int64_t k = k0; k < k1; ++k) {
     const float* pk = p + k * PW;
     const char* f = (const char*)pk + PF;
     if (prefetch == TO_L1)
@@ -71,13 +78,8 @@ inline void pass(const float* x, int64_t K, const float* p, int prefetch, const 
       for (int c = 0; c < V; ++c) acc[r][c] = _mm512_fmadd_ps(xv, w[c], acc[r][c]);
     }
   }
-  for (int c = 0; c < V; ++c) {
-    const int64_t n = n0 + 16 * c;
-    if (n >= N) break;
-    const __mmask16 live = n + 16 <= N ? (__mmask16)0xffff : (__mmask16)((1u << (N - n)) - 1);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(live, bias + n) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * N + n, live, _mm512_add_ps(acc[r][c], bv));
-  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < V; ++c) _mm512_storeu_ps(carry + (r * V + c) * 16, acc[r][c]);
 }
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N, const c10::optional<at::Tensor>& bias) {
@@ -93,24 +95,37 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N, co
   const float* X = xc.data_ptr<float>();
   const float* P = wp.data_ptr<float>();
   float* Y = y.data_ptr<float>();
-  const int64_t passes = (T + TR - 1) / TR;  // balanced: 12 rows are 6 + 6, not 8 + 4
-  const int first = T <= 2 ? TO_L1 : TO_L2;
+  const int64_t groups = (T + TR - 1) / TR;
+  std::vector<int64_t> first_row(groups + 1, 0);  // balanced: 12 rows are 6 + 6, not 8 + 4
+  for (int64_t q = 0; q < groups; ++q) first_row[q + 1] = first_row[q] + (T - first_row[q]) / (groups - q);
+  const int64_t kc = groups == 1 ? K : KC;
+  const int stream = T <= 2 ? TO_L1 : TO_L2;
   at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
+    std::vector<float> carry((size_t)T * V * 16);
     for (int64_t nb = b0; nb < b1; ++nb) {
       const float* p = P + nb * K * PW;
-      int64_t t0 = 0;
-      for (int64_t q = 0; q < passes; ++q) {  // a later pass re-reads the panel from cache
-        const int R = (int)((T - t0) / (passes - q));
-        const float* xr = X + t0 * K;
-        float* yr = Y + t0 * N;
-        switch (R) {
+      for (int64_t k0 = 0; k0 < K; k0 += kc)
+        for (int64_t q = 0; q < groups; ++q) {
+          const int64_t t0 = first_row[q];
+          const float* xr = X + t0 * K;
+          float* cr = carry.data() + t0 * V * 16;
+          const int64_t k1 = std::min(K, k0 + kc);
+          const int pf = q == 0 ? stream : NO_PREFETCH;
+          switch (first_row[q + 1] - t0) {
 #define SPECSTOP_PASS(r) \
-  case r: pass<r>(xr, K, p, q == 0 ? first : NO_PREFETCH, B, yr, N, nb * PW); break;
-          SPECSTOP_PASS(8) SPECSTOP_PASS(7) SPECSTOP_PASS(6) SPECSTOP_PASS(5) SPECSTOP_PASS(4) SPECSTOP_PASS(3)
-          SPECSTOP_PASS(2) SPECSTOP_PASS(1)
+  case r: pass<r>(xr, K, p, k0, k1, pf, cr); break;
+            SPECSTOP_PASS(8) SPECSTOP_PASS(7) SPECSTOP_PASS(6) SPECSTOP_PASS(5) SPECSTOP_PASS(4) SPECSTOP_PASS(3)
+            SPECSTOP_PASS(2) SPECSTOP_PASS(1)
 #undef SPECSTOP_PASS
+          }
         }
-        t0 += R;
+      for (int c = 0; c < V; ++c) {
+        const int64_t n = nb * PW + 16 * c;
+        if (n >= N) break;
+        const __mmask16 live = n + 16 <= N ? (__mmask16)0xffff : (__mmask16)((1u << (N - n)) - 1);
+        const __m512 bv = B ? _mm512_maskz_loadu_ps(live, B + n) : _mm512_setzero_ps();
+        for (int64_t t = 0; t < T; ++t)
+          _mm512_mask_storeu_ps(Y + t * N + n, live, _mm512_add_ps(_mm512_loadu_ps(carry.data() + (t * V + c) * 16), bv));
       }
     }
   });
