@@ -101,7 +101,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N, co
   const int64_t kc = groups == 1 ? K : KC;
   const int stream = T <= 2 ? TO_L1 : TO_L2;
   at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
-    std::vector<float> carry((size_t)T * V * 16);
+    static thread_local std::vector<float> carry;  // per thread, reused across calls
+    carry.resize((size_t)T * V * 16);
     for (int64_t nb = b0; nb < b1; ++nb) {
       const float* p = P + nb * K * PW;
       for (int64_t k0 = 0; k0 < K; k0 += kc)
