@@ -30,13 +30,29 @@ def _growing_layer_class():
             self.values, self._vb = _append(self.values, getattr(self, "_vb", None), value_states)
             return self.keys, self.values
 
+        def room(self, like: torch.Tensor, t: int):
+            """For a kernel that writes `t` new keys and values itself (like: the new keys, or
+            any [B, KV, t, D] tensor of their dtype): (key buffer, value buffer, where the cached
+            rows start in them, how many there are); then `grown(t)`."""
+            if not self.is_initialized:
+                self.lazy_initialization(like, like)
+            self.keys, self._kb, start = _room(self.keys, getattr(self, "_kb", None), like, t)
+            self.values, self._vb, _ = _room(self.values, getattr(self, "_vb", None), like, t)
+            return self._kb, self._vb, start, self.keys.shape[-2] if self.keys.dim() == like.dim() else 0
+
+        def grown(self, start: int, length: int):
+            """The kernel wrote its rows: the views cover `length` rows from `start`."""
+            self.keys = self._kb.narrow(-2, start, length)
+            self.values = self._vb.narrow(-2, start, length)
+
     return GrowingLayer
 
 
-def _append(view: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor):
-    """`view` (a slice along dim -2 of `buf`, or anything else) followed by `new`, written into
-    `buf` where it fits after the view; else into a new buffer of twice the length."""
-    n, t = (view.shape[-2] if view.dim() == new.dim() else 0), new.shape[-2]
+def _room(view: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor, t: int):
+    """(view, buffer, start): a buffer holding `view` from `start` with room for `t` more rows
+    after it along dim -2; `buf` itself where they fit, else a new one of twice the length
+    (`view` copied in, returned as a view of it)."""
+    n = view.shape[-2] if view.dim() == new.dim() else 0
     start = None
     if buf is not None and n and view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() \
             and view.stride() == buf.stride():
@@ -46,7 +62,16 @@ def _append(view: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor):
         buf = new.new_empty(*new.shape[:-2], max(64, 2 * (n + t)), new.shape[-1])
         if old is not None:
             buf[..., :n, :].copy_(old)
-        start = 0
+        view, start = buf[..., :n, :], 0
+    return view, buf, start
+
+
+def _append(view: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor):
+    """`view` (a slice along dim -2 of `buf`, or anything else) followed by `new`, written into
+    `buf` where it fits after the view; else into a new buffer of twice the length."""
+    t = new.shape[-2]
+    view, buf, start = _room(view, buf, new, t)
+    n = view.shape[-2] if view.dim() == new.dim() else 0
     buf[..., start + n:start + n + t, :].copy_(new)
     return buf[..., start:start + n + t, :], buf
 

@@ -27,13 +27,14 @@ import types
 import torch
 
 from . import cpu_kernels
-from .lean_forward import make_lean, unmake_lean
+from .lean_forward import make_lean, rebind, unmake_lean
 from .options import FORWARDS
-REVISION = 9
+REVISION = 10
 """Bumped when what the packed forward runs changes (3: float32 below 4 rows on the eager
 kernel; 4: few rows on decoding.cpu_kernels; 5: steps and verifies attend on them; 6: float32
 linears of 1-32 rows on their panels; 7: a feature head's steps on them, decoding.drafts.lean_step;
-8: bf16 up to 65 rows on AMX; 9: fp32 panels of 48 outputs, 8 rows a pass, streamed into L2);
+8: bf16 up to 65 rows on AMX; 9: fp32 panels of 48 outputs, 8 rows a pass, streamed into L2;
+10: a lean layer in one kernel call, the packed weights in 2 MiB pages);
 stored cost curves are keyed by it (decoding.cost_cache)."""
 ENV = "SPECSTOP_FORWARD"
 """Environment override of the default forward (eager or packed)."""
@@ -150,4 +151,17 @@ def set_forward(model: torch.nn.Module, kind: str, kernels: bool = True) -> str:
         model._specstop_forward = "lean"
     if kind != "eager":
         pack_linears(model, kernels)
+        if cpu_kernels.gather(few_row_weights(model)):
+            rebind(model)
     return forward_kind(model)
+
+
+def few_row_weights(model: torch.nn.Module) -> list:
+    """The model's weights packed for decoding.cpu_kernels, in the order a forward reads them."""
+    out = []
+    for mod in model.modules():
+        if hasattr(mod, "_lean"):
+            out += [mod._lean[k].few for k in ("qkv", "o", "gate_up", "down")]
+        elif getattr(mod, "_few", None) is not None:
+            out.append(mod._few)
+    return out

@@ -14,6 +14,12 @@ scaled_dot_product_attention instead); elsewhere they are torch's ops on oneDNN'
 tables, final norm, output layer) and the KV cache stay transformers' own, so the engine's cache
 bookkeeping, its tree masks and the feature heads' pre-hooks on the layers are unchanged.
 
+Where all of a layer's steps run on the kernels (a step or a verify, AMX or fp32 panels, no
+per-head q/k norms), the whole layer is ONE call, `specstop::decoder_layer` (csrc/layer.cpp): the
+same kernels in the same order, so the same result bit for bit, without ~20 us a layer of Python
+and dispatch between them; it writes the new keys and values into the cache's buffer itself
+(decoding.cache: `room` / `grown`).
+
 Only layers whose arithmetic is known are replaced (`FAMILIES`: Llama, Mistral, Qwen2, Qwen3 with
 silu MLPs and RMSNorm); anything else keeps transformers' layer, and the kind is then "packed".
 The result equals the eager forward to rounding (float32: ~1e-5; bfloat16: each fused step
@@ -161,12 +167,43 @@ def _kernel_layer_forward(self, hidden_states, attention_mask=None, position_ids
         cos, sin = (c.expand(B, T, c.shape[-1]).reshape(B * T, -1).contiguous() for c in (cos, sin))  # [B or 1, T, D]
         rope = _ROPE = (position_embeddings, (cos, sin))
     cos, sin = rope[1]
+    room = getattr(past_key_values.layers[f["layer"]], "room", None) if past_key_values is not None else None
+    if f["one_call"] and room is not None and B * T < f["one_call"]:  # the whole layer in one kernel call
+        kb, vb, start, n = room(f["kv_like"] if B == 1 else f["kv_like"].expand(B, -1, -1, -1), T)
+        y = ops.decoder_layer(x, cos, sin, kb, vb, start, n, attention_mask, f["weights"], f["qkv"].bias,
+                              [B, *f["dims"]], f["norm1"][1], f["norm2"][1], f["scaling"])
+        past_key_values.layers[f["layer"]].grown(start, n + T)
+        return y.view(B, T, C)
     q, k, v = ops.rope_qkv(f["qkv"](ops.add_rms_norm(x, None, *f["norm1"])[1]), cos, sin, B, f["heads"], f["kv_heads"])
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, f["layer"])
     att = ops.row_attention(q, k, v, attention_mask, f["scaling"]).view(B * T, -1)  # mask: >= the keys
     x, h = ops.add_rms_norm(x, f["o"](att), *f["norm2"])
     return (x + f["down"](ops.silu_mul(f["gate_up"](h)))).view(B, T, C)
+
+
+def _one_call(f: dict) -> int:
+    """Rows below which the whole layer runs as one `specstop::decoder_layer` call (0: never): its
+    four linears on AMX tiles or fp32 panels (the same kernels the lean layer calls one by one,
+    so the same result bit for bit), no bias but q/k/v's."""
+    lins = [f[k] for k in ("qkv", "o", "gate_up", "down")]
+    ops = {lin.few.op for lin in lins if lin.few is not None}
+    if len(ops) != 1 or len(lins) != sum(lin.few is not None for lin in lins) or any(lin.bias is not None for lin in lins[1:]):
+        return 0
+    if ops.pop() not in (torch.ops.specstop.amx_linear.default, torch.ops.specstop.panel_linear.default):
+        return 0
+    return min(f["row_attention_below"], *(lin.small_below for lin in lins))
+
+
+def _bind(f: dict) -> None:
+    f["weights"] = [f["norm1"][0], f["qkv"].few.w, f["o"].few.w, f["norm2"][0], f["gate_up"].few.w, f["down"].few.w]
+
+
+def rebind(model: torch.nn.Module) -> None:
+    """The one-call layers read their packed weights again (after cpu_kernels.gather moved them)."""
+    for layer in getattr(getattr(model, "model", None), "layers", None) or ():
+        if getattr(layer, "_lean", {}).get("one_call"):
+            _bind(layer._lean)
 
 
 @torch.no_grad()
@@ -204,6 +241,11 @@ def make_lean(model: torch.nn.Module, pack=lambda w: None, eager_below: dict | N
         for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
             lin._lean_fused = True  # computed by the fused copy: pack_linears leaves it alone
         on_kernels = f["row_attention_below"] and not f["qk_norm"]
+        f["one_call"] = _one_call(f) if on_kernels else 0
+        if f["one_call"]:
+            f.update(dims=[f["heads"], f["kv_heads"], *(f[k].few.n for k in ("qkv", "o", "gate_up", "down"))],
+                     kv_like=a.q_proj.weight.new_empty(1, f["kv_heads"], 1, a.head_dim))
+            _bind(f)
         layer.forward = types.MethodType(_kernel_layer_forward if on_kernels else _lean_layer_forward, layer)
         n += 1
     return n

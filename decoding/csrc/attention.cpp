@@ -21,6 +21,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "ops.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -279,6 +280,9 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   });
 }
 
+}  // namespace
+
+namespace specstop {
 at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const c10::optional<at::Tensor>& mask, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(0) == k.size(0) && k.sizes() == v.sizes() &&
@@ -314,10 +318,10 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
 #undef SPECSTOP_ATTEND
   return out;
 }
+}  // namespace specstop
 
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specstop, m) {
   m.def("row_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(specstop, CPU, m) { m.impl("row_attention", &row_attention); }
+TORCH_LIBRARY_IMPL(specstop, CPU, m) { m.impl("row_attention", &specstop::row_attention); }

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -151,6 +152,9 @@ at::Tensor amx_pack(const at::Tensor& w) {
   return out;
 }
 
+}  // namespace
+
+namespace specstop {
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(amx_ready(), "amx_linear: the OS refused the AMX tile state");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && wp.dim() == 5, "amx_linear: bf16 x [T, K], packed w");
@@ -211,9 +215,8 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N, cons
   });
   return y;
 }
+}  // namespace specstop
 
-
-}  // namespace
 
 TORCH_LIBRARY(specstop, m) {
   m.def("small_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
@@ -224,5 +227,5 @@ TORCH_LIBRARY(specstop, m) {
 TORCH_LIBRARY_IMPL(specstop, CPU, m) {
   m.impl("small_linear", &linear);
   m.impl("amx_pack", &amx_pack);
-  m.impl("amx_linear", &amx_linear);
+  m.impl("amx_linear", &specstop::amx_linear);
 }

@@ -9,6 +9,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "ops.h"
 #include "vec.h"
 
 #include <cmath>
@@ -45,6 +46,9 @@ void rms_rows(const T* x, const T* res, T* sum, const T* w, T* y, int64_t R, int
   });
 }
 
+}  // namespace
+
+namespace specstop {
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& res,
                                                 const at::Tensor& w, double eps) {
   const bool has_res = res.has_value() && res->defined();
@@ -63,6 +67,9 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::
   else TORCH_CHECK(false, "rms_norm: bfloat16 or float32");
   return {sum, y};
 }
+}  // namespace specstop
+
+namespace {
 
 
 // ---- the rest of a decoder layer's row-wise arithmetic --------------------------------------
@@ -97,6 +104,9 @@ void rope_rows(const T* y, const T* cs, const T* sn, T* q, T* k, T* v, int64_t B
     }
 }
 
+}  // namespace
+
+namespace specstop {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& y, const at::Tensor& cos,
                                                         const at::Tensor& sin, int64_t B, int64_t H, int64_t KV) {
   TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() &&
@@ -117,6 +127,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& y, con
   else TORCH_CHECK(false, "rope_qkv: bfloat16 or float32");
   return {q, k, v};
 }
+}  // namespace specstop
+
+namespace {
 
 // g [R, 2 * I] (a fused gate / up projection) -> silu(gate) * up [R, I]
 template <class T>
@@ -131,6 +144,9 @@ void silu_mul_rows(const T* g, T* out, int64_t R, int64_t I) {
     }
 }
 
+}  // namespace
+
+namespace specstop {
 at::Tensor silu_mul(const at::Tensor& g) {
   TORCH_CHECK(g.dim() == 2 && g.is_contiguous() && g.size(1) % 2 == 0, "silu_mul: contiguous g [R, 2I]");
   const int64_t R = g.size(0), I = g.size(1) / 2;
@@ -140,8 +156,8 @@ at::Tensor silu_mul(const at::Tensor& g) {
   else TORCH_CHECK(false, "silu_mul: bfloat16 or float32");
   return out;
 }
+}  // namespace specstop
 
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specstop, m) {
   m.def("add_rms_norm(Tensor x, Tensor? res, Tensor w, float eps) -> (Tensor, Tensor)");
@@ -149,7 +165,7 @@ TORCH_LIBRARY_FRAGMENT(specstop, m) {
   m.def("silu_mul(Tensor g) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(specstop, CPU, m) {
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("rope_qkv", &rope_qkv);
-  m.impl("silu_mul", &silu_mul);
+  m.impl("add_rms_norm", &specstop::add_rms_norm);
+  m.impl("rope_qkv", &specstop::rope_qkv);
+  m.impl("silu_mul", &specstop::silu_mul);
 }

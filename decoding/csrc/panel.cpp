@@ -18,6 +18,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <vector>
 
@@ -82,6 +84,9 @@ inline void pass(const float* x, int64_t K, const float* p, int64_t k0, int64_t 
     for (int c = 0; c < V; ++c) _mm512_storeu_ps(carry + (r * V + c) * 16, acc[r][c]);
 }
 
+}  // namespace
+
+namespace specstop {
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && wp.dim() == 3 && wp.size(2) == PW &&
               wp.size(1) == x.size(1) && N <= wp.size(0) * PW && N > (wp.size(0) - 1) * PW,
@@ -132,8 +137,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N, co
   });
   return y;
 }
+}  // namespace specstop
 
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specstop, m) {
   m.def("panel_pack(Tensor w) -> Tensor");
@@ -141,5 +146,5 @@ TORCH_LIBRARY_FRAGMENT(specstop, m) {
 }
 TORCH_LIBRARY_IMPL(specstop, CPU, m) {
   m.impl("panel_pack", &panel_pack);
-  m.impl("panel_linear", &panel_linear);
+  m.impl("panel_linear", &specstop::panel_linear);
 }

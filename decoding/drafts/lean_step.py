@@ -39,6 +39,9 @@ class LeanStep:
         c = draft.config
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.rows = cpu_kernels.attention_rows(draft.fc.weight.dtype)
+        # in 2 MiB pages, in the order a round reads them: fc (the target's features), the layer, lm_head
+        cpu_kernels.gather([getattr(draft.fc, "_few", None), self.qkv, self.o, self.gate_up, self.down,
+                            getattr(draft.lm_head, "_few", None)])
 
     def _norm(self, x, name):
         return torch.ops.specstop.add_rms_norm(x, None, *self.norms[name])[1]

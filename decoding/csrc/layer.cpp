@@ -1,0 +1,55 @@
+// One Llama-family decoder layer of a step or a verify, on the kernels, in one call.
+//
+// The lean layer (decoding/lean_forward.py) calls eleven kernels a layer from Python; between
+// them the interpreter and the dispatcher cost ~25-40 us a layer (a 30-layer step of tiny
+// matrices takes ~2 ms), during which the weight stream stands still. Here the same kernels run
+// in the same order on the same inputs, so the result is the lean layer's bit for bit:
+// RMSNorm -> q/k/v (one linear) -> rotary -> the new keys and values written into the cache's
+// buffer -> attention over the cached and new keys -> o -> residual + RMSNorm -> gate/up ->
+// SiLU gate -> down -> residual.
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+namespace {
+
+// bf16 on AMX tiles, fp32 on panels: the weight was packed for the one its dtype runs on
+at::Tensor lin(const at::Tensor& x, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& b = c10::nullopt) {
+  return x.scalar_type() == at::kBFloat16 ? specstop::amx_linear(x, w, n, b) : specstop::panel_linear(x, w, n, b);
+}
+
+}  // namespace
+
+namespace specstop {
+
+// x [B * T, C]; cos / sin [B * T, D]; kbuf / vbuf [B, KV, cap, D], the cached keys and values at
+// [start, start + n) along cap, the T new ones written after them; mask [1 or B, 1, T, >= n + T]
+// or none (a 1-token step); w: norm1, qkv, o, norm2, gate_up, down (the linears packed for their
+// kernel); dims: B, H, KV, and the four linears' output widths.
+at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kbuf,
+                         const at::Tensor& vbuf, int64_t start, int64_t n, const c10::optional<at::Tensor>& mask,
+                         at::TensorList w, const c10::optional<at::Tensor>& qkv_bias, at::IntArrayRef dims,
+                         double eps1, double eps2, double scale) {
+  TORCH_CHECK(w.size() == 6 && dims.size() == 7 && x.dim() == 2 && kbuf.dim() == 4 && vbuf.sizes() == kbuf.sizes(),
+              "decoder_layer: 6 weights, 7 dims, x [B*T, C], k / v buffers [B, KV, cap, D]");
+  const int64_t B = dims[0], H = dims[1], KV = dims[2], T = x.size(0) / B;
+  TORCH_CHECK(start >= 0 && n >= 0 && start + n + T <= kbuf.size(2) && kbuf.size(0) == B && kbuf.size(1) == KV,
+              "decoder_layer: no room in the cache buffer");
+  auto [x0, h] = add_rms_norm(x, c10::nullopt, w[0], eps1);
+  auto [q, k, v] = rope_qkv(lin(h, w[1], dims[3], qkv_bias), cos, sin, B, H, KV);
+  kbuf.narrow(2, start + n, T).copy_(k);
+  vbuf.narrow(2, start + n, T).copy_(v);
+  const at::Tensor att = row_attention(q, kbuf.narrow(2, start, n + T), vbuf.narrow(2, start, n + T), mask, scale)
+                             .view({B * T, -1});
+  auto [x1, h1] = add_rms_norm(x, lin(att, w[2], dims[4]), w[3], eps2);
+  return lin(silu_mul(lin(h1, w[4], dims[5])), w[5], dims[6]).add_(x1);
+}
+
+}  // namespace specstop
+
+TORCH_LIBRARY_FRAGMENT(specstop, m) {
+  m.def("decoder_layer(Tensor x, Tensor cos, Tensor sin, Tensor(a!) kbuf, Tensor(b!) vbuf, int start, int n, "
+        "Tensor? mask, Tensor[] w, Tensor? qkv_bias, int[] dims, float eps1, float eps2, float scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(specstop, CPU, m) { m.impl("decoder_layer", &specstop::decoder_layer); }
