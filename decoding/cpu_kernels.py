@@ -45,6 +45,9 @@ import torch
 
 ENV = "SPECSTOP_CPU_KERNELS"
 """0 turns the kernels off (the lean forward keeps torch's ops and oneDNN's linears)."""
+PAGES_ENV = "SPECSTOP_HUGE_PAGES"
+"""0: packed weights stay in their own allocations (4 KiB pages) instead of one 2 MiB-page arena
+(`gather`): ~0.05-0.5 s less at load, each forward ~3-6% dearer on one thread (2-core AMX Xeon)."""
 ROWS_BELOW = {torch.bfloat16: 4}
 """Row counts below which `small_linear` runs (bf16 without AMX); above, oneDNN's kernels are
 faster. Whole 1-thread forwards of SmolLM2-135M on a 2-core AMX Xeon, kernel / oneDNN: bf16 0.88x,
@@ -193,7 +196,9 @@ def gather(weights) -> int:
     """Move the packed weights of `weights` (FewRowWeight, in the order a forward reads them) into
     one arena of 2 MiB pages per dtype (`csrc/arena.cpp`): no TLB miss every 4 KiB of the stream,
     and each weight's prefetch runs on into the next one. Weights already in an arena, or kept
-    row-major, stay. Returns the bytes moved."""
+    row-major, stay. Returns the bytes moved ($SPECSTOP_HUGE_PAGES=0: none)."""
+    if os.environ.get(PAGES_ENV, "").strip() == "0":
+        return 0
     todo: dict = {}
     for w in weights:
         if w is not None and w.op is not None and not getattr(w, "in_arena", False):

@@ -103,3 +103,10 @@ def test_huge_empty_is_aligned_and_sized():
     t.fill_(1.5)
     assert float(t.float().sum()) == 1500.0
     assert torch.ops.specstop.huge_empty(0, torch.float32).numel() == 0
+
+
+@needs_kernel
+def test_huge_pages_off_by_environment(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.PAGES_ENV, "0")
+    model = _lean("llama", torch.float32)
+    assert not any(getattr(w, "in_arena", False) for w in few_row_weights(model))
