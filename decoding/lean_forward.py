@@ -167,12 +167,12 @@ def _kernel_layer_forward(self, hidden_states, attention_mask=None, position_ids
         cos, sin = (c.expand(B, T, c.shape[-1]).reshape(B * T, -1).contiguous() for c in (cos, sin))  # [B or 1, T, D]
         rope = _ROPE = (position_embeddings, (cos, sin))
     cos, sin = rope[1]
-    room = getattr(past_key_values.layers[f["layer"]], "room", None) if past_key_values is not None else None
-    if f["one_call"] and room is not None and B * T < f["one_call"]:  # the whole layer in one kernel call
-        kb, vb, start, n = room(f["kv_like"] if B == 1 else f["kv_like"].expand(B, -1, -1, -1), T)
+    cached = past_key_values.layers[f["layer"]] if past_key_values is not None else None
+    if f["one_call"] and hasattr(cached, "room") and B * T < f["one_call"]:  # the whole layer in one kernel call
+        kb, vb, start, n = cached.room(f["kv_like"] if B == 1 else f["kv_like"].expand(B, -1, -1, -1), T)
         y = ops.decoder_layer(x, cos, sin, kb, vb, start, n, attention_mask, f["weights"], f["qkv"].bias,
                               [B, *f["dims"]], f["norm1"][1], f["norm2"][1], f["scaling"])
-        past_key_values.layers[f["layer"]].grown(start, n + T)
+        cached.grown(start, n + T)
         return y.view(B, T, C)
     q, k, v = ops.rope_qkv(f["qkv"](ops.add_rms_norm(x, None, *f["norm1"])[1]), cos, sin, B, f["heads"], f["kv_heads"])
     if past_key_values is not None:
@@ -187,10 +187,10 @@ def _one_call(f: dict) -> int:
     four linears on AMX tiles or fp32 panels (the same kernels the lean layer calls one by one,
     so the same result bit for bit), no bias but q/k/v's."""
     lins = [f[k] for k in ("qkv", "o", "gate_up", "down")]
-    ops = {lin.few.op for lin in lins if lin.few is not None}
-    if len(ops) != 1 or len(lins) != sum(lin.few is not None for lin in lins) or any(lin.bias is not None for lin in lins[1:]):
+    if any(lin.few is None for lin in lins) or any(lin.bias is not None for lin in lins[1:]):
         return 0
-    if ops.pop() not in (torch.ops.specstop.amx_linear.default, torch.ops.specstop.panel_linear.default):
+    kernels = {lin.few.op for lin in lins}
+    if kernels not in ({torch.ops.specstop.amx_linear.default}, {torch.ops.specstop.panel_linear.default}):
         return 0
     return min(f["row_attention_below"], *(lin.small_below for lin in lins))
 
