@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_kernels
+from . import cpu_kernels, quant
 from .fast_forward import REVISION, forward_kind
 from .fingerprint import fingerprint
 from .growth import COST_SIZES, TOKENS, CostCurve, measure_cost
@@ -51,7 +51,8 @@ def _forward_tag(target) -> str:
     if kind == "eager":
         return kind
     on = getattr(target, "_specstop_kernels", True) and cpu_kernels.available()
-    return f"{kind}-r{REVISION}" + ("-kernels" if on else "") + ("-sdpa" if on and not cpu_kernels.batch_invariant() else "")
+    tag = f"{kind}-r{REVISION}" + ("-kernels" if on else "") + ("-sdpa" if on and not cpu_kernels.batch_invariant() else "")
+    return tag + (f"-gguf-{quant.isa()}-{quant.revision()}" if quant.quantized(target) else "")
 
 
 def cost_key(target, draft) -> dict:

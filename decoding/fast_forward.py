@@ -27,7 +27,7 @@ import types
 import torch
 
 from . import cpu_kernels
-from .lean_forward import make_lean, rebind, unmake_lean
+from .lean_forward import QUANT_ROWS, make_lean, rebind, unmake_lean
 from .options import FORWARDS
 REVISION = 10
 """Bumped when what the packed forward runs changes (3: float32 below 4 rows on the eager
@@ -108,12 +108,15 @@ def pack_linears(model: torch.nn.Module, kernels: bool = True) -> int:
         w = mod.weight
         if not packed_available(w.dtype, w.device):
             continue
-        mod._packed_weight = pack_weight(w)
         mod._packed_dtype = w.dtype
-        mod._eager_below = EAGER_BELOW.get(w.dtype, 0)
-        below = kernel_rows(kernels) if below is None else below
-        mod._small_below = below.get(w.dtype, 0)
-        mod._few = cpu_kernels.FewRowWeight(w) if mod._small_below else None
+        if getattr(mod, "_quant", None) is not None:  # a GGUF's blocks, at every row count
+            mod._packed_weight, mod._eager_below, mod._small_below, mod._few = None, 0, QUANT_ROWS, mod._quant
+        else:
+            mod._packed_weight = pack_weight(w)
+            mod._eager_below = EAGER_BELOW.get(w.dtype, 0)
+            below = kernel_rows(kernels) if below is None else below
+            mod._small_below = below.get(w.dtype, 0)
+            mod._few = cpu_kernels.FewRowWeight(w) if mod._small_below else None
         mod.forward = types.MethodType(_packed_forward, mod)
         n += 1
     if n and forward_kind(model) != "lean":  # n == 0: as it was (eager, or already packed)

@@ -35,12 +35,15 @@ import types
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
+from . import cpu_kernels, quant
 
 FAMILIES = {  # decoder layer class -> per-head q/k norms (Qwen3)
     "LlamaDecoderLayer": False, "MistralDecoderLayer": False, "Qwen2DecoderLayer": False,
     "Qwen3DecoderLayer": True,
 }
+QUANT_ROWS = 1 << 30
+"""A quantized linear runs on decoding.quant's kernel at every row count (a prefill too), so the
+prompt, a step and a verify share one law."""
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # weight * x / rms(x)
 
 
@@ -69,9 +72,15 @@ class _Fused:
 
     def __init__(self, linears, pack, eager_below: int, small_below: int = 0):
         self.linears = linears
-        w = torch.cat([m.weight.detach() for m in linears]).contiguous()
         b = [m.bias for m in linears]
         self.bias = None if b[0] is None else torch.cat([x.detach() for x in b])
+        q = [getattr(m, "_quant", None) for m in linears]
+        q = quant.QuantWeight.cat(q) if all(q) else None
+        if q is not None:  # a GGUF's blocks: every row count multiplies by them (decoding.quant)
+            self.packed = self.plain = None
+            self.eager_below, self.small_below, self.few = 0, QUANT_ROWS, q
+            return
+        w = torch.cat([m.weight.detach() for m in linears]).contiguous()
         self.packed = pack(w)
         self.plain = w if self.packed is None else None  # no oneDNN: one plain linear
         self.eager_below = eager_below
@@ -230,7 +239,7 @@ def make_lean(model: torch.nn.Module, pack=lambda w: None, eager_below: dict | N
             "gate_up": _Fused([m.gate_proj, m.up_proj], **kw), "down": _Fused([m.down_proj], **kw),
             "heads": a.q_proj.weight.shape[0] // a.head_dim, "kv_heads": a.k_proj.weight.shape[0] // a.head_dim,
             "inter": m.gate_proj.weight.shape[0], "qk_norm": FAMILIES[type(layer).__name__],
-            "fused": kw["small_below"] > 0,  # the few-row kernels are built: so are the row-wise ops
+            "fused": cpu_kernels.available() and kw["small_below"] > 0,  # the row-wise ops are built
             # steps and verifies attend on the kernel (a prefill: sdpa); $SPECSTOP_BATCH_INVARIANT=0: sdpa
             "row_attention_below": (cpu_kernels.attention_rows(dt) + 1) if kw["small_below"] and cpu_kernels.attention_rows(dt) else 0,
         }

@@ -19,7 +19,8 @@ from transformers.utils import logging as hf_logging
 from .defaults import DEFAULT_TARGET  # noqa: F401 (re-exported)
 from .errors import ModelError  # noqa: F401  (re-exported: callers import it from here)
 from .named_targets import (  # noqa: F401  (re-exported)
-    CACHE_ENV, NAMED, cache_root, convert_gguf, default_target_dir, named_target_dir, smollm2_gguf_path,
+    CACHE_ENV, NAMED, cache_root, convert_gguf, default_target_dir, gguf_target_dir, named_target_dir,
+    smollm2_gguf_path,
 )
 
 hf_logging.disable_progress_bar()  # per-tensor loading bars drown the CLI's own output
@@ -46,6 +47,8 @@ def resolve_model_dir(path: str | os.PathLike | None) -> Path:
         return default_target_dir()
     if str(path) in NAMED:
         return named_target_dir(str(path))
+    if str(path).endswith(".gguf"):
+        return gguf_target_dir(Path(path))
     p = Path(path)
     if not p.is_dir():
         raise ModelError(f"model directory not found: {p}")
@@ -106,6 +109,25 @@ def _from_pretrained(cls, p: Path, kw: dict):
         if "scaled_dot_product_attention" not in str(e):
             raise
     return cls.from_pretrained(p, **{**kw, "attn_implementation": "eager"})
+
+
+def gguf_source(path: str | os.PathLike | None) -> Path | None:
+    """The GGUF file a target comes from (the embedded default, a .gguf path), else None."""
+    if path is None or str(path) == DEFAULT_TARGET:
+        return smollm2_gguf_path()
+    return Path(path) if str(path).endswith(".gguf") else None
+
+
+def attach_gguf(model, path: str | os.PathLike | None) -> int:
+    """A target loaded from a GGUF multiplies by the file's own blocks (decoding.quant) where they
+    are of a type the kernel takes, in float32 on a CPU; returns how many linears do (0: the
+    dequantized linears, e.g. bf16, a K-quant, $SPECSTOP_QUANT=0)."""
+    from . import quant
+
+    src = gguf_source(path)
+    if src is None or model.dtype != torch.float32 or model.device.type != "cpu" or not quant.available():
+        return 0
+    return quant.attach(model, quant.read_gguf(src, model.config))
 
 
 class _UpcastNorm(torch.nn.Module):

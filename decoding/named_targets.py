@@ -8,6 +8,7 @@ packages (--no-deps) and converts it here (dequantized, fp32, ~1 GB) like the em
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -44,7 +45,20 @@ def smollm2_gguf_path() -> Path:
 
 def default_target_dir() -> Path:
     """The converted default target, created on first use (atomic: temp dir + rename)."""
-    out = cache_root() / "smollm2-135m-instruct"
+    return converted_dir(smollm2_gguf_path(), cache_root() / "smollm2-135m-instruct")
+
+
+def gguf_target_dir(gguf: Path) -> Path:
+    """A user's GGUF file, converted once into the cache (keyed by its path, size and time)."""
+    if not gguf.is_file():
+        raise ModelError(f"GGUF file not found: {gguf}")
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return converted_dir(gguf, cache_root() / "gguf" / f"{gguf.stem}-{key}")
+
+
+def converted_dir(gguf: Path, out: Path) -> Path:
+    """`out`, converted from `gguf` unless it already is (parallel workers convert once)."""
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
     import fcntl
@@ -53,7 +67,7 @@ def default_target_dir() -> Path:
     with open(out.parent / ".convert.lock", "w") as lock:  # parallel test workers convert once
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "model.safetensors").exists():
-            convert_gguf(smollm2_gguf_path(), out)
+            convert_gguf(gguf, out)
     return out
 
 

@@ -69,6 +69,7 @@ class Session:
             raise models.ModelError("speculative strategies need a draft model: pass --draft DIR")
         tok = models.load_tokenizer(tdir)
         t = models.load_model(tdir, dtype, device)
+        models.attach_gguf(t, target)  # a GGUF target at its own precision (decoding.quant)
         kind = set_forward(t, forward or default_forward(t.dtype, device))
         return cls(t, None, tok, tdir, None, kind).with_draft(draft)
 

@@ -1,0 +1,230 @@
+"""A GGUF target at its own precision: the linears keep their quantized blocks and multiply by them.
+
+A CPU user's target is a GGUF of 4.5 bits a weight (SmolLM2-135M-Instruct Q4_1: 98 MB). The
+dequantized fp32 model streams ~540 MB a step; `csrc/quant.cpp` streams the blocks and dequantizes
+them in registers. Supported blocks: Q4_0, Q4_1 and Q8_0 (the embedded target's linears are Q4_1,
+its tied embedding / output layer Q8_0); a K-quant (Q4_K, Q6_K) keeps the dequantized fp32 linear.
+
+What is quantized: the weights only. Activations stay float32 (llama.cpp quantizes them to 8 bits
+per block before its integer dot products; we do not). Every dequantized weight is exactly the
+fp32 number of the dequantized model (q * d is exact in fp32), so a quantized linear differs from
+the dequantized model's only in summation order: the dequantized model is the reference, and the
+quantized path is a forward of its own on which greedy equality and exact sampling are proven
+(a row of a verify equals a 1-token step bit for bit: tests/test_quant.py).
+
+Built on first use (~10 s, cached like decoding.cpu_kernels) on any x86-64 CPU with AVX2, FMA and
+F16C; AVX512 where the CPU has it. $SPECSTOP_QUANT_ISA=avx2 forces the AVX2 path on an AVX512 CPU
+(so one machine checks both); $SPECSTOP_QUANT=0 keeps the dequantized fp32 linears.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ENV = "SPECSTOP_QUANT"
+"""0: a GGUF target runs its dequantized fp32 linears (the reference) instead of its blocks."""
+ISA_ENV = "SPECSTOP_QUANT_ISA"
+"""auto (default: AVX512 where the CPU has it), avx2 or avx512."""
+ISAS = {"auto": 0, "avx2": 1, "avx512": 2}
+KINDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+"""ggml block types the kernel multiplies by, to their ggml ids."""
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+SOURCE = Path(__file__).parent / "csrc" / "quant.cpp"
+# GGUF tensor names of a Llama-family layer -> the transformers module they belong to
+LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_state: dict = {}
+
+
+def _load() -> str | None:
+    if os.environ.get(ENV, "").strip() == "0":
+        return f"${ENV}=0"
+    if hasattr(torch.ops.specstop_quant, "linear"):
+        return None
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"no kernel for {platform.machine()}"
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(f"specstop_quant_{revision()}", [str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"],
+             is_python_module=False)
+        torch.ops.specstop_quant.isa(_isa_arg())  # the CPU has what the asked path needs
+    except Exception as e:  # no compiler, an old CPU: the dequantized linears still work
+        lines = str(e).splitlines() or [""]
+        why = f"the quantized kernel is unavailable ({type(e).__name__}: {lines[-1][:200]})"
+        warnings.warn(f"decoding.quant: {why}; GGUF targets run dequantized", stacklevel=3)
+        return why
+    return None
+
+
+def _isa_arg() -> int:
+    asked = os.environ.get(ISA_ENV, "auto").strip() or "auto"
+    if asked not in ISAS:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISAS)} (got {asked!r})")
+    return ISAS[asked]
+
+
+def why_not() -> str | None:
+    """None when the quantized kernel runs in this process, else one phrase why not."""
+    if "why" not in _state:
+        _state["why"] = _load()
+    return _state["why"]
+
+
+def available() -> bool:
+    return why_not() is None
+
+
+def revision() -> str:
+    """The kernel's source hash: a cost curve timed on another kernel is a miss (decoding.cost_cache)."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+
+
+def isa() -> str:
+    """The instruction set the kernel runs on here: avx2 or avx512 ('' when unavailable)."""
+    if not available():
+        return ""
+    return {1: "avx2", 2: "avx512"}[torch.ops.specstop_quant.isa(_isa_arg())]
+
+
+class QuantWeight:
+    """A weight [N, K] as ggml blocks (uint8 [N, K / 32 * block bytes]); called like
+    decoding.cpu_kernels.FewRowWeight: x [T, K] float32 -> x @ w.T + bias, any T."""
+
+    op = None  # not a packed float weight: cpu_kernels.gather leaves it where it is
+
+    def __init__(self, blocks: torch.Tensor, kind: int, k: int):
+        if kind not in BLOCK_BYTES or k % 32 or blocks.shape[1] != k // 32 * BLOCK_BYTES[kind]:
+            raise ValueError(f"QuantWeight: {tuple(blocks.shape)} is not {k} columns of ggml type {kind}")
+        self.w, self.kind, self.k, self.n = blocks.contiguous(), kind, k, blocks.shape[0]
+        self.isa, self.panels = _isa_arg(), None
+        why_not()  # the ops are registered on first use
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.panels is None:  # the kernel's layout (csrc/quant.cpp), made on first use
+            self.panels = torch.ops.specstop_quant.pack(self.w, self.kind, self.k)
+        return torch.ops.specstop_quant.linear(x.float(), self.panels, self.kind, self.k, bias, self.isa)
+
+    def dequant(self) -> torch.Tensor:
+        """float32 [N, K]: exactly the weights the kernel multiplies by."""
+        return torch.ops.specstop_quant.dequant(self.w, self.kind, self.k)
+
+    @staticmethod
+    def cat(ws: list[QuantWeight]) -> QuantWeight | None:
+        """Weights sharing an input as one (their outputs concatenated); None unless one type."""
+        if len({(w.kind, w.k) for w in ws}) != 1:
+            return None
+        return QuantWeight(torch.cat([w.w for w in ws]), ws[0].kind, ws[0].k)
+
+
+def runs_on_kernel(w: QuantWeight | None) -> bool:
+    """The kernel takes this weight (its outputs fill panels of 16)."""
+    return w is not None and w.n % 16 == 0 and available()
+
+
+def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter interleaves the rotary halves of q / k rows per head; undo it
+    (as transformers' GGUF loader does), on whole rows of blocks."""
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
+
+
+def read_gguf(path: str | os.PathLike, config) -> dict[str, QuantWeight]:
+    """The quantized linears of a Llama-family GGUF, by transformers parameter name (weights
+    of an unsupported block type are left out: they stay dequantized)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    out = {}
+    for t in reader.tensors:
+        kind = KINDS.get(t.tensor_type.name)
+        if kind is None or len(t.shape) != 2:
+            continue
+        parts = t.name.split(".")
+        if parts[0] == "blk" and parts[2] in LAYER_NAMES:
+            name = f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.weight"
+        elif t.name == "output.weight":
+            name = "lm_head.weight"
+        elif t.name == "token_embd.weight":
+            name = "model.embed_tokens.weight"
+        else:
+            continue
+        rows = np.asarray(t.data)
+        if parts[-2:-1] == ["attn_q"]:
+            rows = _unpermute_rows(rows, heads)
+        elif parts[-2:-1] == ["attn_k"]:
+            rows = _unpermute_rows(rows, kv)
+        out[name] = QuantWeight(torch.from_numpy(np.array(rows, copy=True)), kind, int(t.shape[0]))  # off the mmap
+    return out
+
+
+@torch.no_grad()
+def attach(model: torch.nn.Module, weights: dict[str, QuantWeight]) -> int:
+    """Give each nn.Linear of `model` whose weight is in `weights` its blocks (`_quant`); the
+    lean and packed forwards (decoding.fast_forward) then multiply by them. The dense weight is
+    replaced by the blocks' exact dequantization (the reference the quantized path equals up to
+    summation order), after checking it is the same matrix (a GGUF for another model is refused).
+    A tied output layer takes the embedding's blocks. Returns how many linears got blocks."""
+    from .errors import ModelError
+
+    if model.dtype != torch.float32 or not available():
+        return 0
+    params = dict(model.named_parameters(remove_duplicate=False))
+    head = model.get_output_embeddings()
+    n = 0
+    for name, mod in model.named_modules():
+        if type(mod) is not torch.nn.Linear:
+            continue
+        key = f"{name}.weight"
+        qw = weights.get(key)
+        if qw is None and mod is head and mod.weight is params.get("model.embed_tokens.weight"):
+            qw = weights.get("model.embed_tokens.weight")
+        if qw is None or not runs_on_kernel(qw):
+            continue
+        dense = qw.dequant()
+        rows = slice(None, None, 61)  # a sample: a wrong file or a wrong row order shows at once
+        if dense.shape != mod.weight.shape or not torch.allclose(dense[rows], mod.weight[rows], atol=1e-2, rtol=0):
+            raise ModelError(f"the GGUF's {key} is not this model's (shape {tuple(dense.shape)} vs "
+                             f"{tuple(mod.weight.shape)}, or other values)")
+        mod.weight.copy_(dense)
+        mod._quant = qw
+        n += 1
+    model._specstop_quant = n
+    return n
+
+
+def quantize(w: torch.Tensor, kind: str) -> QuantWeight:
+    """A float weight [N, K] quantized to `kind` blocks by the gguf package (tests, small models)."""
+    from gguf import GGMLQuantizationType, quantize as gq
+
+    blocks = gq(w.detach().float().numpy(), GGMLQuantizationType[kind])
+    return QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), KINDS[kind], w.shape[1])
+
+
+def quantize_model(model: torch.nn.Module, kind: str = "Q4_1") -> int:
+    """Quantize every linear of a float32 model whose shape allows it (K % 32, N % 16), as a GGUF
+    of that type would hold it, and attach the blocks (tests and small models)."""
+    weights = {f"{name}.weight": quantize(mod.weight, kind) for name, mod in model.named_modules()
+               if type(mod) is torch.nn.Linear and mod.weight.shape[1] % 32 == 0 and mod.weight.shape[0] % 16 == 0}
+    with torch.no_grad():  # the dense weights become the blocks' values first (attach checks them)
+        for name, mod in model.named_modules():
+            if f"{name}.weight" in weights:
+                mod.weight.copy_(weights[f"{name}.weight"].dequant())
+    return attach(model, weights)
+
+
+def quantized(model: torch.nn.Module) -> int:
+    """How many linears of `model` multiply by their blocks."""
+    return getattr(model, "_specstop_quant", 0)

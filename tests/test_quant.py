@@ -1,0 +1,212 @@
+"""A GGUF target at its own precision (decoding.quant, csrc/quant.cpp): the kernel multiplies by
+exactly the dequantized weights, a row's result never depends on the other rows or the instruction
+set, the GGUF reader maps blocks to the right modules, and every lossless strategy stays lossless
+on the quantized forward (greedy equality with `ar` on the same weights, exact sampling)."""
+
+import copy
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import noisy_copy, tiny_llama
+from decoding import cpu_kernels, quant
+from decoding.errors import ModelError
+from decoding.fast_forward import set_forward
+from decoding.sampling import SamplingConfig
+from decoding.strategies import StrategyConfig, build_engine
+
+pytestmark = pytest.mark.skipif(not quant.available(), reason=f"quantized kernel: {quant.why_not()}")
+KINDS = ("Q4_0", "Q4_1", "Q8_0")
+AVX512 = "avx512f" in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else False
+ISAS = [1, 2] if AVX512 else [1]
+
+
+def _weight(kind, n=80, k=576, seed=0):
+    torch.manual_seed(seed)
+    return quant.quantize(torch.randn(n, k), kind)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dequantized_weights_are_gguf_s_own(kind):
+    import gguf
+
+    qw = _weight(kind)
+    ref = gguf.quants.dequantize(qw.w.numpy(), gguf.GGMLQuantizationType[kind]).astype(np.float32)
+    assert torch.equal(qw.dequant(), torch.from_numpy(ref))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernel_is_the_dequantized_product(kind, isa):
+    """Up to fp32 summation error (K = 576, unit-scale inputs), on both code paths."""
+    qw = _weight(kind)
+    qw.isa = isa
+    x, b = torch.randn(40, 576), torch.randn(80)
+    ref = x.double() @ qw.dequant().double().T + b.double()
+    assert (qw(x, b).double() - ref).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_row_does_not_depend_on_the_others(kind, isa):
+    """Every row count (the direct path, the buffered one, several row blocks) and one row at a
+    time give the same bits: a verify row equals a 1-token step."""
+    qw = _weight(kind, n=48)
+    qw.isa = isa
+    x, b = torch.randn(37, 576), torch.randn(48)
+    full = qw(x, b)
+    assert all(torch.equal(qw(x[:t], b), full[:t]) for t in range(1, 37))
+    assert torch.equal(torch.cat([qw(x[i:i + 1], b) for i in range(37)]), full)
+
+
+@pytest.mark.skipif(not AVX512, reason="needs an AVX512 CPU to compare both paths")
+@pytest.mark.parametrize("kind", KINDS)
+def test_avx2_and_avx512_agree_bit_for_bit(kind):
+    qw = _weight(kind)
+    x = torch.randn(9, 576)
+    qw.isa = 1
+    a = qw(x)
+    qw.isa = 2
+    assert torch.equal(a, qw(x))
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="fp32 panels need decoding.cpu_kernels")
+def test_same_chain_as_the_fp32_panels():
+    """One FMA chain per output, k in order: the fp32 panels over the dequantized weights agree."""
+    qw = _weight("Q4_1")
+    x, b = torch.randn(8, 576), torch.randn(80)
+    dense = torch.ops.specstop.panel_linear(x, torch.ops.specstop.panel_pack(qw.dequant()), 80, b)
+    assert torch.equal(qw(x, b), dense)
+
+
+def test_isa_env(monkeypatch):
+    monkeypatch.setenv(quant.ISA_ENV, "avx2")
+    assert _weight("Q8_0").isa == 1
+    monkeypatch.setenv(quant.ISA_ENV, "sse")
+    with pytest.raises(ValueError, match=quant.ISA_ENV):
+        _weight("Q8_0")
+
+
+def quantized_pair(kind="Q4_1", scale=6, vocab=32):
+    """A tiny target whose linears fit the kernel (hidden 32, MLP 64), quantized; its draft a
+    noisy dense copy of the quantized target."""
+    target = tiny_llama(0, vocab=vocab, hidden=32, scale=scale)
+    assert quant.quantize_model(target, kind) >= 14  # 2 layers x 7 (+ the output layer at vocab 32)
+    draft = noisy_copy(target, 0.03)
+    for m in draft.modules():
+        m.__dict__.pop("_quant", None)
+    draft.__dict__.pop("_specstop_quant", None)
+    return target, draft
+
+
+GREEDY = SamplingConfig()
+LOSSLESS = [
+    StrategyConfig(strategy="sd", gamma=4),
+    StrategyConfig(strategy="mcsd", k_config="4,2,2,1"),
+    StrategyConfig(strategy="ti-mcsd", width=3, depth=5),
+    StrategyConfig(strategy="ti-mcsd", width=4, depth=6, stop="confidence"),
+]
+
+
+@pytest.mark.parametrize("forward", ["lean", "packed"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_speculation_equals_quantized_ar(kind, forward):
+    target, draft = quantized_pair(kind)
+    assert set_forward(target, forward) == forward and set_forward(draft, forward) == forward
+    lins = [layer._lean[k].few for layer in target.model.layers for k in ("qkv", "o", "gate_up", "down")] \
+        if forward == "lean" else [m._few for m in target.model.modules() if hasattr(m, "_few")]
+    assert lins and all(isinstance(w, quant.QuantWeight) for w in lins)  # the blocks really run
+    ar = build_engine(target, None, StrategyConfig(strategy="ar"), GREEDY)
+    for cfg in LOSSLESS:
+        eng = build_engine(target, draft, cfg, GREEDY)
+        for prompt in ([1, 5, 7, 3], [9, 9, 9, 4, 4, 4, 11, 30, 17]):
+            ref = ar.generate(prompt, 40)[0]
+            out, stats = eng.generate(prompt, 40)
+            assert out == ref, cfg.name
+            assert stats.lossless
+
+
+def test_quantized_ar_tracks_the_dequantized_model():
+    """The quantized forward is the dequantized model up to summation order: greedy agrees with
+    the eager (dense) model on these prompts."""
+    target, _ = quantized_pair()
+    fast = copy.deepcopy(target)
+    set_forward(fast, "lean")
+    for prompt in ([1, 5, 7, 3], [2]):
+        with torch.no_grad():
+            a = target(torch.tensor([prompt])).logits
+            b = fast(torch.tensor([prompt])).logits
+        assert (a - b).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("name,cfg,sampling", [
+    ("mcsd-without-replacement", StrategyConfig(strategy="mcsd", k_config="2,2"), SamplingConfig(temperature=1.0)),
+    ("ti-mcsd+confidence-top-p", StrategyConfig(strategy="ti-mcsd", width=2, depth=2, stop="confidence",
+                                                confidence_threshold=0.2), SamplingConfig(temperature=0.8, top_p=0.9)),
+])
+def test_sampling_follows_the_quantized_target(name, cfg, sampling):
+    """Exact sampling on the quantized lean forward: short continuations against the target's
+    law enumerated over a 6-token vocabulary (the output layer stays dense: 6 < 16 outputs)."""
+    from test_sampling_exact import LENGTH, SAMPLES, chi2_pvalue, exact_distribution, speculative_counts
+
+    target = tiny_llama(0, vocab=6, layers=1, hidden=32, scale=3)
+    draft = tiny_llama(1, vocab=6, layers=1, hidden=32, scale=3)
+    assert quant.quantize_model(target, "Q4_1") == 7
+    exact = exact_distribution(target, sampling)
+    set_forward(target, "lean")
+    set_forward(draft, "lean")
+    counts, _, _ = speculative_counts(build_engine(target, draft, cfg, sampling), SAMPLES)
+    assert LENGTH == 3 and chi2_pvalue(counts, exact, SAMPLES) > 1e-3
+
+
+def _permute(rows, heads):  # llama.cpp's converter, on rows of blocks
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def write_gguf(model, path, kind="Q4_1"):
+    """The model's linears as a Llama GGUF of `kind` blocks, q / k rows permuted as llama.cpp does."""
+    import gguf
+
+    names = {v: k for k, v in quant.LAYER_NAMES.items()}
+    w = gguf.GGUFWriter(str(path), "llama")
+    cfg = model.config
+    for name, mod in model.named_modules():
+        if type(mod) is not torch.nn.Linear:
+            continue
+        blocks = quant.quantize(mod.weight, kind).w.numpy()
+        if name == "lm_head":
+            gname = "output.weight"
+        else:
+            parts = name.split(".")  # model.layers.I.self_attn.q_proj
+            gname = f"blk.{parts[2]}.{names['.'.join(parts[3:])]}.weight"
+        if gname.endswith("attn_q.weight"):
+            blocks = _permute(blocks, cfg.num_attention_heads)
+        elif gname.endswith("attn_k.weight"):
+            blocks = _permute(blocks, cfg.num_key_value_heads)
+        w.add_tensor(gname, np.ascontiguousarray(blocks), raw_dtype=gguf.GGMLQuantizationType[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_blocks_land_on_their_modules(tmp_path):
+    """read_gguf undoes llama.cpp's q / k row order and names every linear; attach checks each
+    against the model and refuses a GGUF of another model in one line."""
+    model = tiny_llama(0, vocab=32, hidden=32)
+    write_gguf(model, tmp_path / "m.gguf")
+    blocks = quant.read_gguf(tmp_path / "m.gguf", model.config)
+    assert len(blocks) == 2 * 7 + 1
+    for name, mod in model.named_modules():
+        if type(mod) is torch.nn.Linear:
+            assert torch.equal(blocks[f"{name}.weight"].w, quant.quantize(mod.weight, "Q4_1").w), name
+    with torch.no_grad():  # the model the GGUF holds: its dense weights are the blocks' values
+        for name, mod in model.named_modules():
+            if type(mod) is torch.nn.Linear:
+                mod.weight.copy_(blocks[f"{name}.weight"].dequant())
+    assert quant.attach(model, blocks) == 15 and quant.quantized(model) == 15
+    other = tiny_llama(5, vocab=32, hidden=32)
+    with pytest.raises(ModelError, match="is not this model's"):
+        quant.attach(other, blocks)
