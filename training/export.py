@@ -2,6 +2,7 @@
 
     python -m training.export --format eagle3|speculators --draft DIR --out DIR [--target DIR]
         [--dtype bfloat16] [--with-embeddings] [--trained-window N] [--speculative-tokens 3]
+    python -m training.export --format gguf --draft DIR --out HEAD.gguf [--target-gguf FILE]
 
 `eagle3` writes the layout vLLM (`speculative_config={"method": "eagle3", "model": DIR,
 "num_speculative_tokens": 3}`) and SGLang (`--speculative-algorithm EAGLE3
@@ -28,6 +29,11 @@ draft's value; vLLM 0.32 raises a smaller one to the target's max_model_len), an
 `trained_window` records the longest row the head was trained on (prompt tail + completion:
 384 for the shipped head). Beyond it acceptance is unmeasured, not guaranteed. Neither engine
 reads `trained_window`. `training.eagle3_import.from_eagle3` reads every layout back.
+
+`gguf` writes one file llama.cpp serves as an EAGLE-3 draft (`llama-server -m TARGET.gguf -md
+HEAD.gguf --spec-type draft-eagle3`; training.serve.gguf_head): float32 (default) or float16
+weights, the vocabulary copied from the target GGUF (`--target-gguf`; default: `--target` when
+it is a .gguf, else the embedded SmolLM2 file).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from .eagle3_layout import check_exportable
 
 from .eagle3_import import ARCH, from_eagle3  # noqa: F401 (re-exported: the reader beside the writer)
 
-FORMATS = ("eagle3", "speculators")
+FORMATS = ("eagle3", "speculators", "gguf")
 
 
 def llama_fields(cfg: FeatureDraftConfig, dtype: str) -> dict:
@@ -159,32 +165,52 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training.export", description=__doc__.split("\n\n")[0])
     ap.add_argument("--format", required=True, choices=FORMATS, help="serving layout to write")
     ap.add_argument("--draft", required=True, help="specstop feature-draft checkpoint directory")
-    ap.add_argument("--out", required=True, help="output directory (replaced atomically)")
+    ap.add_argument("--out", required=True, help="output directory (gguf: the .gguf file), replaced atomically")
     ap.add_argument("--target", default=None, help="the head's target (default: the embedded SmolLM2)")
-    ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="weight dtype")
+    ap.add_argument("--dtype", default=None, choices=list(DTYPES),
+                    help="weight dtype (default: bfloat16; gguf: float32, or float16)")
+    ap.add_argument("--target-gguf", default=None,
+                    help="gguf: the target GGUF served with the head, whose vocabulary the file copies "
+                         "(default: --target when it is a .gguf, else the embedded SmolLM2)")
     ap.add_argument("--with-embeddings", action="store_true",
                     help="also write the target's token embeddings (engines share the target's otherwise)")
     ap.add_argument("--trained-window", type=int, default=None,
                     help="positions per training row, when the head's marker does not record it")
     ap.add_argument("--speculative-tokens", type=int, default=3, help="speculators: draft tokens per step")
     args = ap.parse_args(argv)
+    args.dtype = args.dtype or ("float32" if args.format == "gguf" else "bfloat16")
     from decoding import models
     from decoding.drafts.io import draft_kind, load_feature_draft
 
     try:
+        if args.format == "gguf":  # the cheap refusals before the target loads
+            from .serve.gguf_head import GGUF_DTYPES, export_gguf
+
+            if args.with_embeddings:
+                raise ModelError("gguf: llama.cpp embeds draft tokens with the target's own table; "
+                                 "drop --with-embeddings")
+            if args.dtype not in GGUF_DTYPES:
+                raise ModelError(f"gguf export writes {' or '.join(GGUF_DTYPES)} weights, not {args.dtype}")
+            tgguf = Path(args.target_gguf or (args.target if str(args.target).endswith(".gguf")
+                                              else models.smollm2_gguf_path()))
+            if not tgguf.is_file():
+                raise ModelError(f"target GGUF not found: {tgguf}")
         ddir = models.resolve_model_dir(args.draft)
         if draft_kind(ddir) != "eagle3":
             raise ModelError(f"{args.draft} is not a feature draft: only EAGLE-3 heads export to {args.format}")
         target = models.load_model(args.target, "float32")
         draft = load_feature_draft(ddir, target)
         window = args.trained_window or trained_window(ddir)
-        verifier = str(models.resolve_model_dir(args.target)) if args.target else str(models.default_target_dir())
-        out = to_eagle3(draft, args.out, args.dtype, target.config, args.with_embeddings, window,
-                        args.format, verifier, args.speculative_tokens)
+        if args.format == "gguf":
+            out = export_gguf(draft, args.out, tgguf, args.dtype)
+        else:
+            verifier = str(models.resolve_model_dir(args.target)) if args.target else str(models.default_target_dir())
+            out = to_eagle3(draft, args.out, args.dtype, target.config, args.with_embeddings, window,
+                            args.format, verifier, args.speculative_tokens)
     except (ModelError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if window is None:
+    if window is None and args.format != "gguf":  # gguf has no field for it
         print("note: the head records no trained window (--trained-window N writes it)", file=sys.stderr)
     print(f"wrote {out} ({args.format}, draft vocab {draft.config.draft_vocab_size}, {args.dtype})")
     return 0
