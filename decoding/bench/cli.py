@@ -6,6 +6,7 @@ only ratios from ONE run are quoted.
     python -m decoding.bench --suite engine                # ar vs model.generate, per-round time split
     python -m decoding.bench --suite forward               # one target forward: eager vs packed, per size
     python -m decoding.bench --suite cli                   # a generate call end to end: defaults vs ar
+    python -m decoding.bench --suite llama                 # llama.cpp vs our ar / defaults on one GGUF
 """
 
 from __future__ import annotations
@@ -182,12 +183,14 @@ def write_report(results: dict, out: Path) -> str:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m decoding.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=("compare", "engine", "dtype", "forward", "cli"), default="compare",
+    ap.add_argument("--suite", choices=("compare", "engine", "dtype", "forward", "cli", "llama"), default="compare",
                     help="compare (default): every strategy and peer; engine: ar vs model.generate; dtype: "
                          "ar and the default configuration in float32 and bfloat16, interleaved (the "
                          "config's pair, prompts, repeats); forward: one target forward per size, eager vs "
                          "packed, in --dtypes, interleaved, with a profile; cli: `decoding.generate` "
-                         "end to end (fresh processes), defaults vs ar, --prompts per kind, --new-tokens")
+                         "end to end (fresh processes), defaults vs ar, --prompts per kind, --new-tokens; llama: "
+                         "llama.cpp's llama-server vs our ar and defaults on the same GGUF (--target FILE.gguf, "
+                         "default the embedded one), --prompts per kind, --new-tokens, --threads")
     ap.add_argument("--config", default="configs/bench.yaml", help="compare suite config (YAML)")
     ap.add_argument("--quick", action="store_true", help="CI smoke: tiny random models, a few seconds")
     ap.add_argument("--out", default=None, help="output dir (default: the config's out; engine: reports/engine)")
@@ -213,7 +216,11 @@ def parser() -> argparse.ArgumentParser:
                          "torch's attention ($SPECSTOP_BATCH_INVARIANT=0)")
     ap.add_argument("--context", type=int, default=200, help="forward suite: cached tokens before the forward")
     ap.add_argument("--sizes", default="1,2,4,8,16", help="forward suite: new tokens per forward")
-    ap.add_argument("--new-tokens", type=int, default=64, help="engine / cli suites: new tokens")
+    ap.add_argument("--new-tokens", type=int, default=64, help="engine / cli / llama suites: new tokens")
+    ap.add_argument("--llama-server", default=None, help="llama suite: the llama-server binary "
+                    "(default $LLAMA_SERVER, else the one `make llama-cpp` builds)")
+    ap.add_argument("--head-gguf", default=None, help="llama suite: a head GGUF (python -m training.export "
+                    "--format gguf) for the row llama.cpp + head")
     ap.add_argument("--write-defaults", nargs="?", const="", default=None, metavar="PATH",
                     help="record this run's fastest lossless greedy row as the default configuration "
                          "of this device kind (decoding/defaults.yaml; the shipped pair only), or in PATH")
@@ -312,6 +319,20 @@ def _cli_main(a, command: str) -> int:
     return 0
 
 
+def _llama_main(a, command: str) -> int:
+    from .llama import llama_markdown, llama_suite
+
+    res = llama_suite(a.prompts or 6, a.new_tokens, a.threads or 1, a.llama_server, a.target, a.head_gguf,
+                      progress=_log)
+    res["command"] = command
+    out = Path(a.out or f"reports/llama-{time.strftime('%Y-%m-%d')}")
+    write_atomic(out / "results.json", json.dumps(res, indent=2))
+    md = llama_markdown(res) + f"\nCommand: `{command}`\n"
+    write_atomic(out / "results.md", md)
+    print(md)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parser().parse_args(argv)
@@ -329,6 +350,10 @@ def main(argv=None) -> int:
             if a.quick or a.write_defaults is not None:
                 raise ValueError("--quick and --write-defaults belong to the compare suite")
             return _cli_main(a, command)
+        if a.suite == "llama":
+            if a.quick or a.write_defaults is not None:
+                raise ValueError("--quick and --write-defaults belong to the compare suite")
+            return _llama_main(a, command)
         if a.suite == "dtype":
             if a.quick or a.write_defaults is not None:
                 raise ValueError("--quick and --write-defaults belong to the compare suite")

