@@ -198,6 +198,9 @@ def _one_call(f: dict) -> int:
     lins = [f[k] for k in ("qkv", "o", "gate_up", "down")]
     if any(lin.few is None for lin in lins) or any(lin.bias is not None for lin in lins[1:]):
         return 0
+    if all(isinstance(lin.few, quant.QuantWeight) for lin in lins):  # a GGUF's blocks, one form
+        return min(f["row_attention_below"], *(lin.small_below for lin in lins)) \
+            if len({(lin.few.act, lin.few.isa) for lin in lins}) == 1 else 0
     kernels = {lin.few.op for lin in lins}
     if kernels not in ({torch.ops.specstop.amx_linear.default}, {torch.ops.specstop.panel_linear.default}):
         return 0
@@ -205,7 +208,9 @@ def _one_call(f: dict) -> int:
 
 
 def _bind(f: dict) -> None:
-    f["weights"] = [f["norm1"][0], f["qkv"].few.w, f["o"].few.w, f["norm2"][0], f["gate_up"].few.w, f["down"].few.w]
+    ws = [f[k].few for k in ("qkv", "o", "gate_up", "down")]
+    packed = [w.packed() if isinstance(w, quant.QuantWeight) else w.w for w in ws]
+    f["weights"] = [f["norm1"][0], packed[0], packed[1], f["norm2"][0], packed[2], packed[3]]
 
 
 def rebind(model: torch.nn.Module) -> None:
@@ -252,7 +257,9 @@ def make_lean(model: torch.nn.Module, pack=lambda w: None, eager_below: dict | N
         on_kernels = f["row_attention_below"] and not f["qk_norm"]
         f["one_call"] = _one_call(f) if on_kernels else 0
         if f["one_call"]:
-            f.update(dims=[f["heads"], f["kv_heads"], *(f[k].few.n for k in ("qkv", "o", "gate_up", "down"))],
+            ws = [f[k].few for k in ("qkv", "o", "gate_up", "down")]
+            q = [w.kind for w in ws] + [int(ws[0].act == "q8"), ws[0].isa] if isinstance(ws[0], quant.QuantWeight) else []
+            f.update(dims=[f["heads"], f["kv_heads"], *(w.n for w in ws), *q],
                      kv_like=a.q_proj.weight.new_empty(1, f["kv_heads"], 1, a.head_dim))
             _bind(f)
         layer.forward = types.MethodType(_kernel_layer_forward if on_kernels else _lean_layer_forward, layer)

@@ -35,7 +35,13 @@ ISAS = {"auto": 0, "avx2": 1, "avx512": 2}
 KINDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 """ggml block types the kernel multiplies by, to their ggml ids."""
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
-SOURCE = Path(__file__).parent / "csrc" / "quant.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "quant.cpp", CSRC / "quant_q8.cpp"]
+ACT_ENV = "SPECSTOP_QUANT_ACT"
+"""How a quantized linear takes its activations: q8 (default: int8 per block of 32, as llama.cpp's
+dot products; csrc/quant_q8.cpp) or f32 (float32: the dequantized model's numbers up to
+summation order; csrc/quant.cpp)."""
+ACTS = ("q8", "f32")
 # GGUF tensor names of a Llama-family layer -> the transformers module they belong to
 LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -57,7 +63,7 @@ def _load() -> str | None:
     try:
         from torch.utils.cpp_extension import load
 
-        load(f"specstop_quant_{revision()}", [str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"],
+        load(f"specstop_quant_{revision()}", [str(p) for p in SOURCES], extra_cflags=["-O3", "-ffp-contract=off"],
              is_python_module=False)
         torch.ops.specstop_quant.isa(_isa_arg())  # the CPU has what the asked path needs
     except Exception as e:  # no compiler, an old CPU: the dequantized linears still work
@@ -88,7 +94,16 @@ def available() -> bool:
 
 def revision() -> str:
     """The kernel's source hash: a cost curve timed on another kernel is a miss (decoding.cost_cache)."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    files = [*SOURCES, CSRC / "quant.h"]  # torch's loader rebuilds on a changed source, not a header
+    return hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()[:12]
+
+
+def act() -> str:
+    """How quantized linears take their activations here ($SPECSTOP_QUANT_ACT: q8 or f32)."""
+    asked = os.environ.get(ACT_ENV, "").strip() or ACTS[0]
+    if asked not in ACTS:
+        raise ValueError(f"{ACT_ENV} must be one of {', '.join(ACTS)} (got {asked!r})")
+    return asked
 
 
 def isa() -> str:
@@ -108,13 +123,19 @@ class QuantWeight:
         if kind not in BLOCK_BYTES or k % 32 or blocks.shape[1] != k // 32 * BLOCK_BYTES[kind]:
             raise ValueError(f"QuantWeight: {tuple(blocks.shape)} is not {k} columns of ggml type {kind}")
         self.w, self.kind, self.k, self.n = blocks.contiguous(), kind, k, blocks.shape[0]
-        self.isa, self.panels = _isa_arg(), None
+        self.isa, self.act, self.panels = _isa_arg(), act(), None
         why_not()  # the ops are registered on first use
 
+    def packed(self) -> torch.Tensor:
+        """The kernel's layout of the blocks (csrc/quant*.cpp), made on first use."""
+        if self.panels is None:
+            ops = torch.ops.specstop_quant
+            self.panels = (ops.pack_q8 if self.act == "q8" else ops.pack)(self.w, self.kind, self.k)
+        return self.panels
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.panels is None:  # the kernel's layout (csrc/quant.cpp), made on first use
-            self.panels = torch.ops.specstop_quant.pack(self.w, self.kind, self.k)
-        return torch.ops.specstop_quant.linear(x.float(), self.panels, self.kind, self.k, bias, self.isa)
+        op = torch.ops.specstop_quant.linear_q8 if self.act == "q8" else torch.ops.specstop_quant.linear
+        return op(x.float(), self.packed(), self.kind, self.k, bias, self.isa)
 
     def dequant(self) -> torch.Tensor:
         """float32 [N, K]: exactly the weights the kernel multiplies by."""

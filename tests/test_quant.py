@@ -1,7 +1,9 @@
-"""A GGUF target at its own precision (decoding.quant, csrc/quant.cpp): the kernel multiplies by
-exactly the dequantized weights, a row's result never depends on the other rows or the instruction
-set, the GGUF reader maps blocks to the right modules, and every lossless strategy stays lossless
-on the quantized forward (greedy equality with `ar` on the same weights, exact sampling)."""
+"""A GGUF target at its own precision (decoding.quant, csrc/quant*.cpp): with float32 activations
+the kernel multiplies by exactly the dequantized weights; with q8 activations it computes the
+int8-per-block law (checked against a float64 emulation); in both a row's result never depends
+on the other rows or the instruction set; the GGUF reader maps blocks to the right modules; and
+every lossless strategy stays lossless on the quantized forward (greedy equality with `ar` on the
+same weights, exact sampling)."""
 
 import copy
 import os
@@ -19,13 +21,26 @@ from decoding.strategies import StrategyConfig, build_engine
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason=f"quantized kernel: {quant.why_not()}")
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
-AVX512 = "avx512f" in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else False
+AVX512 = "avx512_vnni" in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else False
 ISAS = [1, 2] if AVX512 else [1]
 
 
-def _weight(kind, n=80, k=576, seed=0):
+def _weight(kind, n=80, k=576, seed=0, act="f32"):
     torch.manual_seed(seed)
-    return quant.quantize(torch.randn(n, k), kind)
+    w = quant.quantize(torch.randn(n, k), kind)
+    w.act = act
+    return w
+
+
+def q8_emulation(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float64 x_q @ w.T, x_q the rows of x quantized to int8 per block of 32 (scale max|x| / 127,
+    round to even), as csrc/quant_q8.cpp does."""
+    T, K = x.shape
+    xb = x.view(T, K // 32, 32)
+    dx = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    q = torch.round(xb * inv).clamp(-127, 127)
+    return (q.double() * dx.double()).view(T, K) @ w.double().T
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -50,10 +65,20 @@ def test_kernel_is_the_dequantized_product(kind, isa):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_row_does_not_depend_on_the_others(kind, isa):
-    """Every row count (the direct path, the buffered one, several row blocks) and one row at a
+def test_q8_kernel_is_the_quantized_activation_law(kind, isa):
+    qw = _weight(kind, act="q8")
+    qw.isa = isa
+    x, b = torch.randn(13, 576), torch.randn(80)
+    assert (qw(x, b).double() - q8_emulation(x, qw.dequant()) - b.double()).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("act", quant.ACTS)
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_row_does_not_depend_on_the_others(kind, isa, act):
+    """Every row count (the direct path, the buffered one, several row groups) and one row at a
     time give the same bits: a verify row equals a 1-token step."""
-    qw = _weight(kind, n=48)
+    qw = _weight(kind, n=48, act=act)
     qw.isa = isa
     x, b = torch.randn(37, 576), torch.randn(48)
     full = qw(x, b)
@@ -62,9 +87,10 @@ def test_a_row_does_not_depend_on_the_others(kind, isa):
 
 
 @pytest.mark.skipif(not AVX512, reason="needs an AVX512 CPU to compare both paths")
+@pytest.mark.parametrize("act", quant.ACTS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_avx2_and_avx512_agree_bit_for_bit(kind):
-    qw = _weight(kind)
+def test_avx2_and_avx512_agree_bit_for_bit(kind, act):
+    qw = _weight(kind, act=act)
     x = torch.randn(9, 576)
     qw.isa = 1
     a = qw(x)
@@ -81,12 +107,17 @@ def test_same_chain_as_the_fp32_panels():
     assert torch.equal(qw(x, b), dense)
 
 
-def test_isa_env(monkeypatch):
+def test_isa_and_act_envs(monkeypatch):
     monkeypatch.setenv(quant.ISA_ENV, "avx2")
-    assert _weight("Q8_0").isa == 1
+    monkeypatch.setenv(quant.ACT_ENV, "f32")
+    w = quant.quantize(torch.randn(16, 32), "Q8_0")
+    assert (w.isa, w.act) == (1, "f32")
+    monkeypatch.setenv(quant.ACT_ENV, "q4")
+    with pytest.raises(ValueError, match=quant.ACT_ENV):
+        quant.quantize(torch.randn(16, 32), "Q8_0")
     monkeypatch.setenv(quant.ISA_ENV, "sse")
     with pytest.raises(ValueError, match=quant.ISA_ENV):
-        _weight("Q8_0")
+        quant.quantize(torch.randn(16, 32), "Q8_0")
 
 
 def quantized_pair(kind="Q4_1", scale=6, vocab=32):
@@ -110,9 +141,11 @@ LOSSLESS = [
 ]
 
 
+@pytest.mark.parametrize("act", quant.ACTS)
 @pytest.mark.parametrize("forward", ["lean", "packed"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_greedy_speculation_equals_quantized_ar(kind, forward):
+def test_greedy_speculation_equals_quantized_ar(kind, forward, act, monkeypatch):
+    monkeypatch.setenv(quant.ACT_ENV, act)
     target, draft = quantized_pair(kind)
     assert set_forward(target, forward) == forward and set_forward(draft, forward) == forward
     lins = [layer._lean[k].few for layer in target.model.layers for k in ("qkv", "o", "gate_up", "down")] \
@@ -128,9 +161,10 @@ def test_greedy_speculation_equals_quantized_ar(kind, forward):
             assert stats.lossless
 
 
-def test_quantized_ar_tracks_the_dequantized_model():
-    """The quantized forward is the dequantized model up to summation order: greedy agrees with
-    the eager (dense) model on these prompts."""
+def test_quantized_ar_tracks_the_dequantized_model(monkeypatch):
+    """With float32 activations the quantized forward is the dequantized model up to summation
+    order."""
+    monkeypatch.setenv(quant.ACT_ENV, "f32")
     target, _ = quantized_pair()
     fast = copy.deepcopy(target)
     set_forward(fast, "lean")
@@ -141,22 +175,25 @@ def test_quantized_ar_tracks_the_dequantized_model():
         assert (a - b).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("name,cfg,sampling", [
-    ("mcsd-without-replacement", StrategyConfig(strategy="mcsd", k_config="2,2"), SamplingConfig(temperature=1.0)),
+@pytest.mark.parametrize("name,cfg,sampling,act", [
+    ("mcsd-without-replacement", StrategyConfig(strategy="mcsd", k_config="2,2"), SamplingConfig(temperature=1.0), "q8"),
     ("ti-mcsd+confidence-top-p", StrategyConfig(strategy="ti-mcsd", width=2, depth=2, stop="confidence",
-                                                confidence_threshold=0.2), SamplingConfig(temperature=0.8, top_p=0.9)),
+                                                confidence_threshold=0.2), SamplingConfig(temperature=0.8, top_p=0.9), "q8"),
+    ("mcsd-without-replacement", StrategyConfig(strategy="mcsd", k_config="2,2"), SamplingConfig(temperature=1.0), "f32"),
 ])
-def test_sampling_follows_the_quantized_target(name, cfg, sampling):
+def test_sampling_follows_the_quantized_target(name, cfg, sampling, act, monkeypatch):
     """Exact sampling on the quantized lean forward: short continuations against the target's
-    law enumerated over a 6-token vocabulary (the output layer stays dense: 6 < 16 outputs)."""
+    law enumerated over a 6-token vocabulary (the output layer stays dense: 6 < 16 outputs), the
+    law computed by the quantized forward itself (one batched forward: rows are independent)."""
     from test_sampling_exact import LENGTH, SAMPLES, chi2_pvalue, exact_distribution, speculative_counts
 
+    monkeypatch.setenv(quant.ACT_ENV, act)
     target = tiny_llama(0, vocab=6, layers=1, hidden=32, scale=3)
     draft = tiny_llama(1, vocab=6, layers=1, hidden=32, scale=3)
     assert quant.quantize_model(target, "Q4_1") == 7
-    exact = exact_distribution(target, sampling)
     set_forward(target, "lean")
     set_forward(draft, "lean")
+    exact = exact_distribution(target, sampling)
     counts, _, _ = speculative_counts(build_engine(target, draft, cfg, sampling), SAMPLES)
     assert LENGTH == 3 and chi2_pvalue(counts, exact, SAMPLES) > 1e-3
 
@@ -210,3 +247,26 @@ def test_gguf_blocks_land_on_their_modules(tmp_path):
     other = tiny_llama(5, vocab=32, hidden=32)
     with pytest.raises(ModelError, match="is not this model's"):
         quant.attach(other, blocks)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the one-call layer needs decoding.cpu_kernels")
+@pytest.mark.parametrize("act", quant.ACTS)
+def test_one_call_layer_on_blocks_equals_the_per_op_layer(act, monkeypatch):
+    """`specstop::decoder_layer` over a GGUF's blocks: logits and KV cache equal the per-op
+    layer's bit for bit over a prefill, a step, tree rounds and a commit."""
+    from test_one_call_layer import _rounds
+
+    monkeypatch.setenv(quant.ACT_ENV, act)
+    runs = []
+    for one_call in (True, False):
+        m = tiny_llama(0, vocab=32, hidden=32, scale=6)
+        quant.quantize_model(m, "Q4_1")
+        set_forward(m, "lean")
+        for layer in m.model.layers:
+            assert layer._lean["one_call"] > 1
+            if not one_call:
+                layer._lean["one_call"] = 0
+        runs.append(_rounds(m))
+    (a, ak), (b, bk) = runs
+    for x, y in zip(a + ak, b + bk):
+        assert torch.equal(x, y)

@@ -8,14 +8,30 @@
 // buffer -> attention over the cached and new keys -> o -> residual + RMSNorm -> gate/up ->
 // SiLU gate -> down -> residual.
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include "ops.h"
 
 namespace {
 
-// bf16 on AMX tiles, fp32 on panels: the weight was packed for the one its dtype runs on
-at::Tensor lin(const at::Tensor& x, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& b = c10::nullopt) {
+// A GGUF target's linear (uint8 panels, decoding/quant.py): its op in the specstop_quant extension,
+// through the dispatcher (built apart: it needs no AVX512). q: ggml kind, activations (1: q8), isa.
+struct Quant {
+  int64_t kind = 0, q8 = 0, isa = 0;
+};
+
+at::Tensor quant_lin(const at::Tensor& x, const at::Tensor& w, const Quant& q, const c10::optional<at::Tensor>& b) {
+  using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const c10::optional<at::Tensor>&, int64_t);
+  static const auto f32 = c10::Dispatcher::singleton().findSchemaOrThrow("specstop_quant::linear", "").typed<Sig>();
+  static const auto q8 = c10::Dispatcher::singleton().findSchemaOrThrow("specstop_quant::linear_q8", "").typed<Sig>();
+  return (q.q8 ? q8 : f32).call(x, w, q.kind, x.size(1), b, q.isa);
+}
+
+// bf16 on AMX tiles, fp32 on panels, a GGUF's blocks: the weight was packed for the one it runs on
+at::Tensor lin(const at::Tensor& x, const at::Tensor& w, int64_t n, const Quant& q,
+               const c10::optional<at::Tensor>& b = c10::nullopt) {
+  if (w.scalar_type() == at::kByte) return quant_lin(x, w, q, b);
   return x.scalar_type() == at::kBFloat16 ? specstop::amx_linear(x, w, n, b) : specstop::panel_linear(x, w, n, b);
 }
 
@@ -26,24 +42,28 @@ namespace specstop {
 // x [B * T, C]; cos / sin [B * T, D]; kbuf / vbuf [B, KV, cap, D], the cached keys and values at
 // [start, start + n) along cap, the T new ones written after them; mask [1 or B, 1, T, >= n + T]
 // or none (a 1-token step); w: norm1, qkv, o, norm2, gate_up, down (the linears packed for their
-// kernel); dims: B, H, KV, and the four linears' output widths.
+// kernel); dims: B, H, KV, and the four linears' output widths (for GGUF blocks then their four
+// ggml kinds, the activations' form (1: q8) and the instruction set: decoding/quant.py).
 at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kbuf,
                          const at::Tensor& vbuf, int64_t start, int64_t n, const c10::optional<at::Tensor>& mask,
                          at::TensorList w, const c10::optional<at::Tensor>& qkv_bias, at::IntArrayRef dims,
                          double eps1, double eps2, double scale) {
-  TORCH_CHECK(w.size() == 6 && dims.size() == 7 && x.dim() == 2 && kbuf.dim() == 4 && vbuf.sizes() == kbuf.sizes(),
-              "decoder_layer: 6 weights, 7 dims, x [B*T, C], k / v buffers [B, KV, cap, D]");
+  TORCH_CHECK(w.size() == 6 && (dims.size() == 7 || dims.size() == 13) && x.dim() == 2 && kbuf.dim() == 4 &&
+              vbuf.sizes() == kbuf.sizes(), "decoder_layer: 6 weights, 7 or 13 dims, x [B*T, C], k / v buffers [B, KV, cap, D]");
+  Quant q[4];
+  if (dims.size() == 13)
+    for (int i = 0; i < 4; ++i) q[i] = {dims[7 + i], dims[11], dims[12]};
   const int64_t B = dims[0], H = dims[1], KV = dims[2], T = x.size(0) / B;
   TORCH_CHECK(start >= 0 && n >= 0 && start + n + T <= kbuf.size(2) && kbuf.size(0) == B && kbuf.size(1) == KV,
               "decoder_layer: no room in the cache buffer");
   auto [x0, h] = add_rms_norm(x, c10::nullopt, w[0], eps1);
-  auto [q, k, v] = rope_qkv(lin(h, w[1], dims[3], qkv_bias), cos, sin, B, H, KV);
+  auto [qs, k, v] = rope_qkv(lin(h, w[1], dims[3], q[0], qkv_bias), cos, sin, B, H, KV);
   kbuf.narrow(2, start + n, T).copy_(k);
   vbuf.narrow(2, start + n, T).copy_(v);
-  const at::Tensor att = row_attention(q, kbuf.narrow(2, start, n + T), vbuf.narrow(2, start, n + T), mask, scale)
+  const at::Tensor att = row_attention(qs, kbuf.narrow(2, start, n + T), vbuf.narrow(2, start, n + T), mask, scale)
                              .view({B * T, -1});
-  auto [x1, h1] = add_rms_norm(x, lin(att, w[2], dims[4]), w[3], eps2);
-  return lin(silu_mul(lin(h1, w[4], dims[5])), w[5], dims[6]).add_(x1);
+  auto [x1, h1] = add_rms_norm(x, lin(att, w[2], dims[4], q[1]), w[3], eps2);
+  return lin(silu_mul(lin(h1, w[4], dims[5], q[2])), w[5], dims[6], q[3]).add_(x1);
 }
 
 }  // namespace specstop

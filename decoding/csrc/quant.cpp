@@ -26,39 +26,20 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "quant.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 namespace {
+using namespace specstop_quant;
 
-// ggml type ids
-constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8;
-constexpr int64_t QK = 32;      // weights per block
-constexpr int64_t P = 16;       // outputs per panel
-constexpr int64_t PF = 8192;    // bytes of lookahead in a panel stream (the hardware prefetcher stops at pages)
 constexpr int64_t CB = 4;       // blocks per chunk of the buffered path (128 k x 32 outputs: 16 KiB of L1)
 
 // a block of 32 k for the 16 outputs of a panel: the 16 scales d (fp16), the 16 offsets m (Q4_1),
 // then the quants k-major: Q4 two k a byte (k even low, k odd high) 16 bytes a k pair; Q8 one a byte
-int64_t scale_bytes(int64_t kind) { return kind == Q4_1 ? 64 : 32; }
-int64_t panel_block_bytes(int64_t kind) { return scale_bytes(kind) + (kind == Q8_0 ? 512 : 256); }
-
-int64_t block_bytes(int64_t kind) {
-  switch (kind) {
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case Q8_0: return 34;
-  }
-  TORCH_CHECK(false, "quant: unsupported block kind ", kind, " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
-}
-
-inline float half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return c10::detail::fp16_ieee_to_fp32_value(h);
-}
 
 // one block -> 32 floats at dst (the reference; scalar, exact as the vector paths)
 void dequant_block_ref(const uint8_t* b, int64_t kind, float* dst) {
@@ -80,9 +61,6 @@ void dequant_block_ref(const uint8_t* b, int64_t kind, float* dst) {
     }
   }
 }
-
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
 // ---- AVX512: a panel's 16 outputs are one vector ----
 struct Scales512 { __m512 d, m; };
@@ -326,27 +304,6 @@ AVX2 void unit256(const Job& j, int64_t first, float* carry) {
   }
 }
 
-bool has_avx512() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl");
-  return ok;
-}
-
-bool has_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c");
-  return ok;
-}
-
-// isa: 0 auto, 1 AVX2, 2 AVX512 (decoding/quant.py: $SPECSTOP_QUANT_ISA)
-int64_t resolve_isa(int64_t isa) {
-  if (isa == 0) return has_avx512() ? 2 : 1;
-  TORCH_CHECK(isa == 1 || isa == 2, "quant: isa must be 0 (auto), 1 (avx2) or 2 (avx512)");
-  TORCH_CHECK(has_avx2(), "quant: the CPU lacks AVX2 / FMA / F16C");
-  TORCH_CHECK(isa == 1 || has_avx512(), "quant: the CPU lacks AVX512");
-  return isa;
-}
-
 // GGUF blocks [N, K / 32 * bytes] -> panels [N / 16, K / 32 * panel bytes] (layout above)
 at::Tensor quant_pack(const at::Tensor& w, int64_t kind, int64_t K) {
   const int64_t bb = block_bytes(kind), pbb = panel_block_bytes(kind), so = scale_bytes(kind);
@@ -357,7 +314,6 @@ at::Tensor quant_pack(const at::Tensor& w, int64_t kind, int64_t K) {
   at::Tensor out = at::zeros({N / P, nb * pbb}, wc.options());
   const uint8_t* W = wc.data_ptr<uint8_t>();
   uint8_t* O = out.data_ptr<uint8_t>();
-  const int64_t qo = kind == Q4_1 ? 4 : 2;  // the quants' offset in a GGUF block
   at::parallel_for(0, N / P, 1, [&](int64_t a, int64_t e) {
     for (int64_t pi = a; pi < e; ++pi)
       for (int64_t b = 0; b < nb; ++b) {
@@ -367,9 +323,7 @@ at::Tensor quant_pack(const at::Tensor& w, int64_t kind, int64_t K) {
           std::memcpy(dst + 2 * o, src, 2);                           // d
           if (kind == Q4_1) std::memcpy(dst + 32 + 2 * o, src + 2, 2);  // m
           for (int k = 0; k < 32; ++k) {
-            int q;
-            if (kind == Q8_0) q = src[qo + k];
-            else q = k < 16 ? src[qo + k] & 15 : src[qo + k - 16] >> 4;
+            const int q = gguf_quant(src, kind, k);
             if (kind == Q8_0) dst[so + k * 16 + o] = (uint8_t)q;
             else dst[so + (k >> 1) * 16 + o] |= (uint8_t)(q << (4 * (k & 1)));
           }
@@ -454,7 +408,7 @@ int64_t quant_isa(int64_t isa) { return resolve_isa(isa); }
 
 }  // namespace
 
-TORCH_LIBRARY(specstop_quant, m) {
+TORCH_LIBRARY_FRAGMENT(specstop_quant, m) {
   m.def("linear(Tensor x, Tensor w, int kind, int k, Tensor? bias, int isa) -> Tensor");
   m.def("dequant(Tensor w, int kind, int k) -> Tensor");
   m.def("pack(Tensor w, int kind, int k) -> Tensor");

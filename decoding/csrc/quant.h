@@ -1,0 +1,69 @@
+// What the quantized kernels share (quant.cpp: float32 activations; quant_q8.cpp: activations
+// quantized to 8 bits a block, as llama.cpp's dot products): ggml's block types, the panel of
+// 16 outputs, fp16 scales, and the instruction-set checks. Each vector path carries its own
+// target attribute, so the extension builds and loads on any x86-64 CPU.
+#pragma once
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+namespace specstop_quant {
+
+// ggml type ids
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8;
+constexpr int64_t QK = 32;    // weights per block
+constexpr int64_t P = 16;     // outputs per panel
+constexpr int64_t PF = 8192;  // bytes of lookahead in a panel stream (the hardware prefetcher stops at pages)
+
+inline int64_t block_bytes(int64_t kind) {
+  switch (kind) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q8_0: return 34;
+  }
+  TORCH_CHECK(false, "quant: unsupported block kind ", kind, " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+}
+
+// a panel block: the 16 outputs' scales d (fp16), their offsets m (fp16, Q4_1), then the quants
+inline int64_t scale_bytes(int64_t kind) { return kind == Q4_1 ? 64 : 32; }
+inline int64_t panel_block_bytes(int64_t kind) { return scale_bytes(kind) + (kind == Q8_0 ? 512 : 256); }
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+// quant k (0..31) of a GGUF block: Q4 0..15 (weights k < 16 in the low nibbles), Q8 -128..127
+inline int gguf_quant(const uint8_t* b, int64_t kind, int k) {
+  if (kind == Q8_0) return (int8_t)b[2 + k];
+  const uint8_t* qs = b + (kind == Q4_1 ? 4 : 2);
+  return k < 16 ? qs[k] & 15 : qs[k - 16] >> 4;
+}
+
+inline bool has_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+  return ok;
+}
+inline bool has_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
+// isa: 0 auto, 1 AVX2, 2 AVX512 (with VNNI) (decoding/quant.py: $SPECSTOP_QUANT_ISA)
+inline int64_t resolve_isa(int64_t isa) {
+  if (isa == 0) return has_avx512() ? 2 : 1;
+  TORCH_CHECK(isa == 1 || isa == 2, "quant: isa must be 0 (auto), 1 (avx2) or 2 (avx512)");
+  TORCH_CHECK(has_avx2(), "quant: the CPU lacks AVX2 / FMA / F16C");
+  TORCH_CHECK(isa == 1 || has_avx512(), "quant: the CPU lacks AVX512 with VNNI");
+  return isa;
+}
+
+}  // namespace specstop_quant
