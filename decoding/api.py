@@ -89,7 +89,9 @@ class Decoder:
         given_strategy = strategy
         cfg = dflt.strategy_config(d, strategy, options)  # validated before the (slow) model load
         if isinstance(target, (str, Path)) or target is None:
-            sess = Session.open(target, draft, dtype or d.dtype, device,
+            # a GGUF target whose blocks the kernel takes runs them in float32 (decoding.quant)
+            sess = Session.open(target, draft, dtype or ("auto" if models.gguf_runs_quantized(target, device)
+                                                         else d.dtype), device,
                                 need_draft=given_strategy not in (None, "ar"), forward=forward)
         else:
             if dtype is not None:

@@ -63,6 +63,7 @@ def cost_key(target, draft) -> dict:
         "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model(),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "forward": _forward_tag(target),
+        "draft_blocks": quant.quantized(draft),  # a head on blocks keeps its checkpoint's fingerprint
         "sizes": list(COST_SIZES), "unit": TOKENS,  # how it is timed: a curve of another kind is a miss
     }
 

@@ -164,6 +164,8 @@ def _kernel_layer_forward(self, hidden_states, attention_mask=None, position_ids
     Python was ~1/8 of a bf16 step)."""
     f = self._lean
     B, T, C = hidden_states.shape
+    if attention_mask is None and T > 1 and f["causal_rows"]:  # a prompt from an empty cache
+        attention_mask = _causal(T, hidden_states.device)
     if T >= f["row_attention_below"] or (attention_mask is None and T > 1):
         return _lean_layer_forward(self, hidden_states, attention_mask, position_ids, past_key_values, use_cache,
                                    position_embeddings, **kwargs)
@@ -189,6 +191,18 @@ def _kernel_layer_forward(self, hidden_states, attention_mask=None, position_ids
     att = ops.row_attention(q, k, v, attention_mask, f["scaling"]).view(B * T, -1)  # mask: >= the keys
     x, h = ops.add_rms_norm(x, f["o"](att), *f["norm2"])
     return (x + f["down"](ops.silu_mul(f["gate_up"](h)))).view(B, T, C)
+
+
+_CAUSAL: dict = {}
+
+
+def _causal(T: int, device) -> torch.Tensor:
+    """[1, 1, T, T] bool, True where a row sees a key: the causal block row_attention takes."""
+    key = (T, str(device))
+    if key not in _CAUSAL:
+        _CAUSAL.clear()  # one prompt length at a time
+        _CAUSAL[key] = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
+    return _CAUSAL[key]
 
 
 def _one_call(f: dict) -> int:
@@ -249,6 +263,12 @@ def make_lean(model: torch.nn.Module, pack=lambda w: None, eager_below: dict | N
             "row_attention_below": (cpu_kernels.attention_rows(dt) + 1) if kw["small_below"] and cpu_kernels.attention_rows(dt) else 0,
         }
         f = layer._lean
+        f["causal_rows"] = isinstance(f["qkv"].few, quant.QuantWeight) and f["row_attention_below"] > 0
+        if f["causal_rows"]:
+            # a GGUF's linears take any row count alike: so does the attention, the prompt's
+            # causal block included (else a prompt token's keys would round otherwise than the
+            # same token's in a verify, and q8 activations make that a whole quantum)
+            f["row_attention_below"] = QUANT_ROWS
         f.update(norm1=(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
                  norm2=(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
                  layer=a.layer_idx, scaling=a.scaling)

@@ -118,6 +118,14 @@ def gguf_source(path: str | os.PathLike | None) -> Path | None:
     return Path(path) if str(path).endswith(".gguf") else None
 
 
+def gguf_runs_quantized(path: str | os.PathLike | None, device: str = "cpu") -> bool:
+    """The target is a GGUF whose linears run on their blocks here (float32, a CPU with the
+    quantized kernel built): `dtype: auto` and the defaults then load it in float32."""
+    from . import quant
+
+    return str(device).startswith("cpu") and gguf_source(path) is not None and quant.available()
+
+
 def attach_gguf(model, path: str | os.PathLike | None) -> int:
     """A target loaded from a GGUF multiplies by the file's own blocks (decoding.quant) where they
     are of a type the kernel takes, in float32 on a CPU; returns how many linears do (0: the

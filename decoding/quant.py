@@ -38,9 +38,12 @@ BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "quant.cpp", CSRC / "quant_q8.cpp"]
 ACT_ENV = "SPECSTOP_QUANT_ACT"
-"""How a quantized linear takes its activations: q8 (default: int8 per block of 32, as llama.cpp's
-dot products; csrc/quant_q8.cpp) or f32 (float32: the dequantized model's numbers up to
-summation order; csrc/quant.cpp)."""
+"""How a quantized linear takes its activations: q8 (int8 per block of 32, as llama.cpp's dot
+products; csrc/quant_q8.cpp) or f32 (float32: the dequantized model's numbers up to summation
+order; csrc/quant.cpp). Default: q8 where the lean layers attend batch-invariantly
+(decoding.cpu_kernels.batch_invariant: AVX512-BF16 CPUs today), else f32. Rounding x to 8 bits
+turns a last-bit difference between a verify row and a step (torch's attention is not
+batch-invariant) into a whole quantum about once a token, enough to flip greedy near-ties."""
 ACTS = ("q8", "f32")
 # GGUF tensor names of a Llama-family layer -> the transformers module they belong to
 LAYER_NAMES = {
@@ -100,7 +103,9 @@ def revision() -> str:
 
 def act() -> str:
     """How quantized linears take their activations here ($SPECSTOP_QUANT_ACT: q8 or f32)."""
-    asked = os.environ.get(ACT_ENV, "").strip() or ACTS[0]
+    from . import cpu_kernels
+
+    asked = os.environ.get(ACT_ENV, "").strip() or ("q8" if cpu_kernels.batch_invariant() else "f32")
     if asked not in ACTS:
         raise ValueError(f"{ACT_ENV} must be one of {', '.join(ACTS)} (got {asked!r})")
     return asked
@@ -223,6 +228,33 @@ def attach(model: torch.nn.Module, weights: dict[str, QuantWeight]) -> int:
         mod._quant = qw
         n += 1
     model._specstop_quant = n
+    return n
+
+
+HEAD_KIND = "Q8_0"
+"""The block type a feature head beside a GGUF target is quantized to (`quantize_head`)."""
+
+
+@torch.no_grad()
+def quantize_head(draft: torch.nn.Module, kind: str = HEAD_KIND) -> int:
+    """A feature head drafting for a GGUF target runs on blocks too (its fc, its layer's linears,
+    its output layer, as `kind`): beside a target step of ~5 ms its fp32 step (~1.3 ms on a 2-core
+    AVX512 EPYC) was a quarter of a round. The head's dense weights become the blocks' values, so
+    its eager forward is the same head; its fingerprint stays the checkpoint's (a decider fitted
+    for the pair still loads). Lossless either way: the draft only proposes. Returns how many."""
+    if draft.fc.weight.dtype != torch.float32 or draft.fc.weight.device.type != "cpu" or not available():
+        return 0
+    from .fingerprint import weights_sample_sha256
+
+    draft._loaded_weights_sha256 = weights_sample_sha256(draft)
+    n = 0
+    for mod in draft.modules():
+        w = getattr(mod, "weight", None)
+        if type(mod) is torch.nn.Linear and w.shape[1] % 32 == 0 and w.shape[0] % 16 == 0:
+            mod._quant = quantize(w, kind)
+            w.copy_(mod._quant.dequant())
+            n += 1
+    draft._specstop_quant = n
     return n
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from . import models
+from . import models, quant
 from .arch import attention_plan
 from .drafts.io import draft_kind, load_feature_draft
 from .fingerprint import fingerprint, same_model, stale_fingerprint
@@ -61,7 +61,9 @@ class Session:
         """forward: eager | packed | lean (decoding.fast_forward); None: its default_forward."""
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise models.ModelError("--device cuda was asked for but no CUDA device is available")
-        dtype = resolve_dtype(dtype, device)[0]  # auto: bf16 on CUDA, with AMX, or AVX512-BF16 + packed
+        # auto: a GGUF target on its blocks (float32 activations in), else bf16 on CUDA, with AMX, or
+        # AVX512-BF16 + packed
+        dtype = "float32" if dtype == "auto" and models.gguf_runs_quantized(target, device) else resolve_dtype(dtype, device)[0]
         tdir = models.resolve_model_dir(target)
         if draft is None and target in (None, models.DEFAULT_TARGET) and (DEFAULT_DRAFT / "config.json").exists():
             draft = DEFAULT_DRAFT
@@ -84,6 +86,8 @@ class Session:
         device = str(self.target.device)
         if draft_kind(ddir) == "eagle3":  # checked against the target's fingerprint
             d = load_feature_draft(ddir, self.target, dtype, device)
+            if quant.quantized(self.target):  # a GGUF target's head runs on blocks too
+                quant.quantize_head(d)
         else:
             d = models.load_model(ddir, dtype, device)
             models.check_pair(self.target, d, self.tokenizer, models.load_tokenizer(ddir))

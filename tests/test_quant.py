@@ -270,3 +270,30 @@ def test_one_call_layer_on_blocks_equals_the_per_op_layer(act, monkeypatch):
     (a, ak), (b, bk) = runs
     for x, y in zip(a + ak, b + bk):
         assert torch.equal(x, y)
+
+
+def test_feature_head_on_blocks_beside_a_quantized_target():
+    """A GGUF target's feature head runs on Q8_0 blocks (decoding.quant.quantize_head): its lean
+    step multiplies by them, its fingerprint stays the checkpoint's, and speculation with it still
+    reproduces the quantized target's ar token for token."""
+    from test_feature_decoding import fit_head
+
+    from decoding.fingerprint import fingerprint
+
+    target = tiny_llama(0, vocab=48, layers=4, hidden=32, scale=6)
+    head = fit_head(target, draft_vocab=32, steps=60)  # fitted on the dense target, as a shipped head
+    quant.quantize_model(target, "Q4_1")
+    before = fingerprint(head)["weights_sha256"]
+    assert quant.quantize_head(head) >= 6 and fingerprint(head)["weights_sha256"] == before
+    set_forward(target, "lean")
+    set_forward(head, "lean")
+    ar = build_engine(target, None, StrategyConfig(strategy="ar"), GREEDY)
+    eng = build_engine(target, head, StrategyConfig(strategy="ti-mcsd", width=3, depth=4), GREEDY)
+    accepted = 0
+    for prompt in ([1, 5, 7, 3], [9, 9, 9, 4, 4, 4, 11, 30, 17]):
+        out, stats = eng.generate(prompt, 32)
+        assert out == ar.generate(prompt, 32)[0]
+        accepted += stats.accepted
+    assert accepted > 0
+    if cpu_kernels.batch_invariant():  # the lean step runs (on blocks) where the kernels are built
+        assert isinstance(head._lean_step.qkv, quant.QuantWeight)

@@ -156,7 +156,7 @@ def llama_suite(prompts: int = 6, new_tokens: int = 96, threads: int = 1, server
     from ..cost_cache import cpu_model
 
     return {"cpu": cpu_model(), "threads": threads, "gguf": src.name, "new_tokens": new_tokens,
-            "quantized_linears": n_quant, "quant_isa": quant.isa(), "results": res,
+            "quantized_linears": n_quant, "quant_isa": quant.isa(), "quant_act": quant.act(), "results": res,
             "tokens_per_s": {n: sum(r["tokens"] for r in v) / sum(r["wall_s"] for r in v) for n, v in res.items()},
             "ratios": [{"a": a, "b": b, "speedup": p, "low": lo, "high": hi} for (a, b), (p, lo, hi) in ratios.items()],
             "same_text_as_llama": {n: sum(x["text"].strip() == y["text"].strip() for x, y in zip(res[n], res["llama.cpp"]))
@@ -174,17 +174,32 @@ def _per_round(rows: list[dict]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+def _tps(rows: list[dict], kind: str) -> float:
+    rows = [x for x in rows if x["kind"] == kind]
+    return sum(x["tokens"] for x in rows) / sum(x["wall_s"] for x in rows)
+
+
+def _mean_prompt(r: dict, kind: str) -> float:
+    rows = [x for x in r["results"]["llama.cpp"] if x["kind"] == kind]
+    return sum(x["prompt_tokens"] for x in rows) / len(rows)
+
+
 def llama_markdown(r: dict) -> str:
     n = len(r["results"]["llama.cpp"])
     lines = [f"# llama.cpp vs specstop on {r['gguf']}", "",
              f"CPU: {r['cpu']}; {r['threads']} thread(s); {n} held-out prompts (chat template), greedy, "
              f"up to {r['new_tokens']} new tokens; tokens per second of the whole request, prompt included. "
-             f"Ours: {r['quantized_linears']} linears on their GGUF blocks ({r['quant_isa']}), float32 activations.",
+             f"Ours: {r['quantized_linears']} linears on their GGUF blocks ({r['quant_isa']}), activations "
+             + ("quantized to int8 per block of 32 (q8)" if r.get("quant_act") == "q8" else "in float32") + ".",
              "", "| row | tok/s (all prompts) |", "|---|---|"]
-    lines += [f"| {k} | {v:.1f} |" for k, v in r["tokens_per_s"].items()]
+    kinds = sorted({x["kind"] for x in r["results"]["llama.cpp"]})
+    lines[-2:] = ["| row | tok/s (all prompts) | " + " | ".join(f"{k} (mean prompt {_mean_prompt(r, k):.0f} tokens)"
+                                                      for k in kinds) + " |", "|---|---|" + "---|" * len(kinds)]
+    lines += [f"| {n} | {v:.1f} | " + " | ".join(f"{_tps(r['results'][n], k):.1f}" for k in kinds) + " |"
+              for n, v in r["tokens_per_s"].items()]
     lines += ["", "| ratio | speedup [95% CI over prompts] |", "|---|---|"]
     lines += [f"| {x['a']} / {x['b']} | {x['speedup']:.2f}x [{x['low']:.2f}, {x['high']:.2f}] |" for x in r["ratios"]]
-    lines += ["", "Texts equal to llama.cpp plain's (its dot products quantize activations to 8 bits; ours keep fp32): "
+    lines += ["", "Texts equal to llama.cpp plain's (the same weights; llama.cpp's own activation rounding): "
               + ", ".join(f"{k} {v}/{n}" for k, v in r["same_text_as_llama"].items()),
               "", "llama.cpp + head: accepted / drafted tokens; ours: tokens per target call (block efficiency): "
               + ", ".join(f"{k} {v:.2f}" for k, v in r["accepted_per_round"].items())]

@@ -38,8 +38,11 @@ struct Rows {  // x quantized: int8 [T, K], dx [T, K / 32], sum of q [T, K / 32]
   std::vector<int32_t> sq;
 };
 
-Rows quantize_rows(const float* X, int64_t T, int64_t K) {
-  Rows r{std::vector<int8_t>(T * K), std::vector<float>(T * K / QK), std::vector<int32_t>(T * K / QK)};
+// into `r` (reused across calls: a step makes ~120 of them)
+void quantize_rows(const float* X, int64_t T, int64_t K, Rows& r) {
+  r.q.resize(T * K);
+  r.dx.resize(T * K / QK);
+  r.sq.resize(T * K / QK);
   for (int64_t i = 0; i < T * K / QK; ++i) {
     const float* x = X + i * QK;
     float amax = 0.0f;
@@ -54,7 +57,6 @@ Rows quantize_rows(const float* X, int64_t T, int64_t K) {
     r.dx[i] = dx;
     r.sq[i] = s;
   }
-  return r;
 }
 
 struct Job {
@@ -190,11 +192,16 @@ AVX2 void rows256(const Job& j, int64_t t0, const uint8_t* pan) {
 
 constexpr int RG512 = 4, RG256 = 2;  // rows a pass (the rest of a verify re-reads the panels from L1 / L2)
 
+// a weight under this many bytes runs on one thread: splitting a layer's small matrices costs
+// more in fork and join than the second core gives (2 threads were slower than 1 at every step)
+constexpr int64_t SPLIT_BYTES = 1 << 20;
+
 template <int64_t kind>
 void run(const Job& j, int64_t panels, int64_t isa) {
-  const int64_t pstride = j.K / QK * j.pbb;
+  const int64_t pstride = j.K / QK * j.pbb, whole = panels * pstride < SPLIT_BYTES;
   if (isa == 2) {
-    at::parallel_for(0, (panels + 1) / 2, 4, [&](int64_t a, int64_t e) {
+    const int64_t units = (panels + 1) / 2;
+    at::parallel_for(0, units, whole ? units : 1, [&](int64_t a, int64_t e) {
       for (int64_t u = a; u < e; ++u) {
         const uint8_t* pan[2] = {j.W + 2 * u * pstride, j.W + (2 * u + 1) * pstride};
         const bool pair = 2 * u + 1 < panels;
@@ -207,7 +214,7 @@ void run(const Job& j, int64_t panels, int64_t isa) {
       }
     });
   } else {
-    at::parallel_for(0, panels, 8, [&](int64_t a, int64_t e) {
+    at::parallel_for(0, panels, whole ? panels : 1, [&](int64_t a, int64_t e) {
       for (int64_t u = a; u < e; ++u)
         for (int64_t t = 0; t < j.T; t += RG256) {
           if (j.T - t >= 2) rows256<kind, 2>(j, t, j.W + u * pstride);
@@ -265,7 +272,8 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t kind, int
   const int64_t T = xc.size(0), panels = w.size(0), N = panels * P;
   at::Tensor y = at::empty({T, N}, x.options());
   if (T == 0 || N == 0) return y;
-  const Rows rows = quantize_rows(xc.data_ptr<float>(), T, K);
+  static thread_local Rows rows;
+  quantize_rows(xc.data_ptr<float>(), T, K, rows);
   const Job j{&rows, w.data_ptr<uint8_t>(), b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(),
               T, K, N, kind, pbb};
   switch (kind) {

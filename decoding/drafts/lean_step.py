@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import cpu_kernels
+from .. import cpu_kernels, quant
 from ..cache import _append
 
 
@@ -27,11 +27,10 @@ class LeanStep:
 
     def __init__(self, draft):
         m, a = draft.midlayer, draft.midlayer.self_attn
-        cat = lambda *ls: torch.cat([x.weight.detach() for x in ls]).contiguous()  # noqa: E731
-        self.qkv = cpu_kernels.FewRowWeight(cat(a.q_proj, a.k_proj, a.v_proj))
-        self.o = cpu_kernels.FewRowWeight(a.o_proj.weight.detach())
-        self.gate_up = cpu_kernels.FewRowWeight(cat(m.mlp.gate_proj, m.mlp.up_proj))
-        self.down = cpu_kernels.FewRowWeight(m.mlp.down_proj.weight.detach())
+        self.qkv = _fused(a.q_proj, a.k_proj, a.v_proj)
+        self.o = _fused(a.o_proj)
+        self.gate_up = _fused(m.mlp.gate_proj, m.mlp.up_proj)
+        self.down = _fused(m.mlp.down_proj)
         self.norms = {name: (n.weight.detach(), n.eps) for name, n in (
             ("input", m.input_layernorm), ("hidden", m.hidden_norm), ("post", m.post_attention_layernorm),
             ("final", draft.norm))}
@@ -69,6 +68,15 @@ class LeanStep:
         h, post = ops.add_rms_norm(h0, self.o(att), *self.norms["post"])  # h + attention, then its norm
         h = h + self.down(ops.silu_mul(self.gate_up(post)))
         return draft.lm_head(self._norm(h, "final")).view(B, T, -1), h.view(B, T, H)
+
+
+def _fused(*linears):
+    """Linears sharing an input as one weight: their GGUF-style blocks where the head was quantized
+    (decoding.quant.quantize_head), else packed for the few-row kernels."""
+    q = [getattr(lin, "_quant", None) for lin in linears]
+    if all(q):
+        return quant.QuantWeight.cat(q)
+    return cpu_kernels.FewRowWeight(torch.cat([lin.weight.detach() for lin in linears]).contiguous())
 
 
 def step(draft, tokens, hidden, positions, cache=None, mask=None):
