@@ -135,7 +135,7 @@ def attach_gguf(model, path: str | os.PathLike | None) -> int:
     src = gguf_source(path)
     if src is None or model.dtype != torch.float32 or model.device.type != "cpu" or not quant.available():
         return 0
-    return quant.attach(model, quant.read_gguf(src, model.config))
+    return quant.attach(model, quant.load_blocks(src, model.config, resolve_model_dir(path)))
 
 
 class _UpcastNorm(torch.nn.Module):
