@@ -119,6 +119,8 @@ def _lean_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
     a = self.self_attn
     B, T, C = hidden_states.shape
     H, K, D = f["heads"], f["kv_heads"], a.head_dim
+    if attention_mask is None and T > 1 and f["causal_rows"]:  # a prompt from an empty cache
+        attention_mask = _causal(T, hidden_states.device)
     x = hidden_states.reshape(B * T, C)
     fused = f["fused"]
     y = f["qkv"](_add_norm(x, self.input_layernorm, fused=fused)[1])
@@ -143,6 +145,8 @@ def _lean_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
         raise RuntimeError("lean forward: a causal block after cached tokens needs a mask")
     if fused and T <= f["row_attention_below"] and (mask is not None or T == 1):  # [B, T, H, D]
         att = torch.ops.specstop.row_attention(q, k, v, mask, a.scaling).reshape(B * T, H * D)
+    elif f["quant_attention"] and (mask is not None or T == 1):  # a GGUF target, no AVX512 kernels
+        att = quant.row_attention(q, k, v, mask, a.scaling).reshape(B * T, H * D)
     else:
         att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=a.scaling,
                                              enable_gqa=H != K).transpose(1, 2).reshape(B * T, H * D)
@@ -263,8 +267,10 @@ def make_lean(model: torch.nn.Module, pack=lambda w: None, eager_below: dict | N
             "row_attention_below": (cpu_kernels.attention_rows(dt) + 1) if kw["small_below"] and cpu_kernels.attention_rows(dt) else 0,
         }
         f = layer._lean
-        f["causal_rows"] = isinstance(f["qkv"].few, quant.QuantWeight) and f["row_attention_below"] > 0
-        if f["causal_rows"]:
+        on_blocks = isinstance(f["qkv"].few, quant.QuantWeight)
+        f["quant_attention"] = on_blocks and not f["fused"] and quant.attends_here(dt)
+        f["causal_rows"] = on_blocks and (f["row_attention_below"] > 0 or f["quant_attention"])
+        if f["causal_rows"] and f["row_attention_below"]:
             # a GGUF's linears take any row count alike: so does the attention, the prompt's
             # causal block included (else a prompt token's keys would round otherwise than the
             # same token's in a verify, and q8 activations make that a whole quantum)

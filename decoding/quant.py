@@ -37,14 +37,14 @@ KINDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 """ggml block types the kernel multiplies by, to their ggml ids."""
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "quant.cpp", CSRC / "quant_q8.cpp"]
+SOURCES = [CSRC / "quant.cpp", CSRC / "quant_q8.cpp", CSRC / "quant_attention.cpp"]
 ACT_ENV = "SPECSTOP_QUANT_ACT"
 """How a quantized linear takes its activations: q8 (int8 per block of 32, as llama.cpp's dot
 products; csrc/quant_q8.cpp) or f32 (float32: the dequantized model's numbers up to summation
-order; csrc/quant.cpp). Default: q8 where the lean layers attend batch-invariantly
-(decoding.cpu_kernels.batch_invariant: AVX512-BF16 CPUs today), else f32. Rounding x to 8 bits
-turns a last-bit difference between a verify row and a step (torch's attention is not
-batch-invariant) into a whole quantum about once a token, enough to flip greedy near-ties."""
+order; csrc/quant.cpp). Default: q8, unless $SPECSTOP_BATCH_INVARIANT=0 (torch's attention): rounding
+x to 8 bits turns a last-bit difference between a verify row and a step into a whole quantum about
+once a token, enough to flip greedy near-ties, so q8 needs the batch-invariant attention
+(decoding.cpu_kernels's, or `row_attention` here where that does not build)."""
 ACTS = ("q8", "f32")
 # GGUF tensor names of a Llama-family layer -> the transformers module they belong to
 LAYER_NAMES = {
@@ -106,7 +106,8 @@ def act() -> str:
     """How quantized linears take their activations here ($SPECSTOP_QUANT_ACT: q8 or f32)."""
     from . import cpu_kernels
 
-    asked = os.environ.get(ACT_ENV, "").strip() or ("q8" if cpu_kernels.batch_invariant() else "f32")
+    invariant = os.environ.get(cpu_kernels.INVARIANT_ENV, "").strip() != "0"
+    asked = os.environ.get(ACT_ENV, "").strip() or ("q8" if invariant else "f32")
     if asked not in ACTS:
         raise ValueError(f"{ACT_ENV} must be one of {', '.join(ACTS)} (got {asked!r})")
     return asked
@@ -153,6 +154,21 @@ class QuantWeight:
         if len({(w.kind, w.k) for w in ws}) != 1:
             return None
         return QuantWeight(torch.cat([w.w for w in ws]), ws[0].kind, ws[0].k)
+
+
+def row_attention(q, k, v, mask, scale: float) -> torch.Tensor:
+    """Batch-invariant float32 attention for the lean layers where decoding.cpu_kernels does not
+    build (csrc/quant_attention.cpp; the contract of specstop::row_attention): [B, T, H, D]."""
+    return torch.ops.specstop_quant.row_attention(q, k, v, mask, scale)
+
+
+def attends_here(dtype: torch.dtype) -> bool:
+    """A GGUF target's lean layers that do not run on decoding.cpu_kernels (not built here, or
+    set_forward(kernels=False)) attend with `row_attention` above: float32, the kernel built,
+    $SPECSTOP_BATCH_INVARIANT not 0."""
+    from . import cpu_kernels
+
+    return dtype == torch.float32 and available() and os.environ.get(cpu_kernels.INVARIANT_ENV, "").strip() != "0"
 
 
 def runs_on_kernel(w: QuantWeight | None) -> bool:

@@ -180,6 +180,8 @@ def test_quantized_ar_tracks_the_dequantized_model(monkeypatch):
     ("ti-mcsd+confidence-top-p", StrategyConfig(strategy="ti-mcsd", width=2, depth=2, stop="confidence",
                                                 confidence_threshold=0.2), SamplingConfig(temperature=0.8, top_p=0.9), "q8"),
     ("mcsd-without-replacement", StrategyConfig(strategy="mcsd", k_config="2,2"), SamplingConfig(temperature=1.0), "f32"),
+    ("mcsd-without-replacement-no-avx512-kernels", StrategyConfig(strategy="mcsd", k_config="2,2"),
+     SamplingConfig(temperature=1.0), "q8"),
 ])
 def test_sampling_follows_the_quantized_target(name, cfg, sampling, act, monkeypatch):
     """Exact sampling on the quantized lean forward: short continuations against the target's
@@ -191,8 +193,9 @@ def test_sampling_follows_the_quantized_target(name, cfg, sampling, act, monkeyp
     target = tiny_llama(0, vocab=6, layers=1, hidden=32, scale=3)
     draft = tiny_llama(1, vocab=6, layers=1, hidden=32, scale=3)
     assert quant.quantize_model(target, "Q4_1") == 7
-    set_forward(target, "lean")
-    set_forward(draft, "lean")
+    kernels = not name.endswith("no-avx512-kernels")  # as on an AVX2-only CPU: the AVX2 row attention
+    set_forward(target, "lean", kernels=kernels)
+    set_forward(draft, "lean", kernels=kernels)
     exact = exact_distribution(target, sampling)
     counts, _, _ = speculative_counts(build_engine(target, draft, cfg, sampling), SAMPLES)
     assert LENGTH == 3 and chi2_pvalue(counts, exact, SAMPLES) > 1e-3
@@ -313,3 +316,41 @@ def test_blocks_are_kept_once_and_refreshed_with_the_file(tmp_path, monkeypatch)
     write_gguf(tiny_llama(3, vocab=32, hidden=32), gguf_file, kind="Q8_0")  # another file at that path
     os.utime(gguf_file, ns=(1, 1))
     assert all(w.kind == quant.KINDS["Q8_0"] for w in quant.load_blocks(gguf_file, model.config, tmp_path).values())
+
+
+def test_avx2_row_attention_is_sdpa_row_by_row():
+    """csrc/quant_attention.cpp (the lean layers' attention of a GGUF target without the AVX512
+    kernels): torch's attention to fp32 rounding, GQA, bool and additive masks; and a row alone
+    (a step: its visible keys only, no mask) gives the same bits as inside a verify."""
+    torch.manual_seed(0)
+    B, H, KV, T, S, D = 2, 6, 2, 5, 19, 64
+    q, k, v = torch.randn(B, H, T, D), torch.randn(B, KV, S, D), torch.randn(B, KV, S, D)
+    vis = torch.ones(T, S, dtype=torch.bool)
+    vis[:, S - T:] = torch.rand(T, T) < 0.5  # a tree's ancestors among the new rows
+    vis[:, S - T:] |= torch.eye(T, dtype=torch.bool)
+    for mask in (vis[None, None], torch.zeros(T, S).masked_fill(~vis, torch.finfo(torch.float32).min)[None, None]):
+        out = quant.row_attention(q, k, v, mask, D ** -0.5)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(H // KV, 1),
+                                                               v.repeat_interleave(H // KV, 1),
+                                                               attn_mask=vis[None, None], scale=D ** -0.5)
+        assert (out - ref.transpose(1, 2)).abs().max() < 1e-5
+        for t in range(T):
+            keys = vis[t].nonzero()[:, 0]
+            alone = quant.row_attention(q[:, :, t:t + 1], k[:, :, keys], v[:, :, keys], None, D ** -0.5)
+            assert torch.equal(alone[:, 0], out[:, t])
+
+
+@pytest.mark.parametrize("act", quant.ACTS)
+def test_without_the_avx512_kernels_speculation_still_equals_ar(act, monkeypatch):
+    """set_forward(kernels=False), as on an AVX2-only CPU: the lean layers attend with the AVX2
+    row attention (the prompt too), so q8 speculation reproduces q8 ar token for token."""
+    monkeypatch.setenv(quant.ACT_ENV, act)
+    target, draft = quantized_pair("Q4_1")
+    set_forward(target, "lean", kernels=False)
+    set_forward(draft, "lean", kernels=False)
+    assert all(layer._lean["quant_attention"] and not layer._lean["fused"] for layer in target.model.layers)
+    ar = build_engine(target, None, StrategyConfig(strategy="ar"), GREEDY)
+    for cfg in LOSSLESS:
+        eng = build_engine(target, draft, cfg, GREEDY)
+        for prompt in ([1, 5, 7, 3], [9, 9, 9, 4, 4, 4, 11, 30, 17]):
+            assert eng.generate(prompt, 40)[0] == ar.generate(prompt, 40)[0], cfg.name
