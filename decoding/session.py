@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -32,6 +33,14 @@ def rule_threshold(dcfg: DeciderConfig, rule: str, where: Path | str = "the deci
     raise models.ModelError(f"decider {where} has no validated threshold for the {rule} rule "
                             f"(it has: {', '.join(sorted(dcfg.thresholds) or [dcfg.rule])}); "
                             f"pass a threshold or refit it with python -m training.fit")
+
+
+def native_bf16() -> bool:
+    """The CPU computes bfloat16 natively (AVX512-BF16 or AMX-BF16); True where flags are unknown."""
+    from .cpu_kernels import _cpu_flags
+
+    flags = _cpu_flags()
+    return not flags or bool({"avx512_bf16", "amx_bf16"} & flags)
 
 
 @dataclass
@@ -64,6 +73,10 @@ class Session:
         # auto: a GGUF target on its blocks (float32 activations in), else bf16 on CUDA, with AMX, or
         # AVX512-BF16 + packed
         dtype = "float32" if dtype == "auto" and models.gguf_runs_quantized(target, device) else resolve_dtype(dtype, device)[0]
+        if dtype == "bfloat16" and device.startswith("cpu") and not native_bf16():
+            print("note: this CPU has no native bfloat16 (no AVX512-BF16 or AMX-BF16): bfloat16 runs emulated, "
+                  "slower than float32 (--dtype float32), and its first call times an emulated cost curve",
+                  file=sys.stderr)
         tdir = models.resolve_model_dir(target)
         if draft is None and target in (None, models.DEFAULT_TARGET) and (DEFAULT_DRAFT / "config.json").exists():
             draft = DEFAULT_DRAFT

@@ -159,3 +159,16 @@ def test_shipped_pair_uses_this_device_kinds_defaults():
         assert str(dec.session.target.dtype) == f"torch.{d.dtype}"
     res = dec.generate("Say hello.", chat=True, max_new_tokens=8)
     assert res.token_ids and res.stats["lossless"]
+
+
+def test_bf16_on_a_cpu_without_native_bf16_says_so(target_dir, monkeypatch, capsys):
+    """--dtype bfloat16 where the CPU emulates it: one note line (it runs, slower than fp32)."""
+    from decoding import cpu_kernels
+    from decoding.session import Session
+
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2", "fma"})
+    Session.open(str(target_dir), None, "bfloat16")
+    assert "no native bfloat16" in capsys.readouterr().err
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    Session.open(str(target_dir), None, "bfloat16")
+    assert "no native bfloat16" not in capsys.readouterr().err
