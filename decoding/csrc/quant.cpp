@@ -304,33 +304,12 @@ AVX2 void unit256(const Job& j, int64_t first, float* carry) {
   }
 }
 
-// GGUF blocks [N, K / 32 * bytes] -> panels [N / 16, K / 32 * panel bytes] (layout above)
+// GGUF blocks -> this file's panels: Q4 two k a byte (k even low), Q8 one a byte, k-major
 at::Tensor quant_pack(const at::Tensor& w, int64_t kind, int64_t K) {
-  const int64_t bb = block_bytes(kind), pbb = panel_block_bytes(kind), so = scale_bytes(kind);
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) == K / QK * bb && K % QK == 0 &&
-              w.size(0) % P == 0, "quant_pack: w [N, K / 32 * block bytes] uint8 with N a multiple of 16");
-  const at::Tensor wc = w.contiguous();
-  const int64_t N = wc.size(0), nb = K / QK;
-  at::Tensor out = at::zeros({N / P, nb * pbb}, wc.options());
-  const uint8_t* W = wc.data_ptr<uint8_t>();
-  uint8_t* O = out.data_ptr<uint8_t>();
-  at::parallel_for(0, N / P, 1, [&](int64_t a, int64_t e) {
-    for (int64_t pi = a; pi < e; ++pi)
-      for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* dst = O + pi * nb * pbb + b * pbb;
-        for (int64_t o = 0; o < P; ++o) {
-          const uint8_t* src = W + (pi * P + o) * K / QK * bb + b * bb;
-          std::memcpy(dst + 2 * o, src, 2);                           // d
-          if (kind == Q4_1) std::memcpy(dst + 32 + 2 * o, src + 2, 2);  // m
-          for (int k = 0; k < 32; ++k) {
-            const int q = gguf_quant(src, kind, k);
-            if (kind == Q8_0) dst[so + k * 16 + o] = (uint8_t)q;
-            else dst[so + (k >> 1) * 16 + o] |= (uint8_t)(q << (4 * (k & 1)));
-          }
-        }
-      }
+  return pack_panels(w, kind, K, [kind](uint8_t* q, int64_t o, int k, int v) {
+    if (kind == Q8_0) q[k * 16 + o] = (uint8_t)v;
+    else q[(k >> 1) * 16 + o] |= (uint8_t)(v << (4 * (k & 1)));
   });
-  return out;
 }
 
 template <int64_t kind>

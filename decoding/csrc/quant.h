@@ -3,6 +3,9 @@
 // 16 outputs, fp16 scales, and the instruction-set checks. Each vector path carries its own
 // target attribute, so the extension builds and loads on any x86-64 CPU.
 #pragma once
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
@@ -44,6 +47,34 @@ inline int gguf_quant(const uint8_t* b, int64_t kind, int k) {
   if (kind == Q8_0) return (int8_t)b[2 + k];
   const uint8_t* qs = b + (kind == Q4_1 ? 4 : 2);
   return k < 16 ? qs[k] & 15 : qs[k - 16] >> 4;
+}
+
+// GGUF blocks [N, K / 32 * block bytes] -> panels [N / 16, K / 32 * panel bytes]: each block of
+// 16 outputs keeps their d (and m) as fp16, and `place(quants, o, k, q)` puts quant k of output o
+// where the kernel reading them wants it (quant.cpp and quant_q8.cpp order them differently)
+template <typename Place>
+at::Tensor pack_panels(const at::Tensor& w, int64_t kind, int64_t K, Place place) {
+  const int64_t bb = block_bytes(kind), pbb = panel_block_bytes(kind), so = scale_bytes(kind);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) == K / QK * bb && K % QK == 0 &&
+              w.size(0) % P == 0, "quant pack: w [N, K / 32 * block bytes] uint8 with N a multiple of 16");
+  const at::Tensor wc = w.contiguous();
+  const int64_t N = wc.size(0), nb = K / QK;
+  at::Tensor out = at::zeros({N / P, nb * pbb}, wc.options());
+  const uint8_t* W = wc.data_ptr<uint8_t>();
+  uint8_t* O = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N / P, 1, [&](int64_t a, int64_t e) {
+    for (int64_t pi = a; pi < e; ++pi)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* dst = O + pi * nb * pbb + b * pbb;
+        for (int64_t o = 0; o < P; ++o) {
+          const uint8_t* src = W + (pi * P + o) * nb * bb + b * bb;
+          std::memcpy(dst + 2 * o, src, 2);                           // d
+          if (kind == Q4_1) std::memcpy(dst + 32 + 2 * o, src + 2, 2);  // m
+          for (int k = 0; k < 32; ++k) place(dst + so, o, k, gguf_quant(src, kind, k));
+        }
+      }
+  });
+  return out;
 }
 
 inline bool has_avx2() {

@@ -224,35 +224,15 @@ void run(const Job& j, int64_t panels, int64_t isa) {
   }
 }
 
-// GGUF blocks [N, K / 32 * bytes] -> this file's panels [N / 16, K / 32 * panel bytes]
+// GGUF blocks -> this file's panels: groups of 4 k, 16 outputs x 4 k output-major in each
 at::Tensor pack_q8(const at::Tensor& w, int64_t kind, int64_t K) {
-  const int64_t bb = block_bytes(kind), pbb = panel_block_bytes(kind), so = scale_bytes(kind), gb = group_bytes(kind);
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) == K / QK * bb && K % QK == 0 &&
-              w.size(0) % P == 0, "pack_q8: w [N, K / 32 * block bytes] uint8 with N a multiple of 16");
-  const at::Tensor wc = w.contiguous();
-  const int64_t N = wc.size(0), nb = K / QK;
-  at::Tensor out = at::zeros({N / P, nb * pbb}, wc.options());
-  const uint8_t* W = wc.data_ptr<uint8_t>();
-  uint8_t* O = out.data_ptr<uint8_t>();
-  at::parallel_for(0, N / P, 1, [&](int64_t a, int64_t e) {
-    for (int64_t pi = a; pi < e; ++pi)
-      for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* dst = O + pi * nb * pbb + b * pbb;
-        for (int64_t o = 0; o < P; ++o) {
-          const uint8_t* src = W + (pi * P + o) * nb * bb + b * bb;
-          std::memcpy(dst + 2 * o, src, 2);                           // d
-          if (kind == Q4_1) std::memcpy(dst + 32 + 2 * o, src + 2, 2);  // m
-          for (int k = 0; k < 32; ++k) {
-            const int q = gguf_quant(src, kind, k);
-            const int64_t v = o * 4 + (k & 3);  // value index inside group k / 4
-            uint8_t* g = dst + so + (k >> 2) * gb;
-            if (kind == Q8_0) g[v] = (uint8_t)(q + 128);
-            else g[v & 31] |= (uint8_t)(q << (v < 32 ? 0 : 4));
-          }
-        }
-      }
+  const int64_t gb = group_bytes(kind);
+  return pack_panels(w, kind, K, [kind, gb](uint8_t* q, int64_t o, int k, int v) {
+    const int64_t i = o * 4 + (k & 3);  // value index inside group k / 4
+    uint8_t* g = q + (k >> 2) * gb;
+    if (kind == Q8_0) g[i] = (uint8_t)(v + 128);
+    else g[i & 31] |= (uint8_t)(v << (i < 32 ? 0 : 4));
   });
-  return out;
 }
 
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t K,
