@@ -346,10 +346,7 @@ void run(const Job& j, int64_t panels, int64_t isa) {
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t K,
                         const c10::optional<at::Tensor>& bias, int64_t isa) {
   const int64_t pbb = panel_block_bytes(kind);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == K && K % QK == 0,
-              "quant_linear: float32 x [T, K] with K a multiple of 32");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) == K / QK * pbb && w.is_contiguous(),
-              "quant_linear: w as quant_pack makes it, [N / 16, K / 32 * panel bytes] uint8");
+  check_linear(x, w, kind, K, "quant linear");
   isa = resolve_isa(isa);
   const at::Tensor xc = x.contiguous();
   at::Tensor b;

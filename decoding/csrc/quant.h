@@ -77,6 +77,14 @@ at::Tensor pack_panels(const at::Tensor& w, int64_t kind, int64_t K, Place place
   return out;
 }
 
+// x [T, K] float32 and w as a pack makes it, [N / 16, K / 32 * panel bytes] uint8
+inline void check_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t K, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == K && K % QK == 0,
+              op, ": float32 x [T, K] with K a multiple of 32");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) == K / QK * panel_block_bytes(kind) &&
+              w.is_contiguous(), op, ": w as its pack makes it, [N / 16, K / 32 * panel bytes] uint8");
+}
+
 inline bool has_avx2() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                          __builtin_cpu_supports("f16c");

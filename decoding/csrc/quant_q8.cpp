@@ -238,10 +238,7 @@ at::Tensor pack_q8(const at::Tensor& w, int64_t kind, int64_t K) {
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t K,
                      const c10::optional<at::Tensor>& bias, int64_t isa) {
   const int64_t pbb = panel_block_bytes(kind);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == K && K % QK == 0,
-              "linear_q8: float32 x [T, K] with K a multiple of 32");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) == K / QK * pbb && w.is_contiguous(),
-              "linear_q8: w as pack_q8 makes it, [N / 16, K / 32 * panel bytes] uint8");
+  check_linear(x, w, kind, K, "quant linear_q8");
   const int64_t T0 = x.size(0);
   // auto: one or two rows run faster on the AVX2 path here (2-core AVX512-VNNI EPYC, a step's 121
   // linears: 2.9 vs 3.6 ms at 1 row, 4.0 vs 4.1 at 2, 7.4 vs 5.0 at 4); both give the same bits
