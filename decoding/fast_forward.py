@@ -110,7 +110,8 @@ def pack_linears(model: torch.nn.Module, kernels: bool = True) -> int:
             continue
         mod._packed_dtype = w.dtype
         if getattr(mod, "_quant", None) is not None:  # a GGUF's blocks, at every row count
-            mod._packed_weight, mod._eager_below, mod._small_below, mod._few = None, 0, QUANT_ROWS, mod._quant
+            q = mod._quant if forward_kind(model) == "lean" else mod._quant.for_torch_attention()
+            mod._packed_weight, mod._eager_below, mod._small_below, mod._few = None, 0, QUANT_ROWS, q
         else:
             mod._packed_weight = pack_weight(w)
             mod._eager_below = EAGER_BELOW.get(w.dtype, 0)

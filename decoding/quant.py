@@ -133,6 +133,15 @@ class QuantWeight:
         self.isa, self.act, self.panels = _isa_arg(), act(), None
         why_not()  # the ops are registered on first use
 
+    def for_torch_attention(self) -> QuantWeight:
+        """This weight for a model whose layers attend with torch's attention (the packed forward,
+        not batch-invariant): f32 activations unless $SPECSTOP_QUANT_ACT asks otherwise (see ACT_ENV)."""
+        if self.act != "q8" or os.environ.get(ACT_ENV, "").strip():
+            return self
+        w = QuantWeight(self.w, self.kind, self.k)
+        w.act = "f32"
+        return w
+
     def packed(self) -> torch.Tensor:
         """The kernel's layout of the blocks (csrc/quant*.cpp), made on first use."""
         if self.panels is None:
