@@ -6,7 +6,7 @@ TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 LOCK    := constraints.txt
 
-.PHONY: venv lock test test-quick test-fast demo draft bench serve-check llama-cpp llama-bench lint clean gemma3
+.PHONY: venv lock test test-quick test-fast demo draft bench serve-check llama-cpp llama-bench llama-check lint clean gemma3
 
 venv: $(STAMP)
 
@@ -140,6 +140,11 @@ llama-bench: venv $(LLAMA_SERVER)
 	$(BIN)/python -m training.export --format gguf --draft checkpoints/drafts/smollm2-135m-eagle3 --out runs/head.gguf
 	LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m decoding.bench --suite llama --threads 1 \
 		--new-tokens 96 --head-gguf runs/head.gguf
+
+# the contract: llama.cpp + our head writes llama.cpp plain's greedy text on the f32 target (exit 1 if
+# not), and accepts as many draft tokens as our sd --gamma 3 where its text equals ours
+llama-check: venv $(LLAMA_SERVER)
+	LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m training.serve.llama_check
 
 lint: venv
 	$(BIN)/ruff check decoding training tests

@@ -149,3 +149,24 @@ def test_refusals(saved, tmp_path, capsys):
                  "--target-gguf", str(tgguf), "--out", str(out)]) == 2
     assert "not a feature draft" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.gguf"]  # nothing written, no temp left
+
+
+@pytest.mark.skipif(not __import__("decoding.quant").quant.available(), reason="needs the quantized kernel")
+def test_f32_copy_of_a_quantized_gguf(tmp_path):
+    """make llama-check's target: every tensor dequantized to float32, the metadata kept."""
+    import gguf
+    import numpy as np
+
+    from conftest import tiny_llama
+    from test_quant import write_gguf
+    from training.serve.llama_check import write_f32_gguf
+
+    src = tmp_path / "q.gguf"
+    write_gguf(tiny_llama(0, vocab=32, hidden=32), src)
+    out = write_f32_gguf(src, tmp_path / "f32.gguf")
+    a, b = gguf.GGUFReader(str(src)), gguf.GGUFReader(str(out))
+    assert b.fields["general.architecture"].contents() == "llama" and b.fields["general.file_type"].contents() == 0
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    for ta, tb in zip(a.tensors, b.tensors):
+        assert tb.tensor_type.name == "F32"
+        assert np.array_equal(np.asarray(tb.data), gguf.quants.dequantize(ta.data, ta.tensor_type))
