@@ -1,20 +1,22 @@
 """A GGUF target at its own precision: the linears keep their quantized blocks and multiply by them.
 
 A CPU user's target is a GGUF of 4.5 bits a weight (SmolLM2-135M-Instruct Q4_1: 98 MB). The
-dequantized fp32 model streams ~540 MB a step; `csrc/quant.cpp` streams the blocks and dequantizes
-them in registers. Supported blocks: Q4_0, Q4_1 and Q8_0 (the embedded target's linears are Q4_1,
-its tied embedding / output layer Q8_0); a K-quant (Q4_K, Q6_K) keeps the dequantized fp32 linear.
+dequantized fp32 model streams ~540 MB a step; the kernels here stream the blocks (re-laid once
+into panels of 16 outputs). Supported blocks: Q4_0, Q4_1 and Q8_0 (the embedded target's linears
+are Q4_1, its tied embedding / output layer Q8_0); a K-quant (Q4_K, Q6_K) keeps the dequantized
+fp32 linear.
 
-What is quantized: the weights only. Activations stay float32 (llama.cpp quantizes them to 8 bits
-per block before its integer dot products; we do not). Every dequantized weight is exactly the
-fp32 number of the dequantized model (q * d is exact in fp32), so a quantized linear differs from
-the dequantized model's only in summation order: the dequantized model is the reference, and the
-quantized path is a forward of its own on which greedy equality and exact sampling are proven
-(a row of a verify equals a 1-token step bit for bit: tests/test_quant.py).
+What is quantized ($SPECSTOP_QUANT_ACT, ACT_ENV below):
+- q8 (default): the activations too, int8 per block of 32 as llama.cpp's dot products do, with
+  exact integer block sums (csrc/quant_q8.cpp);
+- f32: the weights only; every dequantized weight is exactly the dequantized model's number
+  (q * d is exact in fp32), so the result differs from it only in summation order (csrc/quant.cpp).
+Either way the quantized path is a forward of its own on which greedy equality and exact sampling
+are proven, and a row of a verify equals a 1-token step bit for bit (tests/test_quant.py).
 
-Built on first use (~10 s, cached like decoding.cpu_kernels) on any x86-64 CPU with AVX2, FMA and
-F16C; AVX512 where the CPU has it. $SPECSTOP_QUANT_ISA=avx2 forces the AVX2 path on an AVX512 CPU
-(so one machine checks both); $SPECSTOP_QUANT=0 keeps the dequantized fp32 linears.
+Built on first use (~20 s, cached like decoding.cpu_kernels) on any x86-64 CPU with AVX2, FMA and
+F16C; AVX512 (with VNNI) where the CPU has it. $SPECSTOP_QUANT_ISA=avx2 forces the AVX2 path on an
+AVX512 CPU (so one machine checks both); $SPECSTOP_QUANT=0 keeps the dequantized fp32 linears.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 // y = x @ w.T (+ bias) over GGUF-quantized weights kept as their blocks (decoding/quant.py):
-// Q4_0, Q4_1 and Q8_0, 32 weights a block. Weights only are quantized: x and y are float32.
+// Q4_0, Q4_1 and Q8_0, 32 weights a block. The f32 form: weights only are quantized, x and y are
+// float32 (quant_q8.cpp: the activations too).
 //
 // Why: a CPU user's GGUF is 4.5 bits a weight; dequantized to fp32 a step streams ~5x the bytes.
 // The blocks are re-laid once into panels of 16 outputs (quant_pack), so one k's weights for 16
@@ -14,8 +15,7 @@
 // Batch-invariant: output n of row r is one FMA chain of x[r][k] * w[n][k] over k in order from
 // zero (+ bias), whatever the number of rows, the path or the thread (threads split the outputs).
 // So a row of a verify equals a 1-token step bit for bit; AVX2 and AVX512 compute the same chain,
-// and so do decoding.cpu_kernels's fp32 panels over the dequantized weights (decoding/quant.py
-// lets those take the verifies where they are faster).
+// and so do decoding.cpu_kernels's fp32 panels over the dequantized weights (tested).
 //
 // Compiled without -m flags: each path carries its own target attribute, so the extension builds
 // and loads on any x86-64 CPU and picks AVX512 only where the CPU has it (isa argument).
