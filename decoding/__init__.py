@@ -6,7 +6,7 @@ __all__ = ["Decoder", "GenerationResult"]
 
 def __getattr__(name):
     if name in __all__:
-        from . import api
+        from decoding import api
 
         return getattr(api, name)
     raise AttributeError(f"module 'decoding' has no attribute {name!r}")

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .sampling import sample, uniforms
+from decoding.sampling import sample, uniforms
 
 _EPS = 1e-12
 

@@ -23,13 +23,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from . import defaults as dflt
-from . import models
-from .sampling import SamplingConfig
-from .defaults import is_shipped_pair  # noqa: F401 (re-exported)
-from .session import Session
-from .stopping import GROW
-from .strategies import StrategyConfig, build_engine
+from decoding import defaults as dflt
+from decoding import models
+from decoding.sampling import SamplingConfig
+from decoding.defaults import is_shipped_pair  # noqa: F401 (re-exported)
+from decoding.models.session import Session
+from decoding.stopping import GROW
+from decoding.strategies import StrategyConfig, build_engine
 
 _STRATEGY_KEYS = {f.name for f in fields(StrategyConfig)}
 
@@ -80,7 +80,7 @@ class Decoder:
         replacement, stop, confidence_threshold, confidence_rule); unset ones come from the
         defaults entry when neither `strategy` nor a shape (gamma, k_config, width, depth) is
         given, else from the strategy's own built-in values (fixed depth unless `stop` is set). decider: checkpoint dir or 'latest' (used when stop is 'decider').
-        forward: eager | packed | lean (decoding.fast_forward; None: fast_forward.default_forward)
+        forward: eager | packed | lean (decoding.forward.packed; None: packed.default_forward)
         for models loaded here."""
         bad = set(options) - _STRATEGY_KEYS
         if bad:
@@ -89,7 +89,7 @@ class Decoder:
         given_strategy = strategy
         cfg = dflt.strategy_config(d, strategy, options)  # validated before the (slow) model load
         if isinstance(target, (str, Path)) or target is None:
-            # a GGUF target whose blocks the kernel takes runs them in float32 (decoding.quant)
+            # a GGUF target whose blocks the kernel takes runs them in float32 (decoding.forward.quant)
             sess = Session.open(target, draft, dtype or ("auto" if models.gguf_runs_quantized(target, device)
                                                          else d.dtype), device,
                                 need_draft=given_strategy not in (None, "ar"), forward=forward)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from .options import GROW, StrategyConfig
+from decoding.options import GROW, StrategyConfig
 
 DEFAULT_TARGET = "smollm2"
 """Name of the embedded target (SmolLM2-135M-Instruct, converted once by decoding.models)."""
@@ -91,7 +91,7 @@ _FIELDS = {f.name for f in fields(Defaults)}
 
 def cpu_prefers_bf16(cpuinfo: str | None = None, packed: bool | None = None) -> bool:
     """AMX-BF16 in the CPU flags (Linux), or AVX512-BF16 where the packed forward runs
-    (decoding.fast_forward; `packed` None: unless $SPECSTOP_FORWARD is eager). On a 2-core
+    (decoding.forward.packed; `packed` None: unless $SPECSTOP_FORWARD is eager). On a 2-core
     AVX512-BF16 EPYC without AMX (torch 2.13, shared machine, interleaved, issue 34): the eager
     bf16 forward is no faster than fp32 at 1 token (float32 decoded 1.175x faster,
     reports/dtype-2026-11-26), while the packed bf16 forward costs 0.5-0.84x the fp32 eager one
@@ -112,7 +112,7 @@ def cpu_prefers_bf16(cpuinfo: str | None = None, packed: bool | None = None) -> 
 
 def _packed_forward() -> bool:
     """Whether the packed forward is the default here (torch-free: the CLI checks options
-    before importing torch; decoding.fast_forward falls back to eager where oneDNN lacks it)."""
+    before importing torch; decoding.forward.packed falls back to eager where oneDNN lacks it)."""
     return os.environ.get("SPECSTOP_FORWARD", "").strip() != "eager"
 
 
@@ -210,7 +210,7 @@ def strategy_config(d: Defaults, strategy: str | None, options: dict) -> Strateg
 def _spec_entry(spec: dict, row: dict) -> dict | None:
     """The options that reproduce a bench row; None when they cannot be recovered. (A grow row
     timed with `measure` keeps it: outside benchmarks the timed curve is stored per machine,
-    pair, dtype and thread count by decoding.cost_cache, so only the first load pays.)"""
+    pair, dtype and thread count by decoding.forward.cost_cache, so only the first load pays.)"""
     spec = {**asdict(Defaults()), "rule": None, **spec}  # older reports omit defaulted keys
     e = {"strategy": spec["strategy"]}
     e.update({"sd": {"gamma": spec["gamma"]}, "mcsd": {"k_config": spec["k_config"]},

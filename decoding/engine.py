@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import acceptance as acc
-from .cache import CachedModel
-from .proposers import DraftTree, TreeProposer, empty_tree
-from .sampling import SamplingConfig, argmax_rows, warp
-from .stats import RunStats
-from .stopping import FixedDepth, StopPolicy
+from decoding import acceptance as acc
+from decoding.kv_cache import CachedModel
+from decoding.proposers import DraftTree, TreeProposer, empty_tree
+from decoding.sampling import SamplingConfig, argmax_rows, warp
+from decoding.run_stats import RunStats
+from decoding.stopping import FixedDepth, StopPolicy
 
 
 @dataclass

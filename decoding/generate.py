@@ -13,8 +13,8 @@ import argparse
 import json
 import sys
 
-from . import defaults as dflt
-from .options import CONFIDENCE_RULES, FORWARDS, MODES, RULES, STRATEGIES, SamplingConfig, check_threshold
+from decoding import defaults as dflt
+from decoding.options import CONFIDENCE_RULES, FORWARDS, MODES, RULES, STRATEGIES, SamplingConfig, check_threshold
 
 
 def defaults_help() -> str:
@@ -83,8 +83,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--forward", choices=FORWARDS, default=None,
                     help="how the models compute: lean (Llama-family layers as a few fused ops over "
-                         "prepacked weights, decoding.lean_forward; packed for other layers), packed "
-                         "(oneDNN-prepacked linears, decoding.fast_forward) or eager (as loaded, the "
+                         "prepacked weights, decoding.forward.lean; packed for other layers), packed "
+                         "(oneDNN-prepacked linears, decoding.forward.packed) or eager (as loaded, the "
                          "reference); default: $SPECSTOP_FORWARD, else the fastest measured here")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: torch's; on a busy machine fewer threads than "
@@ -121,8 +121,8 @@ def main(argv=None) -> int:
         return 2
     import torch
 
-    from .api import Decoder
-    from .models import ModelError
+    from decoding.api import Decoder
+    from decoding.models import ModelError
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .features import TOP_K
-from .stopping import DraftLevel, Frontier, StopPolicy
-from .tree import MAX_TREE_NODES
+from decoding.decider.features import TOP_K
+from decoding.stopping import DraftLevel, Frontier, StopPolicy
+from decoding.tree import MAX_TREE_NODES
 
 
 TOKENS, NODES = "tokens", "nodes"
@@ -39,7 +39,7 @@ TOKENS, NODES = "tokens", "nodes"
 
 @dataclass
 class CostCurve:
-    """Milliseconds per forward by number of tokens fed (the `cost_model` `training.fit`
+    """Milliseconds per forward by number of tokens fed (the `cost_model` `training.decider.fit`
     measures and stores with a decider: training.decider.replay.CostModel's fields)."""
 
     sizes: list[int]
@@ -98,9 +98,9 @@ def time_forwards(model, sizes, repeats: int = 3, context: int = 256) -> list[fl
     the cost curve is read in (`target(1 + nodes)`). Sizes are interleaved within each repeat,
     so a burst of load hits several sizes once; the first pass warms up and is dropped; the
     result is made non-decreasing in n."""
-    from .cache import CachedModel
-    from .drafts.feature import FeatureDraft
-    from .tree import TreeLayout, layout_from_k_config
+    from decoding.kv_cache import CachedModel
+    from decoding.drafts.feature import FeatureDraft
+    from decoding.tree import TreeLayout, layout_from_k_config
 
     if isinstance(model, FeatureDraft):
         return _time_feature_head(model, sizes, repeats, context)
@@ -131,10 +131,10 @@ def _time_feature_head(head, sizes, repeats: int, context: int) -> list[float]:
     """time_forwards for a feature (EAGLE-3) head: one tree level of n nodes after `context`
     committed entries, as FeatureCache.feed runs it (head step, lean where it runs, with the tree mask, q scattered
     to the target vocabulary). The features are random: the cost does not depend on them."""
-    from .drafts import lean_step
-    from .drafts.feature import DraftKV
-    from .models import MASKED_LOGIT
-    from .tree import layout_from_k_config
+    from decoding.drafts import lean_step
+    from decoding.drafts.feature import DraftKV
+    from decoding.models import MASKED_LOGIT
+    from decoding.tree import layout_from_k_config
 
     c, dev, dt = head.config, head.fc.weight.device, head.fc.weight.dtype
     g = torch.Generator(device="cpu").manual_seed(0)

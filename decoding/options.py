@@ -108,9 +108,9 @@ def fork_k_config(width: int, depth: int) -> tuple[int, ...]:
 
 # ---- strategies ----
 FORWARDS = ("eager", "packed", "lean")
-"""How the models compute (decoding.fast_forward): eager, transformers' modules as loaded (the
+"""How the models compute (decoding.forward.packed): eager, transformers' modules as loaded (the
 reference); packed, oneDNN-prepacked linears; lean, packed plus each Llama-family decoder layer as
-a few fused ops (decoding.lean_forward). Here so the CLI checks it before importing torch."""
+a few fused ops (decoding.forward.lean). Here so the CLI checks it before importing torch."""
 STRATEGIES = ("ar", "sd", "mcsd", "ti-mcsd")
 MODES = ("lossless", "longest-branch")
 

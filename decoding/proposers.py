@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import CachedModel
-from .context import ContextIndex, Snapshot
-from .sampling import SamplingConfig, draw_candidates, warp
-from .stopping import DraftLevel, Frontier, StopPolicy
-from .tree import ANCHOR, TreeLayout
+from decoding.kv_cache import CachedModel
+from decoding.decider.context import ContextIndex, Snapshot
+from decoding.sampling import SamplingConfig, draw_candidates, warp
+from decoding.stopping import DraftLevel, Frontier, StopPolicy
+from decoding.tree import ANCHOR, TreeLayout
 
 FREE = -2  # full-layout id of a node whose parent's child count the stop policy chose
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .options import MIN_TEMPERATURE, SamplingConfig  # noqa: F401 (re-exported)
+from decoding.options import MIN_TEMPERATURE, SamplingConfig  # noqa: F401 (re-exported)
 
 
 def argmax_rows(x: torch.Tensor) -> list[int]:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .context import Snapshot
-from .options import CONFIDENCE_RULES, GROW, check_threshold  # noqa: F401 (re-exported)
+from decoding.decider.context import Snapshot
+from decoding.options import CONFIDENCE_RULES, GROW, check_threshold  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -46,9 +46,9 @@ class DraftLevel:
     position: int = 0
     """Number of tokens generated so far in this request."""
     prefixes: list[tuple[int, ...]] | None = None
-    """[k] each node's ancestors' tokens, anchor side first (for decoding.context)."""
+    """[k] each node's ancestors' tokens, anchor side first (for decoding.decider.context)."""
     context: Snapshot | None = None
-    """The committed text as this level saw it (decoding.context; None: no context columns)."""
+    """The committed text as this level saw it (decoding.decider.context; None: no context columns)."""
     parent_top: torch.Tensor | None = None
     """[P, >= 10] each parent's largest q values, descending, where the level's maker already
     took them (decoding.growth's candidates): the features reuse them instead of a second top-k."""

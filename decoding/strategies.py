@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from .engine import SpeculativeEngine
-from .drafts.feature import FeatureDraft
-from .drafts.proposer import FeatureProposer
-from .proposers import TreeProposer
-from .options import MODES, STRATEGIES, SamplingConfig, StrategyConfig  # noqa: F401 (re-exported)
-from .stopping import StopPolicy, make_stop_policy
-from .tree import layout_from_k_config
+from decoding.engine import SpeculativeEngine
+from decoding.drafts.feature import FeatureDraft
+from decoding.drafts.proposer import FeatureProposer
+from decoding.proposers import TreeProposer
+from decoding.options import MODES, STRATEGIES, SamplingConfig, StrategyConfig  # noqa: F401 (re-exported)
+from decoding.stopping import StopPolicy, make_stop_policy
+from decoding.tree import layout_from_k_config
 
 def build_engine(target, draft, cfg: StrategyConfig, sampling: SamplingConfig,
                  stop: StopPolicy | None = None) -> SpeculativeEngine:

@@ -16,7 +16,7 @@ from functools import cached_property
 
 import torch
 
-from .options import MAX_TREE_NODES, fork_k_config, parse_k_config, tree_size  # noqa: F401 (re-exported)
+from decoding.options import MAX_TREE_NODES, fork_k_config, parse_k_config, tree_size  # noqa: F401 (re-exported)
 
 ANCHOR = -1  # parent id of first-level nodes
 def k_config_parents(k_config) -> tuple[int, ...]:

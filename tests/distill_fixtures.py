@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from decoding.models import load_model
-from training.draft.corpus import CorpusConfig, Prompt, Teacher, build_corpus
+from training.corpus.teacher import CorpusConfig, Prompt, Teacher, build_corpus
 from training.draft.data import CorpusDataModule
 from training.draft.module import DraftConfig
 from training.draft.teacher_cache import build_cache

@@ -63,7 +63,7 @@ def build_inputs(w: Path) -> None:
     target = tiny_llama(0, vocab=len(WORDS), scale=6, max_pos=64)
     save_tiny(w / "target", WORDS, target)
     save_tiny(w / "draft", WORDS, noisy_copy(target, 0.03))
-    from decoding.decider import DeciderConfig, DeciderNet, save_decider
+    from decoding.decider.policy import DeciderConfig, DeciderNet, save_decider
     from decoding.models import fingerprint, load_model
 
     pair = {"target": fingerprint(load_model(w / "target")), "draft": fingerprint(load_model(w / "draft"))}
@@ -151,17 +151,18 @@ def retrain_left(w: Path) -> str:
 def child(mode: str, args: list[str]) -> int:
     """Run a real CLI in this process with one fault injected at an exact step."""
     import retrain_seams
-    from training import retrain as R
+    from training.decider import retrain as R
 
     if mode == "generate-with-deciders":  # decoding.generate with another deciders root
-        from decoding import decider as D
+        from decoding.decider import policy as D
         from decoding.generate import main
 
         D.DECIDERS_DIR = Path(args[0])
         return main(args[1:])
     if mode == "kill-in-draft-export":  # killed while swapping a new draft over an old one
         from decoding.models import load_model
-        from training import distill, swap
+        from training import swap
+        from training.draft import distill
 
         def killed(*a):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -171,7 +172,7 @@ def child(mode: str, args: list[str]) -> int:
         distill.write_draft(load_model(out), out, {"re": "export"}, out)
         return 0
     retrain_seams.install(setattr, {"kind": "good"})
-    if mode == "latest-moved":  # a training.fit promotes while retrain compares
+    if mode == "latest-moved":  # a training.decider.fit promotes while retrain compares
         real = R.decide
 
         def meanwhile(*a):
@@ -239,7 +240,7 @@ def cases() -> list[Case]:
              "model.safetensors", prepare=truncate_draft, ),
         Case("draft model.safetensors of another shape", [a.replace("{d}", "{w}/draft_mismatched") for a in G], 2,
              "model.safetensors", prepare=mismatch_draft, ),
-        Case("retrain: latest moved (a training.fit promoted) during the comparison",
+        Case("retrain: latest moved (a training.decider.fit promoted) during the comparison",
              SELF + ["latest-moved", RETRAIN_CFG, "{w}/retrain/deciders"], 75, "latest is now 'other'",
              prepare=retrain_prepare, left=retrain_left),
         Case("retrain: killed after decision.pending.json, before the registry swap",

@@ -1,7 +1,7 @@
-"""Seams that make training.retrain run in seconds on synthetic traces (tests and fault table).
+"""Seams that make training.decider.retrain run in seconds on synthetic traces (tests and fault table).
 
 `collect` writes synthetic traces (acceptance follows q_token, see synth_traces.py) and
-`training.fit.main` exports a hand-made decider: good (scores q_token up), inverted (down)
+`training.decider.fit.main` exports a hand-made decider: good (scores q_token up), inverted (down)
 or timid (stops at once). Everything after them (assess, decide, the registry
 compare-and-swap, the decision record) is the real code.
 """
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from decoding.decider import DeciderConfig, DeciderNet, save_decider
-from decoding.features import FEATURE_NAMES
+from decoding.decider.policy import DeciderConfig, DeciderNet, save_decider
+from decoding.decider.features import FEATURE_NAMES
 from synth_traces import write_traces
-from training import fit
+from training.decider import fit
 from training.decider import registry
-from training import retrain as R
+from training.decider import retrain as R
 from training.decider.threshold import DEFAULT_COST
 
 KINDS = {"good": (20.0, -10.0), "inverted": (-20.0, 10.0), "timid": (0.0, -10.0)}

@@ -1,11 +1,11 @@
-"""Synthetic trace sets with a known label rule, written like training.collect writes them."""
+"""Synthetic trace sets with a known label rule, written like training.decider.collect writes them."""
 
 from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
 
-from decoding.features import FEATURE_NAMES, FEATURE_SCHEMA_VERSION, NUM_FEATURES
+from decoding.decider.features import FEATURE_NAMES, FEATURE_SCHEMA_VERSION, NUM_FEATURES
 from decoding.models import FINGERPRINT_VERSION
 from training.shards import ShardWriter
 from training.decider.traces import KIND, SCHEMA, SCHEMA_VERSION

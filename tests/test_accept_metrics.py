@@ -10,7 +10,7 @@ import torch
 from test_feature_train import data, tiny  # noqa: F401  (the module's tiny target and corpus)
 
 from training.draft.accept_metrics import combine, expected_acceptance, sd_rounds, walk_sd
-from training.draft.feature_module import FeatureDistillModule
+from training.head.module import FeatureDistillModule
 
 
 def logp(probs) -> torch.Tensor:
@@ -86,7 +86,7 @@ def test_acceptance_losses_train_and_validation_logs_acceptance(tiny, tmp_path, 
     from distill_fixtures import trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from training.draft.feature_train import load_feature_module
+    from training.head.train import load_feature_module
 
     torch.manual_seed(0)
     dm = data(tiny)

@@ -118,7 +118,7 @@ def test_count_kinds_and_a_lossy_mode_is_caught(pair):
 def test_fp32_reference_of_a_packed_bf16_target():
     """The tie check copies the target to float32; oneDNN's packed weights cannot be deep-copied,
     so the copy is made from the eager model and the target keeps its packed forward."""
-    from decoding.fast_forward import forward_kind, packed_available, set_forward
+    from decoding.forward.packed import forward_kind, packed_available, set_forward
 
     model = tiny_llama(3, vocab=32).to(torch.bfloat16)
     if not packed_available(torch.bfloat16, "cpu"):

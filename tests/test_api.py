@@ -11,7 +11,7 @@ from conftest import noisy_copy, tiny_llama
 from decoding import Decoder, GenerationResult
 from decoding.models import ModelError, load_model, load_tokenizer
 from decoding.sampling import SamplingConfig
-from decoding.session import Session
+from decoding.models.session import Session
 from decoding.strategies import StrategyConfig, build_engine
 
 PROMPT = "w1 w2 w3"
@@ -151,7 +151,9 @@ def test_shipped_pair_uses_this_device_kinds_defaults():
     assert dec.defaults == d and dec.config.strategy == d.strategy and dec.config.stop == d.stop
     import torch
 
-    from decoding import models, quant
+    from decoding import models
+
+    from decoding.forward import quant
 
     if models.gguf_runs_quantized(None):  # the embedded GGUF on its blocks: float32 activations in
         assert dec.session.target.dtype == torch.float32 and quant.quantized(dec.session.target) > 200
@@ -163,12 +165,12 @@ def test_shipped_pair_uses_this_device_kinds_defaults():
 
 def test_bf16_on_a_cpu_without_native_bf16_says_so(target_dir, monkeypatch, capsys):
     """--dtype bfloat16 where the CPU emulates it: one note line (it runs, slower than fp32)."""
-    from decoding import cpu_kernels
-    from decoding.session import Session
+    from decoding.forward import kernels
+    from decoding.models.session import Session
 
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx2", "fma"})
     Session.open(str(target_dir), None, "bfloat16")
     assert "no native bfloat16" in capsys.readouterr().err
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx2", "avx512_bf16"})
     Session.open(str(target_dir), None, "bfloat16")
     assert "no native bfloat16" not in capsys.readouterr().err

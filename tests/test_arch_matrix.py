@@ -11,8 +11,8 @@ import torch
 from arch_models import ARCHS, WINDOW, tiny
 from conftest import noisy_copy
 from test_engine_greedy import random_decider
-from decoding import cache as cache_mod
-from decoding.arch import attention_plan
+from decoding import kv_cache as cache_mod
+from decoding.models.arch import attention_plan
 from decoding.growth import CostCurve, GrowPolicy, q_scores
 from decoding.sampling import SamplingConfig
 from decoding.stopping import DraftConfidence

@@ -1,4 +1,4 @@
-"""A base model's corpus (training.draft.corpus --chat false): plain-text prompts, recorded in
+"""A base model's corpus (training.corpus.teacher --chat false): plain-text prompts, recorded in
 the corpus identity only when set; a tokenizer without a chat template is one clear error."""
 
 import json
@@ -7,7 +7,7 @@ import pytest
 from distill_fixtures import make_target
 
 from decoding.models import load_tokenizer
-from training.draft.corpus import CorpusConfig, Prompt, build_corpus, load_teacher
+from training.corpus.teacher import CorpusConfig, Prompt, build_corpus, load_teacher
 
 
 def test_plain_text_corpus_for_a_tokenizer_without_chat_template(tmp_path):

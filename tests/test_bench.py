@@ -252,8 +252,8 @@ def test_a_row_that_cannot_run_fails_the_run(quick, tmp_path, capsys, key, messa
 
 
 def test_old_checkpoint_keeps_its_own_rules_threshold():
-    from decoding.decider import DeciderConfig
-    from decoding.session import rule_threshold
+    from decoding.decider.policy import DeciderConfig
+    from decoding.models.session import rule_threshold
 
     old = DeciderConfig(rule="tree", threshold=0.175)
     assert rule_threshold(old, "tree") == 0.175
@@ -404,7 +404,7 @@ def test_rows_with_their_own_draft_share_the_run_and_are_checked(quick, tmp_path
 
 
 def test_the_drafts_config_gives_each_draft_its_own_decider():
-    from decoding.decider import resolve_decider_dir
+    from decoding.decider.policy import resolve_decider_dir
     from decoding.defaults import DEFAULT_DRAFT
 
     root = Path(__file__).resolve().parent.parent

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from decoding import cpu_kernels
+from decoding.forward import kernels
 from decoding.bench import roofline
 
 
@@ -46,9 +46,9 @@ def test_suite_rows_and_report_section():
     assert "| float32 | 100.0 [1.00] | 160.0 [1.60] |" in text and "| float32 lean | 1.50 | 1.50 |" in text
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason=f"cpu kernels: {cpu_kernels.why_not()}")
+@pytest.mark.skipif(not kernels.available(), reason=f"cpu kernels: {kernels.why_not()}")
 def test_probes_measure_something_plausible():
     p = roofline.measure(1, repeats=1, read_mib=64, fma_iters=2_000_000)
     assert 1 < p.read_gbps < 1000 and 10 < p.fp32_gflops < 10_000 and p.bf16_gflops > p.fp32_gflops / 2
-    assert p.bf16_unit == ("AMX tiles" if cpu_kernels.amx() else "AVX512-BF16")
+    assert p.bf16_unit == ("AMX tiles" if kernels.amx() else "AVX512-BF16")
     assert torch.get_num_threads() == 1  # put back as it was

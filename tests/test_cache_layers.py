@@ -1,10 +1,10 @@
-"""decoding.cache: growing layers append in place and roll back by slicing, like transformers'
+"""decoding.kv_cache: growing layers append in place and roll back by slicing, like transformers'
 concatenating DynamicLayer, through the engine's commits (keep_path, cut_front, crop)."""
 
 import torch
 
 from conftest import tiny_llama
-from decoding.cache import CachedModel, _append, crop, cut_front, keep_path, new_cache
+from decoding.kv_cache import CachedModel, _append, crop, cut_front, keep_path, new_cache
 from decoding.tree import TreeLayout
 
 

@@ -8,11 +8,13 @@ import json
 import pytest
 from chat_fixtures import EOS, make_chat_target, openai_rows, sharegpt_rows, write_jsonl
 
-from training.draft import chat_corpus, corpus
-from training.draft.chat_corpus import ChatCorpusConfig, build_chat_corpus
-from training.draft.chat_data import load_chats
-from training.draft.chat_template import assistant_mask, mask_runs, prompt_ids
-from training.draft.corpus import CorpusConfig, load_corpus, load_teacher
+from training.corpus import chat as chat_corpus
+
+from training.corpus import teacher as corpus
+from training.corpus.chat import ChatCorpusConfig, build_chat_corpus
+from training.corpus.chat_data import load_chats
+from training.corpus.chat_template import assistant_mask, mask_runs, prompt_ids
+from training.corpus.teacher import CorpusConfig, load_corpus, load_teacher
 
 
 @pytest.fixture(autouse=True)

@@ -9,9 +9,9 @@ import pytest
 from chat_fixtures import (EOS, GENERATION_TEMPLATE, chat_tokenizer, openai_rows, sharegpt_rows,
                            write_jsonl)
 
-from training.draft import chat_data
-from training.draft.chat_data import load_chats, normalize
-from training.draft.chat_template import assistant_mask, mask_runs, prompt_ids, user_prefix
+from training.corpus import chat_data
+from training.corpus.chat_data import load_chats, normalize
+from training.corpus.chat_template import assistant_mask, mask_runs, prompt_ids, user_prefix
 from training.draft.data import is_val
 
 

@@ -10,9 +10,10 @@ from distill_fixtures import ROOT
 
 
 def test_three_commands_train_a_head_on_your_own_chats(tmp_path, monkeypatch, capsys):
-    from training.distill import main as distill
-    from training.draft import chat_corpus, position_bench
-    from training.draft.corpus import load_corpus
+    from training.draft.distill import main as distill
+    from training.corpus import chat as chat_corpus
+    from training.head import position_bench
+    from training.corpus.teacher import load_corpus
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from decoding import decider as D
+from decoding.decider import policy as D
 from decoding.models import ModelError
 from training import swap
 
@@ -101,7 +101,7 @@ def test_replace_dir_into_a_free_path(tmp_path):
 def test_fit_refuses_an_existing_run_id_before_training(tmp_path, capsys):
     from synth_traces import write_traces
     from test_fit import config
-    from training import fit
+    from training.decider import fit
 
     traces = write_traces(tmp_path / "t", n_prompts=12)
     taken = tmp_path / "deciders" / "run-a"

@@ -119,7 +119,7 @@ def test_option_values_are_checked_before_torch_is_imported():
 
 
 def _decider_for(tmp_path, target_dir, draft_dir, name="dec", **cfg_kw):
-    from decoding.decider import DeciderConfig, DeciderNet, save_decider
+    from decoding.decider.policy import DeciderConfig, DeciderNet, save_decider
     from decoding.models import fingerprint, load_model
 
     pair = {"target": fingerprint(load_model(target_dir)), "draft": fingerprint(load_model(draft_dir))}

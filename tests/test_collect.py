@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from conftest import noisy_copy, tiny_llama
-from decoding.decider import DeciderConfig, DeciderNet, DeciderStop
-from decoding.features import node_features
+from decoding.decider.policy import DeciderConfig, DeciderNet, DeciderStop
+from decoding.decider.features import node_features
 from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine
-from training import collect as C
-from training.draft.corpus import Prompt
+from training.decider import collect as C
+from training.corpus.teacher import Prompt
 from training.decider.replay import ReplaySet
 from training.decider.traces import feature_matrix, load_traces
 
@@ -146,7 +146,7 @@ def test_replay_set_groups_rounds(tmp_path, session):
 def test_token_rank_matches_a_full_count(vocab):
     """The top-10 shortcut for token_rank equals counting over the whole distribution,
     for tokens inside and outside the top 10, with ties, and for vocabularies under 10."""
-    from decoding.features import FEATURE_NAMES
+    from decoding.decider.features import FEATURE_NAMES
     from decoding.stopping import DraftLevel
 
     g = torch.Generator().manual_seed(vocab)

@@ -9,11 +9,11 @@ from test_collect import StubSession
 from test_fit import config
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from decoding.decider import load_decider
+from decoding.decider.policy import load_decider
 from decoding.models import fingerprint
-from training import collect as C
-from training import fit
-from training.draft.corpus import Prompt
+from training.decider import collect as C
+from training.decider import fit
+from training.corpus.teacher import Prompt
 
 
 def qwen2_pair():

@@ -1,4 +1,4 @@
-"""decoding.context: the decider's context columns (n-gram lookups, match lengths, continuation
+"""decoding.decider.context: the decider's context columns (n-gram lookups, match lengths, continuation
 shares, counts), closed form and against a brute-force search over what the engine really
 drafted."""
 
@@ -7,8 +7,8 @@ import math
 import torch
 
 from conftest import noisy_copy, tiny_llama
-from decoding.context import CONTEXT_NAMES, MAX_MATCH, NGRAMS, ContextIndex, Snapshot
-from decoding.features import FEATURE_NAMES, node_features
+from decoding.decider.context import CONTEXT_NAMES, MAX_MATCH, NGRAMS, ContextIndex, Snapshot
+from decoding.decider.features import FEATURE_NAMES, node_features
 from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine
 
@@ -125,8 +125,8 @@ def test_the_engine_s_levels_carry_the_context_of_every_node():
 def test_a_decider_of_the_older_schema_reads_its_first_columns(tmp_path):
     import pytest
 
-    from decoding.decider import DeciderConfig, DeciderNet, load_decider, save_decider
-    from decoding.features import NUM_FEATURES, SCHEMA_COLUMNS
+    from decoding.decider.policy import DeciderConfig, DeciderNet, load_decider, save_decider
+    from decoding.decider.features import NUM_FEATURES, SCHEMA_COLUMNS
     from decoding.models import ModelError
 
     for schema in (1, 2):

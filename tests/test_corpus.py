@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from training.draft import corpus
+from training.corpus import teacher as corpus
 from training import shards
-from training.draft.corpus import CorpusConfig, Prompt, Teacher, build_corpus, load_corpus
+from training.corpus.teacher import CorpusConfig, Prompt, Teacher, build_corpus, load_corpus
 
 EOS, PAD = 2, 0
 

@@ -1,4 +1,4 @@
-"""decoding.cost_cache: a grown tree's measured cost curve is timed once per machine, pair,
+"""decoding.forward.cost_cache: a grown tree's measured cost curve is timed once per machine, pair,
 dtype and thread count, then read back; anything else is a miss, never a stale hit. A hit is
 trusted; re-timing is asked for explicitly (tested with made-up timings)."""
 
@@ -8,7 +8,7 @@ import torch
 
 from conftest import tiny_llama
 from decoding import growth
-from decoding.cost_cache import RETIME_ENV, cached_cost, cost_key
+from decoding.forward.cost_cache import RETIME_ENV, cached_cost, cost_key
 
 
 def test_timed_once_then_read_back_and_keyed_on_what_it_depends_on(tmp_path):
@@ -88,8 +88,8 @@ def test_a_hit_is_trusted_and_re_timed_only_when_asked(tmp_path, monkeypatch):
 def test_the_key_names_the_forward_and_whether_the_cpu_kernels_run_it():
     """A curve timed on the CPU kernels is not the curve of the same forward without them
     (SPECSTOP_CPU_KERNELS=0, or set_forward(kernels=False))."""
-    from decoding import cpu_kernels
-    from decoding.fast_forward import packed_available, set_forward
+    from decoding.forward import kernels
+    from decoding.forward.packed import packed_available, set_forward
 
     target, draft = tiny_llama(0, vocab=32, layers=2), tiny_llama(1, vocab=32, layers=1)
     assert cost_key(target, draft)["forward"] == "eager"
@@ -100,4 +100,4 @@ def test_the_key_names_the_forward_and_whether_the_cpu_kernels_run_it():
     set_forward(target, "lean")
     on = cost_key(target, draft)["forward"]
     assert off.startswith("lean-r") and not off.endswith("-kernels")
-    assert on == off + ("-kernels" if cpu_kernels.available() else "")
+    assert on == off + ("-kernels" if kernels.available() else "")

@@ -1,4 +1,4 @@
-"""decoding.cpu_kernels: the few-row linears exact to their dtype's rounding against a float64
+"""decoding.forward.kernels: the few-row linears exact to their dtype's rounding against a float64
 reference on every remainder of their blocking, batch- and thread-invariant; the row-wise ops
 equal to torch's composition to one rounding; everything absent cleanly."""
 
@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from arch_models import tiny
-from decoding import cpu_kernels
-from decoding.cache import CachedModel
-from decoding.fast_forward import set_forward
+from decoding.forward import kernels
+from decoding.kv_cache import CachedModel
+from decoding.forward.packed import set_forward
 from decoding.tree import TreeLayout
 
-needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no kernel here: {cpu_kernels.why_not()}")
-needs_amx = pytest.mark.skipif(not cpu_kernels.amx(), reason="no AMX tiles here")
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason=f"no kernel here: {kernels.why_not()}")
+needs_amx = pytest.mark.skipif(not kernels.amx(), reason="no AMX tiles here")
 
 
 def _case(dtype, t, k, n, bias, seed=0):
@@ -46,7 +46,7 @@ def test_equals_float64_to_the_dtypes_rounding(dtype, t, k, n, bias):
     pass: every tail of the loop. Accumulation is fp32, so the error bound is fp32's over K
     terms plus one rounding of the output to `dtype`."""
     x, w, b = _case(dtype, t, k, n, bias)
-    _assert_float64_to_rounding(cpu_kernels.linear(x, w, b), x, w, b)
+    _assert_float64_to_rounding(kernels.linear(x, w, b), x, w, b)
 
 
 @needs_amx
@@ -55,7 +55,7 @@ def test_equals_float64_to_the_dtypes_rounding(dtype, t, k, n, bias):
 def test_amx_tiles_equal_float64_to_bf16_rounding(t, k, n, bias):
     """AMX: K and N padded to the tiles' 32, rows over one (16) and two (32) tiles of x."""
     x, w, b = _case(torch.bfloat16, t, k, n, bias)
-    _assert_float64_to_rounding(cpu_kernels.FewRowWeight(w)(x, b), x, w, b)
+    _assert_float64_to_rounding(kernels.FewRowWeight(w)(x, b), x, w, b)
 
 
 @needs_kernel
@@ -67,7 +67,7 @@ def test_fp32_panels_equal_float64_to_fp32_rounding(t, k, n, bias):
     (up to 8) or in balanced groups over chunks of K (9 = 4 + 5, 13 = 6 + 7, 16, 33; K of one
     chunk, several, a 1-step tail), one FMA chain per output."""
     x, w, b = _case(torch.float32, t, k, n, bias)
-    _assert_float64_to_rounding(cpu_kernels.FewRowWeight(w)(x, b), x, w, b)
+    _assert_float64_to_rounding(kernels.FewRowWeight(w)(x, b), x, w, b)
 
 
 def _rows_alone_and_together(kernel, x, b):
@@ -89,13 +89,13 @@ def test_a_row_does_not_depend_on_the_other_rows_or_threads(dtype, rows):
     """Whatever the call carries, row i is the row fed alone, bit for bit, on 1 thread and on 2:
     the row-major kernel (one fp32 chain per output), the fp32 panels and, in bf16 where the CPU
     has them, the AMX tiles (a verify of up to 32 rows and a 1-token step agree exactly)."""
-    if rows > 7 and dtype == torch.bfloat16 and not cpu_kernels.amx():
+    if rows > 7 and dtype == torch.bfloat16 and not kernels.amx():
         pytest.skip("no AMX tiles here")
     x, w, b = _case(dtype, rows, 577, 203, True, seed=1)
-    kernels = [lambda x, b: cpu_kernels.linear(x, w, b)]
-    if dtype == torch.float32 or cpu_kernels.amx():
-        kernels.append(cpu_kernels.FewRowWeight(w))
-    for kernel in kernels[-1:] if rows > 7 else kernels:
+    candidates = [lambda x, b: kernels.linear(x, w, b)]
+    if dtype == torch.float32 or kernels.amx():
+        candidates.append(kernels.FewRowWeight(w))
+    for kernel in candidates[-1:] if rows > 7 else candidates:
         alone, together = _rows_alone_and_together(kernel, x, b)
         for i in range(rows):
             assert torch.equal(together[i:i + 1], alone[i])
@@ -147,7 +147,7 @@ def test_a_lean_step_runs_on_the_kernel_and_agrees_with_onednn():
         for small in (True, False):
             set_forward(model, "lean", kernels=small)
             qkv = model.model.layers[0]._lean["qkv"]
-            assert qkv.small_below == (cpu_kernels.rows_below(dtype) if small else 0)
+            assert qkv.small_below == (kernels.rows_below(dtype) if small else 0)
             assert model.lm_head._small_below == qkv.small_below
             cm = CachedModel(model)
             cm.feed(list(range(3, 14)), TreeLayout(()), [], 0, 0)
@@ -162,25 +162,25 @@ def test_a_lean_step_runs_on_the_kernel_and_agrees_with_onednn():
 def test_off_by_environment_or_cpu_or_failed_build(monkeypatch):
     """$SPECSTOP_CPU_KERNELS=0, a CPU without the instructions, a build that fails: not available,
     one phrase why, and rows_below is 0 (linears stay oneDNN's)."""
-    monkeypatch.setattr(cpu_kernels, "_state", {})
-    monkeypatch.setenv(cpu_kernels.ENV, "0")
-    assert not cpu_kernels.available() and cpu_kernels.why_not() == f"${cpu_kernels.ENV}=0"
-    assert cpu_kernels.rows_below(torch.bfloat16) == 0
-    monkeypatch.delenv(cpu_kernels.ENV)
-    monkeypatch.setattr(cpu_kernels, "_state", {})
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2"})
-    assert "the CPU lacks avx512f" in cpu_kernels.why_not()
-    monkeypatch.setattr(cpu_kernels, "_state", {})
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: set(cpu_kernels.FLAGS))
-    monkeypatch.setattr(cpu_kernels, "_registered", lambda: False)
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setenv(kernels.ENV, "0")
+    assert not kernels.available() and kernels.why_not() == f"${kernels.ENV}=0"
+    assert kernels.rows_below(torch.bfloat16) == 0
+    monkeypatch.delenv(kernels.ENV)
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx2"})
+    assert "the CPU lacks avx512f" in kernels.why_not()
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: set(kernels.FLAGS))
+    monkeypatch.setattr(kernels, "_registered", lambda: False)
 
     def fail():
         raise RuntimeError("Ninja is required to load C++ extensions")
 
-    monkeypatch.setattr(cpu_kernels, "_build", fail)
+    monkeypatch.setattr(kernels, "_build", fail)
     with pytest.warns(UserWarning, match="linears stay oneDNN's"):
-        assert "did not build (RuntimeError: Ninja is required" in cpu_kernels.why_not()
-    assert cpu_kernels.rows_below(torch.float32) == 0
+        assert "did not build (RuntimeError: Ninja is required" in kernels.why_not()
+    assert kernels.rows_below(torch.float32) == 0
 
 
 def _sdpa64(q, k, v, visible, scale):
@@ -258,11 +258,11 @@ def test_bf16_verify_rows_equal_the_plain_steps_bit_for_bit(monkeypatch):
     chain of up to 65 tokens (a grown tree's 64 nodes and the pending one) gives each row exactly
     the logits a 1-token step gives it, so bf16 greedy speculation reproduces bf16 `ar` with no
     near-tie flips."""
-    monkeypatch.delenv(cpu_kernels.INVARIANT_ENV, raising=False)
-    assert cpu_kernels.batch_invariant() and "batch-invariant" in cpu_kernels.describe()
+    monkeypatch.delenv(kernels.INVARIANT_ENV, raising=False)
+    assert kernels.batch_invariant() and "batch-invariant" in kernels.describe()
     model = tiny("llama").to(torch.bfloat16)
     set_forward(model, "lean")
-    assert model.model.layers[0]._lean["row_attention_below"] == 66 == cpu_kernels.rows_below(torch.bfloat16)
+    assert model.model.layers[0]._lean["row_attention_below"] == 66 == kernels.rows_below(torch.bfloat16)
     V = model.config.vocab_size
     prompt, nxt = [(3 * i + 1) % V for i in range(27)], [(7 * i + 5) % V for i in range(65)]
     from decoding.tree import layout_from_k_config
@@ -275,10 +275,10 @@ def test_bf16_verify_rows_equal_the_plain_steps_bit_for_bit(monkeypatch):
         cm.feed(prompt, TreeLayout(()), [], 0, 0)
         many = cm.feed(prompt + nxt[:1], layout_from_k_config([1] * (n - 1)), nxt[1:n], 0, n - 1)[0]
         assert torch.equal(torch.stack(one), many)
-    monkeypatch.setenv(cpu_kernels.INVARIANT_ENV, "0")
+    monkeypatch.setenv(kernels.INVARIANT_ENV, "0")
     set_forward(model, "eager")
     set_forward(model, "lean")  # turned off: torch's attention
-    assert model.model.layers[0]._lean["row_attention_below"] == 0 and not cpu_kernels.batch_invariant()
+    assert model.model.layers[0]._lean["row_attention_below"] == 0 and not kernels.batch_invariant()
 
 
 def test_the_kernel_sources_ship_with_the_package():
@@ -290,7 +290,7 @@ def test_the_kernel_sources_ship_with_the_package():
 
     root = Path(__file__).resolve().parents[1]
     patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["decoding"]
-    for f in (root / "decoding" / "csrc").iterdir():
+    for f in (root / "decoding" / "forward" / "csrc").iterdir():
         if f.suffix in (".cpp", ".h"):
-            assert any(fnmatch.fnmatch(f"csrc/{f.name}", p) for p in patterns), f.name
-    assert set(cpu_kernels.SOURCES) <= set((root / "decoding" / "csrc").iterdir())
+            assert any(fnmatch.fnmatch(f"forward/csrc/{f.name}", p) for p in patterns), f.name
+    assert set(kernels.SOURCES) <= set((root / "decoding" / "forward" / "csrc").iterdir())

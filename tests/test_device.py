@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from decoding import session as S
-from decoding.decider import DeciderConfig, DeciderNet, DeciderStop
+from decoding.models import session as S
+from decoding.decider.policy import DeciderConfig, DeciderNet, DeciderStop
 from decoding.sampling import SamplingConfig, multinomial, uniforms
 from decoding.strategies import StrategyConfig, build_engine
 from decoding.stopping import make_stop_policy

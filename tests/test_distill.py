@@ -22,7 +22,7 @@ from decoding.models import (
     load_model,
     load_tokenizer,
 )
-from training.distill import export_draft
+from training.draft.distill import export_draft
 from training.draft.module import DistillModule, DraftConfig, bucket_loss, select_head_ids
 from training.draft.teacher_cache import load_cache
 

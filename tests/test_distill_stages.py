@@ -17,7 +17,7 @@ from distill_fixtures import (
     data_module,
     trainer,
 )
-from training.distill import export_draft
+from training.draft.distill import export_draft
 from training.draft.module import DistillModule, DraftConfig
 
 
@@ -31,7 +31,7 @@ def test_extra_corpora_add_training_rows_only(corpus_dir, on_policy_dir, tmp_pat
     assert len(both.train_rows) == len(base.train_rows) + len(extra) and extra
     assert [r.completion for r in both.val_rows] == [r.completion for r in base.val_rows]
     # validation prompts' on-policy rows are neither trained nor validated on
-    from training.draft.corpus import load_corpus
+    from training.corpus.teacher import load_corpus
 
     op = load_corpus(on_policy_dir).to_list()
     assert len(extra) == sum(not is_val(r["prompt_id"], 20) for r in op) < len(op)

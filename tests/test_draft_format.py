@@ -13,7 +13,7 @@ from decoding.generate import main as generate_main
 from decoding.models import MASKED_LOGIT, ModelError, PrunedHeadLlamaForCausalLM, load_model
 from distill_fixtures import EOS, V, tiny_tokenizer
 from training.convert_draft import convert
-from training.distill import write_draft
+from training.draft.distill import write_draft
 from training.draft.module import DraftConfig, new_draft
 
 HEAD = [1, EOS, *range(10, 50)]  # 42 of the 64 ids, BOS/EOS among them

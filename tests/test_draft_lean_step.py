@@ -12,14 +12,14 @@ import torch
 
 from test_feature_decoding import CASES, GREEDY, N, PROMPTS, SAMPLES, feature_pair, tiny_pair  # noqa: F401
 from test_sampling_exact import chi2_pvalue, exact_distribution, speculative_counts
-from decoding import cpu_kernels
+from decoding.forward import kernels
 from decoding.drafts import lean_step
 from decoding.drafts.feature import DraftKV
-from decoding.fast_forward import set_forward
+from decoding.forward.packed import set_forward
 from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.batch_invariant(), reason=f"kernels: {cpu_kernels.describe()}")
+pytestmark = pytest.mark.skipif(not kernels.batch_invariant(), reason=f"kernels: {kernels.describe()}")
 
 
 def fast(models, dtype=torch.float32):
@@ -67,7 +67,7 @@ def test_greedy_with_the_lean_head_equals_ar(feature_pair, cfg):  # noqa: F811
     assert draft._lean_step is not None
 
 
-@pytest.mark.skipif(not cpu_kernels.amx(), reason="bf16 batch invariance needs AMX linears")
+@pytest.mark.skipif(not kernels.amx(), reason="bf16 batch invariance needs AMX linears")
 def test_bf16_greedy_with_the_lean_head_equals_bf16_ar_bit_for_bit(feature_pair):  # noqa: F811
     target, draft = fast(feature_pair, torch.bfloat16)
     ar = build_engine(target, None, StrategyConfig(strategy="ar"), GREEDY)

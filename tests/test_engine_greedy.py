@@ -8,8 +8,8 @@ import torch
 
 from conftest import noisy_copy, tiny_llama
 from decoding.bench.agreement import check_greedy
-from decoding.decider import DeciderConfig, DeciderNet, DeciderStop
-from decoding.fast_forward import FORWARDS, set_forward
+from decoding.decider.policy import DeciderConfig, DeciderNet, DeciderStop
+from decoding.forward.packed import FORWARDS, set_forward
 from decoding.sampling import SamplingConfig
 from decoding.stopping import DraftConfidence
 from decoding.strategies import StrategyConfig, build_engine
@@ -39,7 +39,7 @@ def reference(target, prompt, n=N):
 
 
 def with_forward(models, kind):
-    """Copies of the models running `kind` (decoding.fast_forward); eager: the models as given."""
+    """Copies of the models running `kind` (decoding.forward.packed); eager: the models as given."""
     if kind == "eager":
         return models
     out = tuple(copy.deepcopy(m) for m in models)
@@ -135,7 +135,7 @@ def random_decider(rule, threshold, seed=0, kind="logistic", hidden_size=0, cut=
     logistic: score = sigmoid(40 * (q_token - cut)); hidden: sigmoid(100 * relu(h . v) - 1)
     for a random direction v, so scores swing with the draft's hidden state; hybrid: the same
     over the hidden part of its input (the features come first)."""
-    from decoding.features import FEATURE_NAMES, NUM_FEATURES
+    from decoding.decider.features import FEATURE_NAMES, NUM_FEATURES
 
     torch.manual_seed(seed)
     cfg = DeciderConfig(kind=kind, rule=rule, threshold=threshold, hidden_size=hidden_size)
@@ -212,10 +212,10 @@ def test_bf16_speculation_equals_bf16_ar_bit_for_bit(pair, cfg):
     equals the 1-token step bit for bit), so in bf16 too every lossless strategy whose trees stay
     within 64 nodes (all of these: the 4,2,2,1 tree has 44) reproduces bf16 `ar` token for token:
     no near-tie allowance."""
-    from decoding import cpu_kernels
+    from decoding.forward import kernels
 
-    if not cpu_kernels.amx() or not cpu_kernels.batch_invariant():
-        pytest.skip(f"batch-invariant bf16 needs AMX and the kernels: {cpu_kernels.describe()}")
+    if not kernels.amx() or not kernels.batch_invariant():
+        pytest.skip(f"batch-invariant bf16 needs AMX and the kernels: {kernels.describe()}")
     target, draft = (copy.deepcopy(m).to(torch.bfloat16) for m in pair)
     for m in (target, draft):
         assert set_forward(m, "lean") == "lean"

@@ -13,9 +13,10 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from conftest import tiny_llama
 from decoding.drafts.feature import default_aux_layers
 from decoding.drafts.io import save_feature_draft
+from decoding.forward import quant
 from decoding.models import ModelError, load_model
 from test_feature_draft import tiny_feature_draft
-from training.export import main
+from training.serve.export import main
 from training.serve.gguf_head import export_gguf
 
 LAYERS, VOCAB, H = 8, 40, 32
@@ -151,7 +152,7 @@ def test_refusals(saved, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.gguf"]  # nothing written, no temp left
 
 
-@pytest.mark.skipif(not __import__("decoding.quant").quant.available(), reason="needs the quantized kernel")
+@pytest.mark.skipif(not quant.available(), reason="needs the quantized kernel")
 def test_f32_copy_of_a_quantized_gguf(tmp_path):
     """make llama-check's target: every tensor dequantized to float32, the metadata kept."""
     import gguf

@@ -1,12 +1,12 @@
-"""decoding.fast_forward: prepacked linears change how a model computes, not what it is."""
+"""decoding.forward.packed: prepacked linears change how a model computes, not what it is."""
 
 import pytest
 import torch
 
 from conftest import tiny_llama
-from decoding import fast_forward as ff
-from decoding.cache import CachedModel
-from decoding.fingerprint import fingerprint
+from decoding.forward import packed as ff
+from decoding.kv_cache import CachedModel
+from decoding.models.fingerprint import fingerprint
 from decoding.tree import layout_from_k_config
 
 pytestmark = pytest.mark.skipif(not ff.packed_available(torch.float32, "cpu"), reason="no oneDNN on this CPU")
@@ -50,18 +50,18 @@ def test_a_packed_row_does_not_depend_on_how_many_rows_a_forward_carries_beyond_
 
 
 def test_few_rows_take_the_small_kernel_or_the_default_one_and_more_rows_the_packed_one(monkeypatch):
-    """Rows below cpu_kernels.ROWS_BELOW run on the few-row kernel where it is built; without it
+    """Rows below kernels.ROWS_BELOW run on the few-row kernel where it is built; without it
     (kernels=False, or a CPU without them) float32 keeps the default kernel below 4 rows, bit for bit;
     more rows take oneDNN's packed kernel."""
-    from decoding import cpu_kernels
+    from decoding.forward import kernels
 
     x = torch.randn(80, 64)  # more rows than any few-row kernel takes
     calls = {"packed": 0, "small": 0}
     real_packed = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
                         lambda *a: calls.__setitem__("packed", calls["packed"] + 1) or real_packed(*a))
-    real_small = cpu_kernels.FewRowWeight.__call__
-    monkeypatch.setattr(cpu_kernels.FewRowWeight, "__call__",
+    real_small = kernels.FewRowWeight.__call__
+    monkeypatch.setattr(kernels.FewRowWeight, "__call__",
                         lambda *a: calls.__setitem__("small", calls["small"] + 1) or real_small(*a))
     with torch.inference_mode():
         lin = torch.nn.Linear(64, 96)
@@ -72,11 +72,11 @@ def test_few_rows_take_the_small_kernel_or_the_default_one_and_more_rows_the_pac
         assert torch.equal(lin(x[:2]), torch.nn.functional.linear(x[:2], lin.weight, lin.bias))
         assert calls == {"packed": 0, "small": 0}  # 1-3 rows, float32: the eager kernel, bit for bit
         assert torch.allclose(lin(x[:4]), want[:4], atol=1e-5) and calls["packed"] == 1
-        if not cpu_kernels.available():
+        if not kernels.available():
             return
         lin2 = torch.nn.Linear(64, 96)
         ff.pack_linears(lin2)
-        below = cpu_kernels.rows_below(torch.float32)
+        below = kernels.rows_below(torch.float32)
         assert torch.allclose(lin2(x[:below - 1]), torch.nn.functional.linear(x[:below - 1], lin2.weight, lin2.bias),
                               atol=1e-5)
         assert calls == {"packed": 1, "small": 1}
@@ -84,7 +84,7 @@ def test_few_rows_take_the_small_kernel_or_the_default_one_and_more_rows_the_pac
         assert calls == {"packed": 2, "small": 1}
         b = torch.nn.Linear(64, 96).to(torch.bfloat16)
         ff.pack_linears(b)
-        for rows, (packed, small) in ((1, (2, 2)), (cpu_kernels.rows_below(torch.bfloat16), (3, 2))):
+        for rows, (packed, small) in ((1, (2, 2)), (kernels.rows_below(torch.bfloat16), (3, 2))):
             b(x[:rows].to(torch.bfloat16))
             assert (calls["packed"], calls["small"]) == (packed, small)
 

@@ -12,8 +12,8 @@ from decoding.drafts.io import load_feature_draft, save_feature_draft
 from decoding.models import ModelError
 from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine
-from training.draft.feature_module import FeatureDistillModule
-from training.export import from_eagle3, to_eagle3
+from training.head.module import FeatureDistillModule
+from training.serve.export import from_eagle3, to_eagle3
 
 FAMILIES = ("qwen3", "gemma3")
 
@@ -107,7 +107,7 @@ def test_decoding_with_a_head_equals_ar(family):
 
 def test_feature_cache_stores_states_float16_overflows_in_bfloat16():
     """Gemma's residual stream exceeds float16's range (65504): those shards keep bfloat16."""
-    from training.draft.feature_cache import CacheSettings, compute_shard
+    from training.head.cache import CacheSettings, compute_shard
 
     settings, used = CacheSettings([0, 1, 3], draft_vocab_size=16, k=4), torch.arange(16)
     dtypes = []

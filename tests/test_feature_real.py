@@ -11,7 +11,7 @@ from decoding import models
 from decoding.drafts.feature import FeatureDraft, FeatureDraftConfig
 from decoding.drafts.io import save_feature_draft
 from decoding.sampling import SamplingConfig
-from decoding.session import Session
+from decoding.models.session import Session
 from decoding.strategies import StrategyConfig, build_engine
 
 pytestmark = pytest.mark.real

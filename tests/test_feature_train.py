@@ -11,11 +11,11 @@ from distill_fixtures import EOS, PAD, V, tiny_tokenizer, trainer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from decoding.models import load_model
-from training.draft.corpus import CorpusConfig, Prompt, Teacher, build_corpus
-from training.distill import target_fingerprint
-from training.draft.feature_cache import CacheSettings, ShardReader, build, cached, target_batch
-from training.draft.feature_data import FeatureDataModule
-from training.draft.feature_module import FeatureDistillModule
+from training.corpus.teacher import CorpusConfig, Prompt, Teacher, build_corpus
+from training.draft.distill import target_fingerprint
+from training.head.cache import CacheSettings, ShardReader, build, cached, target_batch
+from training.head.data import FeatureDataModule
+from training.head.module import FeatureDistillModule
 
 LAYERS = [0, 1, 3]
 
@@ -72,7 +72,7 @@ def test_cache_round_trips_and_is_incremental(tiny):
     assert len(vocab.used) == 40 and int(vocab.t2d.sum()) == 40
     assert torch.equal(vocab.d2t + torch.arange(40), vocab.used)
     assert EOS in vocab.used.tolist()
-    from training.draft.corpus import read_manifest
+    from training.corpus.teacher import read_manifest
 
     m = read_manifest(corpus)
     files = cached(folder, corpus, m)
@@ -158,7 +158,7 @@ def test_resume_continues_the_step_count(tiny, tmp_path):
     rec, t = run(8, str(tmp_path / "last.ckpt"))
     assert rec.steps[0] == 5 and t.global_step == 8
 
-    from training.draft.feature_train import load_feature_module
+    from training.head.train import load_feature_module
 
     m = load_feature_module(tmp_path / "last.ckpt")
     assert m.head is not None and m.hp["steps"] == 2
@@ -181,7 +181,7 @@ def test_distill_dispatches_eagle3_configs_and_exports(tiny, tmp_path, monkeypat
 
     import yaml
 
-    from training.distill import main
+    from training.draft.distill import main
 
     target, corpus, cache = tiny
     conf = {
@@ -226,12 +226,12 @@ def test_distill_dispatches_eagle3_configs_and_exports(tiny, tmp_path, monkeypat
 
 def test_skipped_prompt_rows_leave_the_loss_unchanged(tiny, monkeypatch):
     """The loss with later steps cut to the labelled rows equals the loss over every row."""
-    import training.draft.feature_module as fm
+    import training.head.module as fm
 
     dm = data(tiny)
     dm.prepare_data()
     dm.setup("fit")
-    from training.draft.feature_data import collate
+    from training.head.data import collate
 
     rows = [r for r in map(dm._load, dm.train_rows) if r["label_start"] >= 4][:4]
     batch = collate(rows)
@@ -271,7 +271,7 @@ def test_shipped_eagle3_configs_train_then_continue_on_a_tiny_target(tiny, tmp_p
 
     from distill_fixtures import ROOT
 
-    from training.distill import main
+    from training.draft.distill import main
 
     monkeypatch.chdir(tmp_path)
     target, corpus, cache = tiny

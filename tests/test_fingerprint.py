@@ -73,7 +73,7 @@ def _v1_record(model, name):
 
 
 def test_migration_rewrites_old_records_and_the_files_citing_them(tmp_path):
-    from decoding.decider import DeciderConfig, DeciderNet, load_decider, save_decider
+    from decoding.decider.policy import DeciderConfig, DeciderNet, load_decider, save_decider
     from training.migrate_fingerprints import files_under, known_models, migrate
 
     m = tiny_llama(0)

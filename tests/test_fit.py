@@ -1,4 +1,4 @@
-"""training.fit: synthetic traces with a known label rule -> trained, exported, registered decider."""
+"""training.decider.fit: synthetic traces with a known label rule -> trained, exported, registered decider."""
 
 import json
 import os
@@ -14,9 +14,9 @@ import torch
 import yaml
 from synth_traces import PAIR, write_traces
 
-from decoding import decider as D
-from decoding.features import NUM_FEATURES
-from training import fit
+from decoding.decider import policy as D
+from decoding.decider.features import NUM_FEATURES
+from training.decider import fit
 from training.decider import registry
 from training.decider.datamodule import TraceDataModule, prompt_split
 from training.decider.module import DeciderModule
@@ -207,7 +207,7 @@ def test_cost_model_sources(tmp_path, monkeypatch, pair):
     from dataclasses import asdict
 
     from decoding.models import fingerprint
-    from decoding.session import Session
+    from decoding.models.session import Session
     from training.decider import threshold as T
     from training.decider.threshold import DEFAULT_COST, ReplayConfig, load_cost, policy_ms
 
@@ -294,7 +294,7 @@ def test_ddp_two_processes_gives_equivalent_result(tmp_path, traces, fitted):
 def test_checkpoint_records_every_rules_val_threshold(fitted):
     """Each rule keeps ITS validated threshold (a row that overrides the rule must not run it at
     another rule's), and the confidence baselines' val-tuned thresholds travel with it."""
-    from decoding.session import rule_threshold
+    from decoding.models.session import rule_threshold
 
     _, run = fitted
     val = json.loads((run / "metrics.json").read_text())["replay"]["val"]

@@ -5,8 +5,10 @@ plain-text prompts."""
 import pytest
 import torch
 
-from decoding import models, named_targets
-from decoding.named_targets import GEMMA3
+from decoding import models
+
+from decoding.models import named_targets
+from decoding.models.named_targets import GEMMA3
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 N = 24
@@ -35,8 +37,8 @@ def gemma():
 def test_feature_head_reads_gemmas_scaled_embedding(gemma):
     from decoding.drafts.capture import capture_aux
     from decoding.drafts.feature import FeatureDraft, FeatureDraftConfig
-    from decoding.target_layout import target_layout
-    from training.eagle3_layout import TOLERANCE, scale_deviation
+    from decoding.models.target_layout import target_layout
+    from training.serve.eagle3_layout import TOLERANCE, scale_deviation
 
     model, tok = gemma
     layout = target_layout(model)

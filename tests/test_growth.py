@@ -45,7 +45,7 @@ def test_time_forwards_size_counts_the_new_tokens_fed(monkeypatch):
     """Size n = n new tokens in one forward (the pending token + n - 1 nodes), the unit every
     reader uses (`target(1 + nodes)`): timing n nodes instead overstated each size by a token,
     which on a CPU whose kernels jump between 3 and 4 tokens mispriced the best small trees."""
-    from decoding import cache
+    from decoding import kv_cache as cache
     from decoding.growth import COST_SIZES, measure_cost, time_forwards
 
     fed = []
@@ -80,7 +80,7 @@ def test_candidate_features_reuse_the_candidates_top_k_exactly():
     same level drawn by the proposer (parent_top unset), which is what the traces record."""
     from dataclasses import replace
 
-    from decoding.features import node_features
+    from decoding.decider.features import node_features
 
     g = torch.Generator().manual_seed(0)
     for vocab, width in ((64, 3), (6, 4)):  # a vocabulary below the top-10 is padded alike

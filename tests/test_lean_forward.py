@@ -1,4 +1,4 @@
-"""The lean forward (decoding.lean_forward): the same logits as transformers' layers to rounding,
+"""The lean forward (decoding.forward.lean): the same logits as transformers' layers to rounding,
 on every architecture it takes; the others keep their layers (the kind says packed); greedy
 decoding on it is HF's own, sliding windows included; the feature heads' hooks still see it."""
 
@@ -9,10 +9,10 @@ import torch
 
 from arch_models import ARCHS, tiny
 from conftest import noisy_copy
-from decoding.cache import CachedModel
+from decoding.kv_cache import CachedModel
 from decoding.drafts.capture import capture_aux
-from decoding.fast_forward import forward_kind, packed_available, set_forward
-from decoding.lean_forward import is_lean, why_not
+from decoding.forward.packed import forward_kind, packed_available, set_forward
+from decoding.forward.lean import is_lean, why_not
 from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine
 from decoding.tree import TreeLayout, layout_from_k_config

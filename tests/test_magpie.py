@@ -8,11 +8,11 @@ import json
 import pytest
 from chat_fixtures import make_chat_target
 
-from training.draft import diversity
-from training.draft.chat_template import encode, user_prefix
-from training.draft.corpus import CorpusConfig, load_corpus, load_teacher
-from training.draft.diversity import distinct_n, near_duplicates
-from training.draft.magpie import MagpieConfig, clean, extract, synthesise
+from training.corpus import diversity
+from training.corpus.chat_template import encode, user_prefix
+from training.corpus.teacher import CorpusConfig, load_corpus, load_teacher
+from training.corpus.diversity import distinct_n, near_duplicates
+from training.corpus.magpie import MagpieConfig, clean, extract, synthesise
 
 
 @pytest.fixture(autouse=True)

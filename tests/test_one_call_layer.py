@@ -1,5 +1,5 @@
 """A decoder layer in one kernel call (`specstop::decoder_layer`) and the packed weights in 2 MiB
-pages (`cpu_kernels.gather`): both change where time goes, never a result. The lean forward's
+pages (`kernels.gather`): both change where time goes, never a result. The lean forward's
 logits and KV cache are the per-op layer's bit for bit, over prefill, tree rounds, commits and a
 sliding window; the gathered weights are the packed ones, laid out in the order a forward reads
 them."""
@@ -10,18 +10,18 @@ import pytest
 import torch
 
 from arch_models import tiny
-from decoding import cpu_kernels
-from decoding.cache import CachedModel
-from decoding.fast_forward import few_row_weights, set_forward
+from decoding.forward import kernels
+from decoding.kv_cache import CachedModel
+from decoding.forward.packed import few_row_weights, set_forward
 from decoding.tree import TreeLayout, layout_from_k_config
 
-needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no kernel here: {cpu_kernels.why_not()}")
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason=f"no kernel here: {kernels.why_not()}")
 ONE_CALL = ["llama", "qwen2", "qwen2+window", "mistral+window"]  # qwen3's per-head q/k norms keep the per-op layer
 
 
 def _dtypes():
     """fp32 (panels) everywhere the kernels build; bf16 where its linears are AMX tiles."""
-    return [torch.float32] + ([torch.bfloat16] if cpu_kernels.amx() else [])
+    return [torch.float32] + ([torch.bfloat16] if kernels.amx() else [])
 
 
 def _lean(arch, dtype, one_call=True):
@@ -86,7 +86,7 @@ def test_gathered_weights_are_the_packed_ones_in_reading_order(dtype, monkeypatc
     assert len({w.w.untyped_storage().data_ptr() for w in weights}) == 1  # one arena
     assert ptrs[0] % (2 << 20) == 0 and ptrs == sorted(ptrs)
     assert all(b - a == w.w.nbytes for a, b, w in zip(ptrs, ptrs[1:], weights))
-    monkeypatch.setattr(cpu_kernels, "gather", lambda ws: 0)  # as packed, each in its own allocation
+    monkeypatch.setattr(kernels, "gather", lambda ws: 0)  # as packed, each in its own allocation
     plain = _lean("llama", dtype)
     assert not any(getattr(w, "in_arena", False) for w in few_row_weights(plain))
     for a, b in zip(weights, few_row_weights(plain)):
@@ -107,6 +107,6 @@ def test_huge_empty_is_aligned_and_sized():
 
 @needs_kernel
 def test_huge_pages_off_by_environment(monkeypatch):
-    monkeypatch.setenv(cpu_kernels.PAGES_ENV, "0")
+    monkeypatch.setenv(kernels.PAGES_ENV, "0")
     model = _lean("llama", torch.float32)
     assert not any(getattr(w, "in_arena", False) for w in few_row_weights(model))

@@ -1,4 +1,4 @@
-"""A GGUF target at its own precision (decoding.quant, csrc/quant*.cpp): with float32 activations
+"""A GGUF target at its own precision (decoding.forward.quant, csrc/quant*.cpp): with float32 activations
 the kernel multiplies by exactly the dequantized weights; with q8 activations it computes the
 int8-per-block law (checked against a float64 emulation); in both a row's result never depends
 on the other rows or the instruction set; the GGUF reader maps blocks to the right modules; and
@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from conftest import noisy_copy, tiny_llama
-from decoding import cpu_kernels, quant
-from decoding.errors import ModelError
-from decoding.fast_forward import set_forward
+from decoding.forward import kernels
+from decoding.forward import quant
+from decoding.models.errors import ModelError
+from decoding.forward.packed import set_forward
 from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine
 
@@ -98,7 +99,7 @@ def test_avx2_and_avx512_agree_bit_for_bit(kind, act):
     assert torch.equal(a, qw(x))
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="fp32 panels need decoding.cpu_kernels")
+@pytest.mark.skipif(not kernels.available(), reason="fp32 panels need decoding.forward.kernels")
 def test_same_chain_as_the_fp32_panels():
     """One FMA chain per output, k in order: the fp32 panels over the dequantized weights agree."""
     qw = _weight("Q4_1")
@@ -253,7 +254,7 @@ def test_gguf_blocks_land_on_their_modules(tmp_path):
         quant.attach(other, blocks)
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="the one-call layer needs decoding.cpu_kernels")
+@pytest.mark.skipif(not kernels.available(), reason="the one-call layer needs decoding.forward.kernels")
 @pytest.mark.parametrize("act", quant.ACTS)
 def test_one_call_layer_on_blocks_equals_the_per_op_layer(act, monkeypatch):
     """`specstop::decoder_layer` over a GGUF's blocks: logits and KV cache equal the per-op
@@ -277,12 +278,12 @@ def test_one_call_layer_on_blocks_equals_the_per_op_layer(act, monkeypatch):
 
 
 def test_feature_head_on_blocks_beside_a_quantized_target():
-    """A GGUF target's feature head runs on Q8_0 blocks (decoding.quant.quantize_head): its lean
+    """A GGUF target's feature head runs on Q8_0 blocks (decoding.forward.quant.quantize_head): its lean
     step multiplies by them, its fingerprint stays the checkpoint's, and speculation with it still
     reproduces the quantized target's ar token for token."""
     from test_feature_decoding import fit_head
 
-    from decoding.fingerprint import fingerprint
+    from decoding.models.fingerprint import fingerprint
 
     target = tiny_llama(0, vocab=48, layers=4, hidden=32, scale=6)
     head = fit_head(target, draft_vocab=32, steps=60)  # fitted on the dense target, as a shipped head
@@ -299,7 +300,7 @@ def test_feature_head_on_blocks_beside_a_quantized_target():
         assert out == ar.generate(prompt, 32)[0]
         accepted += stats.accepted
     assert accepted > 0
-    if cpu_kernels.batch_invariant():  # the lean step runs (on blocks) where the kernels are built
+    if kernels.batch_invariant():  # the lean step runs (on blocks) where the kernels are built
         assert isinstance(head._lean_step.qkv, quant.QuantWeight)
 
 

@@ -11,7 +11,7 @@ from decoding import models
 from decoding.bench.agreement import check_greedy
 from decoding.growth import CostCurve, GrowPolicy, q_scores
 from decoding.sampling import SamplingConfig
-from decoding.session import Session
+from decoding.models.session import Session
 from decoding.strategies import StrategyConfig, build_engine
 
 pytestmark = pytest.mark.real

@@ -1,5 +1,5 @@
-"""training.draft.redistill on a tiny random target: promotion, refusal, idempotence, crash
-recovery, bad input, the fixed-vocabulary cache, and the training.retrain hook.
+"""training.head.redistill on a tiny random target: promotion, refusal, idempotence, crash
+recovery, bad input, the fixed-vocabulary cache, and the training.decider.retrain hook.
 
 "Improves" is made deterministic by a damaged champion (a head initialised from the target
 with its lm_head zeroed: it never agrees, so any training helps); "does not improve" by a
@@ -19,8 +19,8 @@ from test_retrain import write_prompts
 
 from decoding.drafts.io import save_feature_draft
 from decoding.models import load_model
-from training.draft import redistill as RD
-from training.draft.feature_module import FeatureDistillModule
+from training.head import redistill as RD
+from training.head.module import FeatureDistillModule
 
 USED = torch.cat([torch.tensor([0, 1, 2]), torch.arange(27, 64)])  # not the corpus's own choice
 
@@ -165,9 +165,9 @@ def test_bad_input_exits_2_with_one_line(tmp_path, tiny, capsys):
 
 
 def test_fixed_vocabulary_cache_labels_over_the_champions_ids(tmp_path, tiny):
-    from training.draft.corpus import CorpusConfig, Prompt, build_corpus, read_manifest
-    from training.draft.feature_cache import CacheSettings, ShardReader, build, cached
-    from training.draft.feature_data import FeatureDataModule
+    from training.corpus.teacher import CorpusConfig, Prompt, build_corpus, read_manifest
+    from training.head.cache import CacheSettings, ShardReader, build, cached
+    from training.head.data import FeatureDataModule
 
     root, target, damaged = tiny
     teacher = teacher_of(target)
@@ -203,18 +203,18 @@ def test_fixed_vocabulary_cache_labels_over_the_champions_ids(tmp_path, tiny):
 
 
 def test_retrain_runs_the_head_redistill_behind_its_gate(tmp_path, tiny, monkeypatch):
-    """The hook: a feature-head draft runs training.draft.redistill on retrain's own prompts
+    """The hook: a feature-head draft runs training.head.redistill on retrain's own prompts
     and pair; a stand-alone draft keeps redistill_command; a decider fit for the head the
     draft was re-distilled from is replaced, not compared."""
     from types import SimpleNamespace
 
     import retrain_seams
     from conftest import tiny_llama
-    from decoding.decider import DeciderConfig, DeciderNet, save_decider
+    from decoding.decider.policy import DeciderConfig, DeciderNet, save_decider
     from decoding.drafts.io import load_feature_draft
     from decoding.models import ModelError, fingerprint
     from training.decider import registry
-    from training import retrain as R
+    from training.decider import retrain as R
 
     root, target, damaged = tiny
     tmodel = load_model(target)

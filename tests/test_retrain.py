@@ -14,7 +14,7 @@ import yaml
 
 from conftest import noisy_copy, tiny_llama
 from test_cli import WORDS, save_tiny
-from training import retrain as R
+from training.decider import retrain as R
 from training.decider.traces import load_traces
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""Every promotion branch of training.retrain, on synthetic traces (seconds, no real fit).
+"""Every promotion branch of training.decider.retrain, on synthetic traces (seconds, no real fit).
 
 Seams (tests/retrain_seams.py): synthetic traces instead of collection, a hand-made decider
 instead of a fit, and a table instead of the live check; assess / decide / the registry
@@ -16,7 +16,7 @@ from conftest import noisy_copy, tiny_llama
 from retrain_seams import make_decider
 from test_retrain import write_prompts
 from training.decider import registry
-from training import retrain as R
+from training.decider import retrain as R
 
 
 class Crash(BaseException):
@@ -92,7 +92,7 @@ def test_concurrent_promotion_is_not_overwritten(env, monkeypatch):
     make_decider(env.root, "champ", "timid", promote=True)
     real_decide = R.decide
 
-    def fit_promotes_meanwhile(*a):  # a training.fit promotes while retrain is comparing
+    def fit_promotes_meanwhile(*a):  # a training.decider.fit promotes while retrain is comparing
         make_decider(env.root, "other", "timid", promote=True)
         return real_decide(*a)
 

@@ -97,8 +97,8 @@ CASES = [
 ]
 
 
-# every case on the reference forward. The packed and lean forwards (decoding.fast_forward,
-# decoding.lean_forward) change how the models compute, not the rules or the stop policies: a
+# every case on the reference forward. The packed and lean forwards (decoding.forward.packed,
+# decoding.forward.lean) change how the models compute, not the rules or the stop policies: a
 # fixed tree, a dynamic tree under temperature + top-p, and the lossy case (the test must catch a
 # bias there too) cover each without doubling the suite's longest tests.
 FAST = ("mcsd-without-replacement", "ti-mcsd+confidence-top-p", "ti-mcsd-longest-branch-LOSSY")

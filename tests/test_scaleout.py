@@ -66,7 +66,7 @@ def test_two_process_collection_merges_to_single_run(setup, single):
     assert rows(root / "multi") == rows(single)
 
 
-# Runs training.collect with the third shard's atomic write stopped between its temp file and
+# Runs training.decider.collect with the third shard's atomic write stopped between its temp file and
 # the rename: the child says PAUSED and sleeps, and the test kills it then (an event, not a
 # deadline: the same state on any machine, however fast).
 PAUSE_AT_THIRD_SHARD = """
@@ -80,8 +80,8 @@ def paused(path, write):
         time.sleep(600)
     real(path, write)
 S.atomic_write = paused
-sys.argv = ["training.collect", *sys.argv[1:]]
-runpy.run_module("training.collect", run_name="__main__", alter_sys=True)
+sys.argv = ["training.decider.collect", *sys.argv[1:]]
+runpy.run_module("training.decider.collect", run_name="__main__", alter_sys=True)
 """
 
 

@@ -1,4 +1,4 @@
-"""The serve gate (training/serve/gate.py) and its use by training.draft.redistill, with vLLM's
+"""The serve gate (training/serve/gate.py) and its use by training.head.redistill, with vLLM's
 half replaced by a fake interpreter (the test seam: `serve_check_python`). The fake answers
 the requests as vllm_side.py does (one engine per process, a JSON line per prompt): greedy tokens
 from transformers' own `generate` (not specstop's engine) and the accepted counts the test tells

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from synth_traces import Q_ENTROPY, identity, synth_rows
-from decoding.features import FEATURE_NAMES
+from decoding.decider.features import FEATURE_NAMES
 from training.decider.signal import agreement_history, ancestors, main
 from training.decider.traces import KIND, SCHEMA_VERSION
 from training.shards import ShardWriter

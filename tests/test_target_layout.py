@@ -1,4 +1,4 @@
-"""decoding.target_layout on tiny random models of every family a feature head supports: the
+"""decoding.models.target_layout on tiny random models of every family a feature head supports: the
 head embeds exactly what the target's first layer reads (Gemma's scaled embedding included),
 its output layer starts as the target's own, capture and initialisation run; GPT-2 is refused."""
 
@@ -9,8 +9,8 @@ from arch_fixtures import CONFIGS, REFUSED, V, tiny_model
 from decoding.drafts.capture import capture_aux
 from decoding.drafts.feature import FeatureDraft, FeatureDraftConfig
 from decoding.models import ModelError
-from decoding.target_layout import target_layout
-from training.eagle3_layout import TOLERANCE, scale_deviation
+from decoding.models.target_layout import target_layout
+from training.serve.eagle3_layout import TOLERANCE, scale_deviation
 
 IDS = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45]])
 

@@ -1,4 +1,4 @@
-"""training.draft.text_corpus: existing text (another model's corpus) re-tokenized for a target
+"""training.corpus.text: existing text (another model's corpus) re-tokenized for a target
 that labels it. Its manifest names the labelling target (so the feature cache accepts it) and
 says the text is not the target's; the rows decode to the source text in the target's ids."""
 
@@ -11,9 +11,9 @@ from distill_fixtures import EOS, PAD, V, make_target
 from transformers import PreTrainedTokenizerFast
 
 from decoding.models import load_model
-from training.draft import feature_cache
-from training.draft.corpus import CorpusConfig, Prompt, Teacher, build_corpus
-from training.draft.text_corpus import base_opening, build_text_corpus
+from training.head import cache as feature_cache
+from training.corpus.teacher import CorpusConfig, Prompt, Teacher, build_corpus
+from training.corpus.text import base_opening, build_text_corpus
 
 CHARS = string.ascii_letters + " \n:.,?()_"  # 61 = V - 3 printable tokens
 

@@ -24,7 +24,7 @@ def chat_target(target_dir, tmp_path_factory):
 
 
 def test_corpus_shipped_config_on_a_tiny_target(chat_target, tmp_path, capsys):
-    from training.draft import corpus
+    from training.corpus import teacher as corpus
 
     prompts = tmp_path / "train.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "kind": "general", "prompt": "abc"[: 1 + i % 3]})
@@ -60,7 +60,7 @@ def distill_args(config: str, target_dir, corpus_dir, on_policy_dir) -> list[str
 def test_shipped_distill_configs_chain_on_a_tiny_target(target_dir, corpus_dir, on_policy_dir,
                                                         tmp_path, monkeypatch):
     from decoding.models import load_model
-    from training import distill
+    from training.draft import distill
 
     monkeypatch.chdir(tmp_path)
     names = []
@@ -79,7 +79,7 @@ def test_shipped_distill_configs_chain_on_a_tiny_target(target_dir, corpus_dir, 
 def test_draft_cost_and_distill_eval_on_a_tiny_pair(chat_target, tmp_path, capsys):
     from distill_fixtures import TINY_DRAFT
     from training.draft import evaluate as distill_eval, cost as draft_cost
-    from training.distill import export_draft
+    from training.draft.distill import export_draft
     from training.draft.module import DistillModule
 
     draft = export_draft(DistillModule(draft=TINY_DRAFT, target=str(chat_target)), tmp_path / "d",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from decoding.decider import DeciderConfig
+from decoding.decider.policy import DeciderConfig
 from decoding.sampling import MIN_TEMPERATURE, SamplingConfig, warp
 from decoding.strategies import StrategyConfig
 from decoding.tree import MAX_TREE_NODES, k_config_parents, tree_size

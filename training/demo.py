@@ -37,7 +37,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def steps(a, out: Path) -> list:
-    from training import collect, fit
+    from training.decider import collect
+    from training.decider import fit
 
     pair = [*(["--target", a.target] if a.target else []), *(["--draft", a.draft] if a.draft else [])]
     replay_pair = [*(["--replay.target", a.target] if a.target else []),

@@ -1,5 +1,5 @@
-"""The logged prompts a scheduled retrain reads (training.retrain, and the feature head's
-re-distillation in training.draft.redistill), and their fixed held-out split."""
+"""The logged prompts a scheduled retrain reads (training.decider.retrain, and the feature head's
+re-distillation in training.head.redistill), and their fixed held-out split."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from .draft.corpus import Prompt
+from training.corpus.teacher import Prompt
 
 
 def read_logged(folder: Path) -> list[Prompt]:

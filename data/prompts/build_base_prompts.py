@@ -2,7 +2,7 @@
 
 Derived from the fixed splits, so their held-out status carries over:
   base_heldout_general.jsonl  the first 24 of heldout_general, as "Q: <instruction>\\nA:" openings
-                              (training.draft.text_corpus.base_opening: the format the Gemma
+                              (training.corpus.text.base_opening: the format the Gemma
                               head's corpus uses)
   base_heldout_code.jsonl     the first 24 of heldout_code (HumanEval/124..): the bare HumanEval
                               prompt, a plain-text Python opening (signature + docstring)
@@ -18,7 +18,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
-from training.draft.text_corpus import base_opening  # noqa: E402
+from training.corpus.text import base_opening  # noqa: E402
 
 N_HELDOUT = 24
 

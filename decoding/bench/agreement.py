@@ -79,7 +79,7 @@ def _fp32(model):
     if next(model.parameters()).dtype == torch.float32:
         return model
     if model not in _FP32:
-        from ..fast_forward import forward_kind, set_forward
+        from decoding.forward.packed import forward_kind, set_forward
 
         kind = forward_kind(model)  # oneDNN's packed weights cannot be deep-copied: copy the eager model
         set_forward(model, "eager")

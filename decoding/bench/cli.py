@@ -21,23 +21,23 @@ from pathlib import Path
 
 import torch
 
-from .. import models
-from .config import BenchConfig, StrategySpec, as_dict, load_config, load_prompts
-from .engine_suite import engine_markdown, engine_suite, random_draft  # noqa: F401  (public helpers)
-from .oracle import oracle_bound, require_replay
-from .quick import quick_config
-from .plots import plots
-from .report import add_bound_rows, compare_drafts, compute_goals, markdown, write_atomic, write_json
-from .runs import LogLik, make_runner, measure, row_of
-from ..defaults import resolve_dtype
-from ..sampling import SamplingConfig
-from ..session import Session
+from decoding import models
+from decoding.bench.config import BenchConfig, StrategySpec, as_dict, load_config, load_prompts
+from decoding.bench.engine_suite import engine_markdown, engine_suite, random_draft  # noqa: F401  (public helpers)
+from decoding.bench.oracle import oracle_bound, require_replay
+from decoding.bench.quick import quick_config
+from decoding.bench.plots import plots
+from decoding.bench.report import add_bound_rows, compare_drafts, compute_goals, markdown, write_atomic, write_json
+from decoding.bench.runs import LogLik, make_runner, measure, row_of
+from decoding.defaults import resolve_dtype
+from decoding.sampling import SamplingConfig
+from decoding.models.session import Session
 
 
 def _cpu() -> str:
     """The CPU model and the flags that decide the dtype and kernels (AMX, AVX512-BF16)."""
-    from ..cost_cache import cpu_model
-    from .forward import _cpu_flags
+    from decoding.forward.cost_cache import cpu_model
+    from decoding.bench.forward import _cpu_flags
 
     flags = [f for f in _cpu_flags() if f in ("amx_bf16", "avx512_bf16")]
     return cpu_model() + (f" ({', '.join(flags)})" if flags else "")
@@ -52,7 +52,7 @@ def _needs_draft(specs: list[StrategySpec]) -> bool:
 
 
 def _decider_name(cfg: BenchConfig) -> str | None:
-    from ..decider import resolve_decider_dir
+    from decoding.decider.policy import resolve_decider_dir
 
     try:
         d = resolve_decider_dir(cfg.decider) if cfg.decider else None
@@ -111,7 +111,7 @@ def run_compare(cfg: BenchConfig, command: str) -> dict:
         torch.set_num_threads(cfg.threads)
     sets = {k: load_prompts(v, cfg.prompts_per_set) for k, v in cfg.prompt_sets.items()}
     sess = Session.open(cfg.target, cfg.draft, cfg.dtype, cfg.device, need_draft=_needs_draft(cfg.strategies))
-    _log(f"forward {sess.forward} (decoding.fast_forward; $SPECSTOP_FORWARD=eager for the reference)")
+    _log(f"forward {sess.forward} (decoding.forward.packed; $SPECSTOP_FORWARD=eager for the reference)")
     depth = max((len(s.shape_config().k_levels) for s in cfg.strategies if not s.peer), default=0)
     n_max = max(cfg.max_new_tokens, cfg.sweep.max_new_tokens if cfg.sweep.enabled else 0)
     ids = {k: [sess.encode(p["prompt"], chat=cfg.chat, max_new_tokens=n_max, tree_depth=depth) for p in v]
@@ -212,7 +212,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--forward-threads", default="1,2", help="forward suite: torch thread counts")
     ap.add_argument("--forwards", default="eager,packed",
                     help="forward suite: eager, packed, lean, compiled (a torch.compile probe over a static "
-                         "cache); packed/torch, lean/torch: without decoding.cpu_kernels; lean/sdpa: "
+                         "cache); packed/torch, lean/torch: without decoding.forward.kernels; lean/sdpa: "
                          "torch's attention ($SPECSTOP_BATCH_INVARIANT=0)")
     ap.add_argument("--context", type=int, default=200, help="forward suite: cached tokens before the forward")
     ap.add_argument("--sizes", default="1,2,4,8,16", help="forward suite: new tokens per forward")
@@ -228,7 +228,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _check_defaults_pair(cfg: BenchConfig, path: str) -> None:
-    from ..api import is_shipped_pair
+    from decoding.api import is_shipped_pair
 
     if not path and not is_shipped_pair(cfg.target, cfg.draft):
         raise ValueError("--write-defaults: the defaults are for the shipped pair, and this run measures "
@@ -236,7 +236,7 @@ def _check_defaults_pair(cfg: BenchConfig, path: str) -> None:
 
 
 def _write_defaults(results: dict, cfg: BenchConfig, out: Path, path: str) -> None:
-    from ..defaults import pick_best, run_kind, write_defaults
+    from decoding.defaults import pick_best, run_kind, write_defaults
 
     _check_defaults_pair(cfg, path)
     entry = pick_best(results, source=str(out / "results.json"))
@@ -291,7 +291,7 @@ def _engine_main(a) -> int:
 
 
 def _forward_main(a, command: str) -> int:
-    from .forward import forward_markdown, forward_suite
+    from decoding.bench.forward import forward_markdown, forward_suite
 
     threads = [int(t) for t in a.forward_threads.split(",")]
     res = forward_suite(a.dtypes.split(","), forwards=a.forwards.split(","), threads=threads, context=a.context,
@@ -306,7 +306,7 @@ def _forward_main(a, command: str) -> int:
 
 
 def _cli_main(a, command: str) -> int:
-    from .cli_suite import cli_markdown, cli_suite
+    from decoding.bench.cli_suite import cli_markdown, cli_suite
 
     res = cli_suite(a.prompts or 4, a.new_tokens, a.repeats or 3, a.threads, progress=_log)
     res["command"] = command
@@ -320,7 +320,7 @@ def _cli_main(a, command: str) -> int:
 
 
 def _llama_main(a, command: str) -> int:
-    from .llama import llama_markdown, llama_suite
+    from decoding.bench.llama import llama_markdown, llama_suite
 
     res = llama_suite(a.prompts or 6, a.new_tokens, a.threads or 1, a.llama_server, a.target, a.head_gguf,
                       progress=_log)
@@ -357,7 +357,7 @@ def main(argv=None) -> int:
         if a.suite == "dtype":
             if a.quick or a.write_defaults is not None:
                 raise ValueError("--quick and --write-defaults belong to the compare suite")
-            from .dtype import dtype_main
+            from decoding.bench.dtype import dtype_main
 
             out = Path(a.out or f"reports/dtype-{time.strftime('%Y-%m-%d')}")
             print(dtype_main(_apply_overrides(load_config(a.config), a), out, command))

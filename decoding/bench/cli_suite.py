@@ -23,8 +23,8 @@ import time
 
 import numpy as np
 
-from .config import BenchConfig, load_prompts
-from .stats import speedup_ci
+from decoding.bench.config import BenchConfig, load_prompts
+from decoding.bench.stats import speedup_ci
 
 FILES = BenchConfig().prompt_sets
 """The held-out prompt sets every benchmark uses."""

@@ -4,7 +4,7 @@ graph per forward size (`python -m decoding.bench --suite forward --forwards eag
 
 Measured before it is built into the engine: the forward suite times it beside eager and packed
 at each size (the same tree rows against the same context), with its compile time. It is not
-an engine forward: the engine's cache grows and is cut back each round (decoding.cache), which
+an engine forward: the engine's cache grows and is cut back each round (decoding.kv_cache), which
 under torch.compile recompiles per shape; a static cache needs slot bookkeeping and a mask over
 its whole length, so this probe pays attention over `context + max size` slots at every size.
 """
@@ -68,6 +68,6 @@ class CompiledForward:
         return 1000 * (time.perf_counter() - t)
 
     def profile(self, n: int) -> dict:
-        from .profiling import profile_one
+        from decoding.bench.profiling import profile_one
 
         return profile_one(lambda: self.call(n))

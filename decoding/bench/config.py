@@ -8,10 +8,10 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..decider import RULES
-from ..stopping import CONFIDENCE_RULES
-from ..strategies import StrategyConfig
-from ..tree import layout_from_k_config
+from decoding.decider.policy import RULES
+from decoding.stopping import CONFIDENCE_RULES
+from decoding.strategies import StrategyConfig
+from decoding.tree import layout_from_k_config
 
 PEERS = ("hf-assisted", "hf-prompt-lookup")
 """Hugging Face `generate` peers; every other strategy name runs on our engine."""
@@ -132,7 +132,7 @@ class OracleConfig:
 
     enabled: bool = True
     traces: str | None = None
-    """Trace dir (training.collect) holding the replayed bound, oracle.json, that
+    """Trace dir (training.decider.collect) holding the replayed bound, oracle.json, that
     `python -m training.decider.oracle --traces DIR` writes; null = the replay stored in the
     decider's metrics.json."""
     cost_model: str = "measure"

@@ -14,10 +14,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .config import BenchConfig, load_prompts
-from .report import write_atomic, write_json
-from .stats import RESAMPLES, speedup_ci
-from ..options import GROW
+from decoding.bench.config import BenchConfig, load_prompts
+from decoding.bench.report import write_atomic, write_json
+from decoding.bench.stats import RESAMPLES, speedup_ci
+from decoding.options import GROW
 
 DTYPES = ("float32", "bfloat16")
 
@@ -27,7 +27,7 @@ def _grows(d) -> bool:
 
 
 def _decoders(cfg: BenchConfig) -> dict[str, object]:
-    from ..api import Decoder
+    from decoding.api import Decoder
 
     rows = {}
     for dt in DTYPES:

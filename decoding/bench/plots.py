@@ -7,8 +7,8 @@ import math
 import os
 from pathlib import Path
 
-from .oracle import LABEL
-from .report import _finite, ok_rows
+from decoding.bench.oracle import LABEL
+from decoding.bench.report import _finite, ok_rows
 
 
 def _save(fig, path: Path) -> None:

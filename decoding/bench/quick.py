@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .config import BenchConfig, GoalsConfig, OracleConfig, StrategySpec, SweepConfig
+from decoding.bench.config import BenchConfig, GoalsConfig, OracleConfig, StrategySpec, SweepConfig
 
 WORDS = ["<unk>", "<eos>"] + [f"w{i}" for i in range(40)]
 
@@ -64,8 +64,8 @@ QUICK_COST = {"sizes": [1, 4, 16, 64], "target_ms": [2.0, 2.1, 2.4, 3.5], "draft
 
 def tiny_decider(root: Path, target: str, draft: str) -> str:
     """A random logistic decider for the tiny pair, with per-rule and confidence thresholds."""
-    from ..decider import DeciderConfig, DeciderNet, save_decider
-    from ..models import fingerprint, load_model
+    from decoding.decider.policy import DeciderConfig, DeciderNet, save_decider
+    from decoding.models import fingerprint, load_model
 
     pair = {"target": fingerprint(load_model(target)), "draft": fingerprint(load_model(draft))}
     cfg = DeciderConfig(kind="logistic", rule="tree", threshold=QUICK_THRESHOLDS["tree"], model_pair=pair,

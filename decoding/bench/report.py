@@ -7,10 +7,10 @@ import json
 import math
 from pathlib import Path
 
-from .agreement import TIE_ULPS
-from .config import BenchConfig
-from .oracle import LABEL, reference_row
-from .stats import speedup_ci
+from decoding.bench.agreement import TIE_ULPS
+from decoding.bench.config import BenchConfig
+from decoding.bench.oracle import LABEL, reference_row
+from decoding.bench.stats import speedup_ci
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -2,7 +2,7 @@
 
 A forward reads every weight once and the cache once, and does two flops per weight per token plus
 the attention's; so it cannot take less than max(bytes / read rate, flops / peak). The read rate
-and the peaks are MEASURED here (decoding/csrc/peaks.cpp), at the suite's thread count, not read
+and the peaks are MEASURED here (decoding/forward/csrc/peaks.cpp), at the suite's thread count, not read
 from a datasheet. bound(n) / bound(1) is what a verify of n tokens must cost over a step on this
 hardware; a variant's time over its bound is how far the software is from it.
 """
@@ -35,11 +35,11 @@ class Peaks:
 
 
 def measure(threads: int, repeats: int = 3, read_mib: int = 512, fma_iters: int = 20_000_000) -> Peaks | None:
-    """The best of `repeats` probes at `threads` threads; None where decoding.cpu_kernels is not
+    """The best of `repeats` probes at `threads` threads; None where decoding.forward.kernels is not
     built (the probes are part of it)."""
-    from decoding import cpu_kernels
+    from decoding.forward import kernels
 
-    if not cpu_kernels.available():
+    if not kernels.available():
         return None
     ops, before = torch.ops.specstop, torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -49,7 +49,7 @@ def measure(threads: int, repeats: int = 3, read_mib: int = 512, fma_iters: int 
         bf16 = max(ops.bf16_gflops(fma_iters // 10) for _ in range(repeats))
     finally:
         torch.set_num_threads(before)
-    return Peaks(threads, read, fp32, bf16, "AMX tiles" if cpu_kernels.amx() else "AVX512-BF16")
+    return Peaks(threads, read, fp32, bf16, "AMX tiles" if kernels.amx() else "AVX512-BF16")
 
 
 @dataclass

@@ -13,12 +13,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .agreement import check_greedy, count_kinds
-from .config import BenchConfig, StrategySpec
-from .stats import RESAMPLES, speedup_ci
-from ..drafts.io import is_feature_draft
-from ..models import ModelError
-from ..sampling import SamplingConfig
+from decoding.bench.agreement import check_greedy, count_kinds
+from decoding.bench.config import BenchConfig, StrategySpec
+from decoding.bench.stats import RESAMPLES, speedup_ci
+from decoding.drafts.io import is_feature_draft
+from decoding.models import ModelError
+from decoding.sampling import SamplingConfig
 
 
 class MemorySampler:

@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .. import models
-from .agreement import check_greedy, count_kinds
-from .config import load_prompts
-from .report import write_atomic, write_json
-from ..sampling import SamplingConfig
-from ..session import Session
-from ..strategies import StrategyConfig, build_engine
+from decoding import models
+from decoding.bench.agreement import check_greedy, count_kinds
+from decoding.bench.config import load_prompts
+from decoding.bench.report import write_atomic, write_json
+from decoding.sampling import SamplingConfig
+from decoding.models.session import Session
+from decoding.strategies import StrategyConfig, build_engine
 
 ROWS = (StrategyConfig(strategy="sd", gamma=4), StrategyConfig(strategy="ti-mcsd", width=4, depth=6))
 

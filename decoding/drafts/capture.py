@@ -1,6 +1,6 @@
 """The target's residual stream at the input of chosen layers (EAGLE-3's low / middle / high
 features), captured with forward PRE-hooks: what a feature head reads, for decoding
-(decoding.drafts.proposer) and for training (training.draft.feature_cache)."""
+(decoding.drafts.proposer) and for training (training.head.cache)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..target_layout import decoder_layers
+from decoding.models.target_layout import decoder_layers
 
 
 class AuxCapture:

@@ -74,7 +74,7 @@ class FeatureDraftConfig:
     max_position_embeddings: int = 8192
     embed_scale: float = 1.0
     """The target's embedding function is embedding(ids) * embed_scale (Gemma: sqrt(hidden);
-    measured by decoding.target_layout)."""
+    measured by decoding.models.target_layout)."""
     extra: dict = field(default_factory=dict)
     """Free-form provenance (training run, data); not read by the model."""
 
@@ -106,8 +106,8 @@ class FeatureDraftConfig:
     @classmethod
     def for_target(cls, target, draft_vocab_size: int = 8192, aux_layers=None) -> FeatureDraftConfig:
         """from_target + the loaded target's measured embedding scale (ModelError: a layout no
-        head can read; decoding.target_layout)."""
-        from ..target_layout import target_layout
+        head can read; decoding.models.target_layout)."""
+        from decoding.models.target_layout import target_layout
 
         return cls.from_target(target.config, draft_vocab_size, aux_layers, target_layout(target).embed_scale)
 
@@ -278,7 +278,7 @@ class FeatureDraft(nn.Module):
     def init_output(self, target, used_ids) -> FeatureDraft:
         """Vocabulary, embeddings, lm_head = the target's output rows at `used_ids` and norm =
         its final norm; fc and the midlayer keep their fresh initialisation."""
-        from ..target_layout import target_layout
+        from decoding.models.target_layout import target_layout
         layout = target_layout(target)
         self.set_vocab(used_ids)
         self.attach_embeddings(layout.embed.weight)
@@ -291,9 +291,9 @@ class FeatureDraft(nn.Module):
         """lm_head = the target's output rows at `used_ids`, norm = its final norm, midlayer
         from the target's last layer (q/k/v: the target's weight on both halves of the 2H
         input, halved), fc passes the highest captured layer through (when widths match). A
-        target layer without Llama's layout (decoding.target_layout: Gemma 2/3, Phi3, Mixtral,
+        target layer without Llama's layout (decoding.models.target_layout: Gemma 2/3, Phi3, Mixtral,
         GPT-NeoX) leaves the midlayer freshly initialised."""
-        from ..target_layout import effective_norm_weight, target_layout
+        from decoding.models.target_layout import effective_norm_weight, target_layout
 
         c = self.config
         self.init_output(target, used_ids)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .feature import FeatureDraft, FeatureDraftConfig
-from ..models import DTYPES, ModelError, fingerprint, make_shareable, same_model
+from decoding.drafts.feature import FeatureDraft, FeatureDraftConfig
+from decoding.models import DTYPES, ModelError, fingerprint, make_shareable, same_model
 
 MARKER = "specstop_draft.json"
 KIND = "eagle3"

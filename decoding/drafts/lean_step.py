@@ -1,4 +1,4 @@
-"""The feature head's inference step on decoding.cpu_kernels.
+"""The feature head's inference step on decoding.forward.kernels.
 
 A grown tree calls the head 3-4 times a round, each call a few rows through one decoder layer:
 as torch modules that is ~90 ops (norms as 6 ops each, the rotary tables rebuilt per call, q / k /
@@ -11,15 +11,17 @@ is committed is the target's decision either way (lossless), and in float32 it e
 step to ~1e-6 (tests/test_feature_decoding.py compares it with training-time test).
 
 Used (`step`) where the kernels run (CPUs with AVX512-BF16) and the head runs a fast forward, for
-steps of up to `cpu_kernels.attention_rows` rows; elsewhere, and for longer steps, the modules run.
+steps of up to `kernels.attention_rows` rows; elsewhere, and for longer steps, the modules run.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import cpu_kernels, quant
-from ..cache import _append
+from decoding.forward import kernels
+
+from decoding.forward import quant
+from decoding.kv_cache import _append
 
 
 class LeanStep:
@@ -37,9 +39,9 @@ class LeanStep:
         self.inv_freq = a.inv_freq.detach().float().clone()  # fp32, as the module keeps it
         c = draft.config
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.rows = cpu_kernels.attention_rows(draft.fc.weight.dtype)
+        self.rows = kernels.attention_rows(draft.fc.weight.dtype)
         # in 2 MiB pages, in the order a round reads them: fc (the target's features), the layer, lm_head
-        cpu_kernels.gather([getattr(draft.fc, "_few", None), self.qkv, self.o, self.gate_up, self.down,
+        kernels.gather([getattr(draft.fc, "_few", None), self.qkv, self.o, self.gate_up, self.down,
                             getattr(draft.lm_head, "_few", None)])
 
     def _norm(self, x, name):
@@ -72,16 +74,16 @@ class LeanStep:
 
 def _fused(*linears):
     """Linears sharing an input as one weight: their GGUF-style blocks where the head was quantized
-    (decoding.quant.quantize_head), else packed for the few-row kernels."""
+    (decoding.forward.quant.quantize_head), else packed for the few-row kernels."""
     q = [getattr(lin, "_quant", None) for lin in linears]
     if all(q):
         return quant.QuantWeight.cat(q)
-    return cpu_kernels.FewRowWeight(torch.cat([lin.weight.detach() for lin in linears]).contiguous())
+    return kernels.FewRowWeight(torch.cat([lin.weight.detach() for lin in linears]).contiguous())
 
 
 def step(draft, tokens, hidden, positions, cache=None, mask=None):
     """`draft.step(...)`, on the lean step where it applies: the head runs a fast forward (packed /
-    lean, decoding.fast_forward; eager stays the modules: the reference), the kernels run here,
+    lean, decoding.forward.packed; eager stays the modules: the reference), the kernels run here,
     the step has few enough rows, and nothing is being trained."""
     lean = getattr(draft, "_lean_step", False)
     if lean is False:  # once per head and fast forward (set_forward drops it, as it drops packed weights)
@@ -94,6 +96,6 @@ def step(draft, tokens, hidden, positions, cache=None, mask=None):
 
 def _build(draft):
     w = draft.fc.weight
-    if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or not cpu_kernels.batch_invariant():
+    if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or not kernels.batch_invariant():
         return None
     return LeanStep(draft)

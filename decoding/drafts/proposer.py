@@ -24,13 +24,13 @@ from contextlib import contextmanager
 
 import torch
 
-from . import lean_step
-from .capture import capture_aux, decoder_layers
-from .feature import DraftKV, FeatureDraft
-from ..models import MASKED_LOGIT
-from ..proposers import DraftTree, TreeProposer, empty_tree
-from ..sampling import SamplingConfig
-from ..tree import ANCHOR, TreeLayout
+from decoding.drafts import lean_step
+from decoding.drafts.capture import capture_aux, decoder_layers
+from decoding.drafts.feature import DraftKV, FeatureDraft
+from decoding.models import MASKED_LOGIT
+from decoding.proposers import DraftTree, TreeProposer, empty_tree
+from decoding.sampling import SamplingConfig
+from decoding.tree import ANCHOR, TreeLayout
 
 
 class FeatureCache:

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ..errors import ModelError
-from .format import standard_config, write_head_ids
+from decoding.models.errors import ModelError
+from decoding.drafts.format import standard_config, write_head_ids
 
 # The draft's step cost is dominated by its V x H output layer (49152 x 256 for the default
 # pair: ~half its step). A head over the K most frequent tokens, scattered back into a

@@ -26,13 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
-from decoding.decider import resolve_decider_dir
+from decoding.decider.policy import resolve_decider_dir
 
-from ..cli import parse_config
-from .grow_replay import grow_policy
-from .metrics import roc_auc
-from .replay import Q_TOKEN, CostModel, ReplaySet, baseline_table, replay
-from .traces import load_traces
+from training.cli import parse_config
+from training.decider.grow_replay import grow_policy
+from training.decider.metrics import roc_auc
+from training.decider.replay import Q_TOKEN, CostModel, ReplaySet, baseline_table, replay
+from training.decider.traces import load_traces
 
 
 

@@ -18,9 +18,9 @@ import pyarrow as pa
 import torch
 from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler
 
-from decoding.features import FEATURE_NAMES, NUM_FEATURES
+from decoding.decider.features import FEATURE_NAMES, NUM_FEATURES
 
-from .traces import feature_matrix, hidden_matrix, load_traces
+from training.decider.traces import feature_matrix, hidden_matrix, load_traces
 
 LABELS = ("soft", "hard", "accepted")
 EVAL_TARGETS = ("auto", "greedy_match", "accepted")
@@ -86,7 +86,7 @@ class RowDataset(Dataset):
 
 
 class TraceDataModule(L.LightningDataModule):
-    """Loads a trace set (`training.collect` output) and splits it by prompt."""
+    """Loads a trace set (`training.decider.collect` output) and splits it by prompt."""
 
     def __init__(self, traces: str = "runs/traces", test_traces: str | None = None,
                  label: str = "soft", eval_target: str = "auto", val_fraction: float = 0.15,

@@ -23,7 +23,7 @@ import numpy as np
 from decoding.growth import best_count, candidate_order, child_values, worth_a_level
 from decoding.tree import MAX_TREE_NODES
 
-from .replay import ReplaySet
+from training.decider.replay import ReplaySet
 
 
 class _Children:

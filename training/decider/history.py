@@ -1,5 +1,5 @@
 """Does the round history carry signal that the decider's features lack? A candidate-feature
-ablation on recorded traces, run before such features are added to decoding/features.py (a
+ablation on recorded traces, run before such features are added to decoding/decider/features.py (a
 schema bump refits every decider):
 
     python -m training.decider.history --traces runs/traces-eagle3c --test runs/traces-eagle3c-heldout \
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from decoding.features import FEATURE_NAMES
+from decoding.decider.features import FEATURE_NAMES
 
-from .traces import feature_matrix, load_traces
+from training.decider.traces import feature_matrix, load_traces
 
 HISTORY = ("prev_accepted", "mean_last3", "mean_all_before", "first_round")
 
@@ -79,7 +79,7 @@ def ablation(train, test) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training.decider.history", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--traces", required=True, help="training traces (training.collect dir)")
+    ap.add_argument("--traces", required=True, help="training traces (training.decider.collect dir)")
     ap.add_argument("--test", required=True, help="held-out traces of the same pair")
     ap.add_argument("--out", default=None, help="write the result as JSON here (atomically)")
     a = ap.parse_args(argv)

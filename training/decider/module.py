@@ -1,4 +1,4 @@
-"""LightningModule around `decoding.decider.DeciderNet`: BCE on soft or hard labels.
+"""LightningModule around `decoding.decider.policy.DeciderNet`: BCE on soft or hard labels.
 
 The network is built in `setup()` from the datamodule (hidden size, input standardisation
 fitted on TRAIN rows only, class-balance ratio), so the same YAML works for every kind.
@@ -13,9 +13,9 @@ import numpy as np
 import torch
 import torch.nn.functional as Fn
 
-from decoding.decider import KINDS, DeciderConfig, DeciderNet
+from decoding.decider.policy import KINDS, DeciderConfig, DeciderNet
 
-from .metrics import roc_auc
+from training.decider.metrics import roc_auc
 
 
 class DeciderModule(L.LightningModule):

@@ -3,7 +3,7 @@
     python -m training.decider.oracle --traces DIR [--cost-model measure|decider|FILE.json]
                                       [--target DIR --draft DIR] [--decider DIR] [--out FILE]
 
-Replays the traces (training.collect) under a cost model with perfect knowledge of which
+Replays the traces (training.decider.collect) under a cost model with perfect knowledge of which
 drafted tokens the target accepts, beside every fixed depth, and writes the table to
 DIR/oracle.json (atomic). It is a BOUND computed by replay, never a measurement.
 `python -m decoding.bench` with `oracle.traces: DIR` (or `--oracle-traces DIR`) reads that
@@ -30,8 +30,8 @@ def replay_bound(traces: str, cost_model: str = "measure", target=None, draft=No
     of the traces in `traces`; ValueError on bad input."""
     from decoding.models import fingerprint, same_model
 
-    from .replay import CostModel, ReplaySet, baseline_table, calibrate, cost_dict
-    from .traces import feature_matrix, load_traces
+    from training.decider.replay import CostModel, ReplaySet, baseline_table, calibrate, cost_dict
+    from training.decider.traces import feature_matrix, load_traces
 
     manifest, table = load_traces(traces)
     pair = manifest.get("model_pair") or {}
@@ -44,7 +44,7 @@ def replay_bound(traces: str, cost_model: str = "measure", target=None, draft=No
             raise ValueError("--cost-model measure times the pair: give --target and --draft")
         cost = calibrate(target, draft, collect=manifest.get("collect"))
     elif cost_model == "decider":
-        from decoding.decider import resolve_decider_dir
+        from decoding.decider.policy import resolve_decider_dir
 
         cost = CostModel(**json.loads((resolve_decider_dir(decider) / "config.json").read_text())["cost_model"])
     else:
@@ -57,7 +57,7 @@ def replay_bound(traces: str, cost_model: str = "measure", target=None, draft=No
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training.decider.oracle", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--traces", required=True, help="trace dir (training.collect)")
+    ap.add_argument("--traces", required=True, help="trace dir (training.decider.collect)")
     ap.add_argument("--cost-model", default="measure", help="measure | decider | a CostModel JSON file")
     ap.add_argument("--target", default=None, help="target model dir (measure; checked against the traces)")
     ap.add_argument("--draft", default=None, help="draft model dir (measure; checked against the traces)")
@@ -66,9 +66,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help=f"output file (default: TRACES/{ORACLE_FILE})")
     a = ap.parse_args(argv)
     from decoding.models import ModelError
-    from decoding.session import Session
+    from decoding.models.session import Session
 
-    from ..shards import write_json
+    from training.shards import write_json
 
     try:
         target = draft = None

@@ -1,5 +1,5 @@
 """`registry.json` in a deciders root: every exported run with its headline metrics, and
-`latest` (a run-id = subdirectory name) that `decoding.decider.load_decider('latest')` reads.
+`latest` (a run-id = subdirectory name) that `decoding.decider.policy.load_decider('latest')` reads.
 
 Updates take an exclusive lock (concurrent fits must not lose each other's entries) and
 replace the file atomically (temp file + fsync + os.replace), so a reader sees the old or
@@ -13,7 +13,7 @@ import json
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..shards import write_json
+from training.shards import write_json
 
 REGISTRY = "registry.json"
 

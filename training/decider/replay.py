@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from decoding.features import FEATURE_NAMES
+from decoding.decider.features import FEATURE_NAMES
 from decoding.growth import COST_SIZES, NODES, TOKENS, at, monotone  # noqa: F401  (monotone re-exported)
 
 Q_TOKEN = FEATURE_NAMES.index("q_token")
@@ -270,7 +270,7 @@ def confidence_tree_policy(features: np.ndarray, threshold: float):
 
 
 def decider_policy(scores: np.ndarray, threshold: float, rule: str):
-    """The three decider rules of decoding.decider.DeciderStop, on recorded scores."""
+    """The three decider rules of decoding.decider.policy.DeciderStop, on recorded scores."""
     if rule == "paper":  # continue while some valid node scores above the threshold
         return lambda rs: rs.keep_depth(rs.first_stop(~rs.level_any(rs.valid & (scores > threshold))))
     path = lambda rs: rs.path(scores)

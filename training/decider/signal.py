@@ -13,7 +13,7 @@ traces, overall and per domain (general g-*, code humaneval-*), beside q alone:
 - history: the path's ancestors (the parent's q_entropy, q_top1, q_token and the entropy
   trend) and the draft's first-candidate match at the 4 previous positions and their mean
   (walked traces: a round at every position); gradient boosting.
-- context: feature schema 3's context columns (decoding/context.py), each group added to the
+- context: feature schema 3's context columns (decoding/decider/context.py), each group added to the
   schema-2 columns; gradient boosting and logistic regression. The schema-3 choice was made
   (reports/decider/context3/ablation.json) with candidates recomputed from regenerated text on
   schema-2 traces; that one-off is in git history, this study re-checks what was kept.
@@ -29,12 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
-from decoding.context import CONTEXT_NAMES, SCHEMA_CONTEXT
-from decoding.features import FEATURE_NAMES as FN, SCHEMA_COLUMNS
+from decoding.decider.context import CONTEXT_NAMES, SCHEMA_CONTEXT
+from decoding.decider.features import FEATURE_NAMES as FN, SCHEMA_COLUMNS
 
-from ..shards import write_json
-from .metrics import roc_auc
-from .traces import feature_matrix, hidden_matrix, load_traces
+from training.shards import write_json
+from training.decider.metrics import roc_auc
+from training.decider.traces import feature_matrix, hidden_matrix, load_traces
 
 STUDIES = ("hidden", "history", "context")
 PCA_COMPONENTS = 32
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training.decider.signal", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--study", required=True, choices=STUDIES)
-    ap.add_argument("--traces", required=True, help="training traces (training.collect dir)")
+    ap.add_argument("--traces", required=True, help="training traces (training.decider.collect dir)")
     ap.add_argument("--test-traces", required=True, help="held-out traces of the same pair")
     ap.add_argument("--out", default=None, help="write the result as JSON here (atomically)")
     a = ap.parse_args(argv)

@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decoding.decider import THRESHOLD_RULES as RULES  # grow has no threshold to choose
-from decoding.decider import uses_hidden
+from decoding.decider.policy import THRESHOLD_RULES as RULES  # grow has no threshold to choose
+from decoding.decider.policy import uses_hidden
 
-from .datamodule import Split
-from .grow_replay import grow_policy
-from .replay import (
+from training.decider.datamodule import Split
+from training.decider.grow_replay import grow_policy
+from training.decider.replay import (
     Q_TOKEN,
     CostModel,
     ReplaySet,
@@ -82,7 +82,7 @@ def load_cost(cfg: ReplayConfig, model_pair: dict, collect: dict | None = None) 
         return DEFAULT_COST
     if cfg.cost_model == "measure":
         from decoding.models import fingerprint, same_model
-        from decoding.session import Session
+        from decoding.models.session import Session
 
         try:
             sess = Session.open(cfg.target, cfg.draft, cfg.dtype, need_draft=True)
@@ -109,7 +109,7 @@ def load_cost(cfg: ReplayConfig, model_pair: dict, collect: dict | None = None) 
 def policy_ms(net, vocab: int, width: int, repeats: int = 50) -> float:
     """Median ms of one decider decision at inference: features over `width` parents'
     full-vocabulary distributions, then the net (what DeciderStop does per level)."""
-    from decoding import features as F
+    from decoding.decider import features as F
     from decoding.stopping import DraftLevel
 
     q = torch.softmax(torch.randn(width, vocab), -1)

@@ -1,7 +1,7 @@
 """Trace sets: what the draft proposed and what the target made of it, one row per drafted node.
 
-Recorded by `training.collect` through the engine's observer hook, with features from
-`decoding.features` (the same function inference uses). A trace directory holds parquet
+Recorded by `training.decider.collect` through the engine's observer hook, with features from
+`decoding.decider.features` (the same function inference uses). A trace directory holds parquet
 shards and a manifest (schema version, feature schema, model pair, collection config);
 `--num-shards` runs write `part-i-of-n/` subdirectories that `load_traces` merges.
 """
@@ -14,10 +14,10 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from decoding.features import FEATURE_NAMES, FEATURE_SCHEMA_VERSION, node_features, node_hidden
+from decoding.decider.features import FEATURE_NAMES, FEATURE_SCHEMA_VERSION, node_features, node_hidden
 from decoding.sampling import SamplingConfig, warp
 
-from ..shards import read_shards
+from training.shards import read_shards
 
 KIND = "specstop-traces"
 SCHEMA_VERSION = 1

@@ -25,7 +25,7 @@ import torch
 def main(argv: list[str] | None = None) -> None:
     from decoding.models import ModelError, load_model, resolve_model_dir
 
-    from .evaluate import _write, step_cost
+    from training.draft.evaluate import _write, step_cost
 
     p = argparse.ArgumentParser(prog="python -m training.draft.cost", description=__doc__.split("\n")[0])
     p.add_argument("--draft", action="append", required=True, help="draft directory (repeatable)")
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def speed(target, drafts: dict, n: int, target_dir: str | None = None) -> dict:
     """Per kind and draft: sd gamma 4 totals (and ar once), prompt by prompt, drafts interleaved."""
-    from .evaluate import KINDS, engine_runs, eval_corpus
+    from training.draft.evaluate import KINDS, engine_runs, eval_corpus
 
     eos = target.generation_config.eos_token_id
     res: dict = {}

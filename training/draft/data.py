@@ -19,8 +19,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .corpus import base_id
-from .teacher_cache import TeacherRows, build_cache, cached_shards, load_cache
+from training.corpus.teacher import base_id
+from training.draft.teacher_cache import TeacherRows, build_cache, cached_shards, load_cache
 
 
 @dataclass
@@ -52,7 +52,7 @@ def hash_bucket(prompt_id: str) -> int:
 
 
 def is_val(prompt_id: str, percent: float) -> bool:
-    """Validation rows by a hash of the prompt (training.draft.chat_data splits by it too)."""
+    """Validation rows by a hash of the prompt (training.corpus.chat_data splits by it too)."""
     return hash_bucket(prompt_id) < percent * 100
 
 
@@ -91,7 +91,7 @@ class CorpusDataModule(L.LightningDataModule):
                  hard_labels_uncached: bool = False, extra_corpora: list[str] | None = None,
                  extra_writers: list[str] | None = None):
         """Args:
-            corpus: corpus directory (training.draft.corpus).
+            corpus: corpus directory (training.corpus.teacher).
             teacher_cache: root folder of cached teacher top-k (git-ignored).
             teacher: cached (top-k read from the cache, built here if missing) | online
                 (no cache; the module runs the target on every batch).
@@ -112,7 +112,7 @@ class CorpusDataModule(L.LightningDataModule):
                 token as a one-hot teacher (fkl = cross-entropy) until their cache appears.
             extra_corpora: more corpus directories for the same target, trained on but never
                 validated on (rows of validation-hash prompts are skipped): e.g. on-policy
-                corpora written by a draft (training.draft.corpus --writer).
+                corpora written by a draft (training.corpus.teacher --writer).
             extra_writers: train only on the extra corpora's shards written by these drafts
                 (the writer name each shard records; null: every shard): a recipe stage
                 keeps its data while later drafts add to the same on-policy corpus.
@@ -163,7 +163,7 @@ class CorpusDataModule(L.LightningDataModule):
         self.train_rows = [r for rows in self.by_shard.values() for r in rows]
 
     def _refresh_corpus(self, corpus: str, validate: bool) -> None:
-        from .corpus import read_manifest
+        from training.corpus.teacher import read_manifest
 
         m = read_manifest(Path(corpus))
         if m is None:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 KINDS = {"general": "data/prompts/heldout_general.jsonl", "code": "data/prompts/heldout_code.jsonl"}
 PROMPT_SETS = {**KINDS, "magpie": "data/prompts/magpie_heldout.jsonl"}
-"""Held-out prompt sets: the two kinds, and user turns the target wrote (training.draft.magpie)
+"""Held-out prompt sets: the two kinds, and user turns the target wrote (training.corpus.magpie)
 that no corpus holds: traffic unlike the templates."""
 
 
@@ -40,7 +40,7 @@ def eval_corpus(kind: str, n: int, root: Path, dtype: str, target: str | None = 
                 temperature: float = 0.7) -> list[dict]:
     """Target continuations of the first n held-out prompts of a kind (generated once;
     `target` None = the embedded target; temperature 0 = greedy, cached under root/greedy)."""
-    from .corpus import CorpusConfig, build_corpus, load_corpus, load_teacher, read_prompts
+    from training.corpus.teacher import CorpusConfig, build_corpus, load_corpus, load_teacher, read_prompts
 
     if temperature != 0.7:
         root = root / ("greedy" if temperature == 0 else f"T{temperature:g}")

@@ -262,7 +262,7 @@ class DistillModule(L.LightningModule):
 
     @torch.no_grad()
     def _score_online(self, batch: dict) -> None:
-        from .teacher_cache import teacher_topk
+        from training.draft.teacher_cache import teacher_topk
 
         ids, mask, plens = batch["input_ids"], batch["attention_mask"], batch["prompt_lens"]
         seqs = [row[: int(n)].tolist() for row, n in zip(ids, mask.sum(-1))]
@@ -273,7 +273,7 @@ class DistillModule(L.LightningModule):
     @torch.no_grad()
     def _on_policy(self, batch: dict) -> dict:
         """Replace completions by student samples after a random prefix of each completion."""
-        from .data import Row, collate
+        from training.draft.data import Row, collate
 
         ids, mask, plens = batch["input_ids"], batch["attention_mask"], batch["prompt_lens"]
         rows = []

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import is_val
+from training.draft.data import is_val
 
 
 def training_tokens(corpus: Path, rows: int | None, val_percent: float) -> int:
     """Completion tokens of the first `rows` training rows (the order CorpusDataModule reads)."""
     import pyarrow.parquet as pq
 
-    from .corpus import read_manifest
+    from training.corpus.teacher import read_manifest
 
     m = read_manifest(corpus)
     if m is None:

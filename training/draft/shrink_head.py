@@ -23,7 +23,7 @@ from pathlib import Path
 
 def corpus_counts(corpora: list[str]) -> Counter:
     """Token frequencies of the completions of target-written corpora (on-policy ones refused)."""
-    from .corpus import load_corpus, read_manifest
+    from training.corpus.teacher import load_corpus, read_manifest
 
     c: Counter = Counter()
     for corpus in corpora:
@@ -41,7 +41,7 @@ def shrink(model, size: int, counts: Counter) -> dict:
     """Keep `size` of the draft's head ids (most frequent first, BOS/EOS always); in place."""
     from decoding.models import ModelError, output_token_ids
 
-    from .module import select_head_ids
+    from training.draft.module import select_head_ids
 
     ids = output_token_ids(model)
     if ids is None:
@@ -64,7 +64,7 @@ def shrink(model, size: int, counts: Counter) -> dict:
 def main(argv: list[str] | None = None) -> None:
     from decoding.models import ModelError, load_model, resolve_model_dir
 
-    from ..distill import METADATA, _sha256_file, write_draft
+    from training.draft.distill import METADATA, _sha256_file, write_draft
 
     p = argparse.ArgumentParser(prog="python -m training.draft.shrink_head", description=__doc__.split("\n")[0])
     p.add_argument("--draft", required=True, help="draft directory to shrink")

@@ -143,7 +143,7 @@ def build_cache(corpus: str | os.PathLike, root: str | os.PathLike, k: int = 64,
     """Cache every corpus shard not cached yet; returns the cache folder."""
     import pyarrow.parquet as pq
 
-    from .corpus import CorpusConfig, load_teacher, read_manifest
+    from training.corpus.teacher import CorpusConfig, load_teacher, read_manifest
 
     m = read_manifest(Path(corpus))
     if m is None:
@@ -178,7 +178,7 @@ def _file(shard: dict) -> str:
 
 def cached_shards(corpus: str | os.PathLike, root: str | os.PathLike, k: int = 64) -> list[str]:
     """Corpus shard files that have a teacher cache file now."""
-    from .corpus import read_manifest
+    from training.corpus.teacher import read_manifest
 
     m = read_manifest(Path(corpus)) or {"shards": [], "target": {}}
     folder = cache_dir(root, corpus, m, k)
@@ -192,7 +192,7 @@ def load_cache(corpus: str | os.PathLike, root: str | os.PathLike, k: int = 64,
     partial: use the cached shards only (the corpus may be growing right now); otherwise a
     shard without a cache file is an error. only: restrict to these shard files.
     """
-    from .corpus import read_manifest
+    from training.corpus.teacher import read_manifest
 
     m = read_manifest(Path(corpus))
     if m is None:

@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .paired import CheckError, run_paired  # noqa: F401 (CheckError re-exported)
-from .report import summarise, trim, write_report  # noqa: F401 (trim re-exported)
+from training.serve.paired import CheckError, run_paired  # noqa: F401 (CheckError re-exported)
+from training.serve.report import summarise, trim, write_report  # noqa: F401 (trim re-exported)
 
 VLLM_PYTHON = ".venv-vllm/bin/python"
 DOMAINS = {"general": "data/prompts/heldout_general.jsonl", "code": "data/prompts/heldout_code.jsonl"}
@@ -85,7 +85,7 @@ def check(cfg: CheckConfig, out_dir: Path | None, log=print, rows: list[dict] | 
     from decoding import models
     from decoding.defaults import DEFAULT_DRAFT
 
-    from ..export import to_eagle3, trained_window
+    from training.serve.export import to_eagle3, trained_window
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""The serve contract as a promotion gate (training.draft.redistill): a challenger that vLLM
+"""The serve contract as a promotion gate (training.head.redistill): a challenger that vLLM
 would serve differently from specstop (other tokens, other accepted counts, or not loading at
 all) is not promoted. Without vLLM the gate is skipped, and the skip is recorded."""
 
@@ -13,7 +13,7 @@ def serve_gate(head: Path, target: str | None, python: str | None, rows: list[di
     rows: [{"id", "kind", "ids"}] held-out prompts (token ids of `target`)."""
     from decoding.models import ModelError
 
-    from .check import CheckConfig, CheckError, check
+    from training.serve.check import CheckConfig, CheckError, check
 
     if not python:
         return {"status": "skipped", "reason": "serve check disabled (serve_check_python: null)"}

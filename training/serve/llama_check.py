@@ -72,7 +72,7 @@ def check(prompts: int, new_tokens: int, threads: int, server: str | None, progr
 
     from decoding.api import Decoder
 
-    from .gguf_head import export_gguf
+    from training.serve.gguf_head import export_gguf
 
     binary = find_server(server)
     work = models.cache_root() / "llama-check"

@@ -1,0 +1,255 @@
+"""KV-cache bookkeeping: keep the accepted path of a verified tree, drop the rest.
+
+Works on transformers' DynamicCache with full-attention layers (tensors [B, H, T, D]).
+Sliding-window layers get the same growing layers, their window applied in the mask
+(decoding.models.arch); what cannot be rolled back (recurrent state, unknown caches) is refused there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from decoding.models.arch import FULL, SLIDING, AttentionPlan, attention_plan, check_cache_used
+
+
+def _growing_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        """A DynamicLayer that appends in place into spare room (doubled when full) instead of
+        concatenating: a step writes its new rows, not the whole cache again (transformers' cat
+        copies every cached key and value of every layer each step). `keys` / `values` stay views
+        of the buffer, so rollback by slicing (keep_path, crop, cut_front) works unchanged."""
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self.keys, self._kb = _append(self.keys, getattr(self, "_kb", None), key_states)
+            self.values, self._vb = _append(self.values, getattr(self, "_vb", None), value_states)
+            return self.keys, self.values
+
+        def room(self, like: torch.Tensor, t: int):
+            """For a kernel that writes `t` new keys and values itself (like: the new keys, or
+            any [B, KV, t, D] tensor of their dtype): (key buffer, value buffer, where the cached
+            rows start in them, how many there are); then `grown(t)`."""
+            if not self.is_initialized:
+                self.lazy_initialization(like, like)
+            self.keys, self._kb, start = _room(self.keys, getattr(self, "_kb", None), like, t)
+            self.values, self._vb, _ = _room(self.values, getattr(self, "_vb", None), like, t)
+            return self._kb, self._vb, start, self.keys.shape[-2] if self.keys.dim() == like.dim() else 0
+
+        def grown(self, start: int, length: int):
+            """The kernel wrote its rows: the views cover `length` rows from `start`."""
+            self.keys = self._kb.narrow(-2, start, length)
+            self.values = self._vb.narrow(-2, start, length)
+
+    return GrowingLayer
+
+
+def _room(view: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor, t: int):
+    """(view, buffer, start): a buffer holding `view` from `start` with room for `t` more rows
+    after it along dim -2; `buf` itself where they fit, else a new one of twice the length
+    (`view` copied in, returned as a view of it)."""
+    n = view.shape[-2] if view.dim() == new.dim() else 0
+    start = None
+    if buf is not None and n and view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() \
+            and view.stride() == buf.stride():
+        start = (view.storage_offset() - buf.storage_offset()) // buf.stride(-2)
+    if start is None or start + n + t > buf.shape[-2]:
+        old = view if n else None
+        buf = new.new_empty(*new.shape[:-2], max(64, 2 * (n + t)), new.shape[-1])
+        if old is not None:
+            buf[..., :n, :].copy_(old)
+        view, start = buf[..., :n, :], 0
+    return view, buf, start
+
+
+def _append(view: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor):
+    """`view` (a slice along dim -2 of `buf`, or anything else) followed by `new`, written into
+    `buf` where it fits after the view; else into a new buffer of twice the length."""
+    t = new.shape[-2]
+    view, buf, start = _room(view, buf, new, t)
+    n = view.shape[-2] if view.dim() == new.dim() else 0
+    buf[..., start + n:start + n + t, :].copy_(new)
+    return buf[..., start:start + n + t, :], buf
+
+
+_GROWING: list = []
+
+
+def new_cache(model, plan: AttentionPlan | None = None):
+    """The model's DynamicCache with growing layers (appended in place, see _growing_layer_class);
+    with a sliding window, growing layers in place of the rolling ones too (a rolling layer drops
+    tokens a rejected tree node pushed out of its window)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    if not _GROWING:
+        _GROWING.append(_growing_layer_class())
+    cache = DynamicCache(config=model.config)
+    sliding = set(plan.sliding) if plan is not None else set()
+    for i, layer in enumerate(cache.layers):
+        if i in sliding or type(layer) is DynamicLayer:
+            cache.layers[i] = _GROWING[0]()
+    return cache
+
+
+def _layers(cache):
+    from transformers.cache_utils import DynamicLayer
+
+    for layer in cache.layers:
+        if type(layer) not in (DynamicLayer, *_GROWING):
+            raise TypeError(
+                f"tree speculation needs full-attention KV caches; got {type(layer).__name__}"
+            )
+    return cache.layers
+
+
+def cache_len(cache) -> int:
+    return cache.get_seq_length()
+
+
+@torch.inference_mode()
+def keep_path(cache, start: int, path: Sequence[int], fed: int, front: Sequence[int] | None = None) -> int:
+    """Keep cache[:start] and the entries of tree nodes `path` (offsets from `start`).
+
+    Only nodes with offset < `fed` are in the cache; since a path goes down the tree in BFS
+    order, those are a prefix of it. `front[i]`: tokens cut from the front of layer i (a
+    sliding layer, see `CachedModel.commit`). Returns the new cache length.
+    """
+    kept = [i for i in path if i < fed]
+    for n, layer in enumerate(_layers(cache)):
+        if not layer.is_initialized:
+            continue
+        s = start - front[n] if front else start
+        if kept:
+            idx = torch.tensor(kept, device=layer.keys.device) + s
+            # advanced indexing copies first, so the in-place write cannot alias its source
+            layer.keys[..., s : s + len(kept), :] = layer.keys[..., idx, :]
+            layer.values[..., s : s + len(kept), :] = layer.values[..., idx, :]
+        layer.keys = layer.keys[..., : s + len(kept), :]
+        layer.values = layer.values[..., : s + len(kept), :]
+    return start + len(kept)
+
+
+def cut_front(cache, layers: Sequence[int], n: int) -> None:
+    """Drop the `n` oldest entries of `layers` (a view: the memory goes at the next append)."""
+    for i in layers:
+        layer = cache.layers[i]
+        if layer.is_initialized:
+            layer.keys, layer.values = layer.keys[..., n:, :], layer.values[..., n:, :]
+
+
+def crop(cache, length: int) -> None:
+    """Cut the cache back to `length` tokens (DynamicCache.crop takes a negative count)."""
+    extra = cache_len(cache) - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    """Bool [R, C] -> float [1, 1, R, C] with 0 where attended and the dtype's min elsewhere.
+
+    Float masks are what both the eager and the sdpa attention paths of transformers add.
+    """
+    out = torch.zeros(mask.shape, dtype=dtype, device=device)
+    out.masked_fill_(~mask.to(device), torch.finfo(dtype).min)
+    return out[None, None]
+
+
+def windowed(rows: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor, window: int) -> torch.Tensor:
+    """`rows` restricted to a sliding window: a query at position P keeps keys at positions
+    > P - window (transformers' sliding_window_overlay, by position, so tree nodes too)."""
+    return rows & ((qpos[:, None] - kpos[None, :]) < window)
+
+
+class CachedModel:
+    """A causal LM plus its KV cache and how many committed tokens that cache holds.
+
+    Each round feeds the committed tokens the cache has not seen yet ("pending", causal)
+    together with tree nodes (tree mask), then `commit` keeps only the accepted path.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.plan = attention_plan(model)  # refuses what cannot be rolled back, before any forward
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = new_cache(self.model, self.plan)
+        self.length = 0  # committed tokens held by the cache; tree nodes of this round follow
+        self.cut = 0  # oldest tokens dropped from the sliding layers (outside every future window)
+
+    @torch.inference_mode()
+    def feed(self, committed: Sequence[int], layout, node_tokens: Sequence[int], start: int, end: int,
+             hidden: bool = False):
+        """Feed pending committed tokens and tree nodes start..end-1.
+
+        Returns logits (float, [rows, V]) for the last pending token (if any) and for each
+        fed node, plus the matching last-layer hidden states when `hidden` is set.
+        """
+        from decoding.tree import attention_rows
+
+        pending = list(committed[self.length :])
+        n_new = end - start
+        anchor = len(committed) - 1
+        dev = self.model.device
+        ids = torch.tensor([pending + list(node_tokens)], device=dev)
+        pos = torch.arange(self.length, len(committed), device=dev)
+        if n_new:
+            pos = torch.cat([pos, anchor + layout.depth_ids[start:end].to(dev)])
+        if self.plan.window is not None:
+            mask = self._window_masks(len(committed), layout, start, end)
+        elif n_new:
+            rows = attention_rows(self.length, len(pending), layout.mask, start, end)
+            mask = additive_mask(rows, self.model.dtype, dev)
+        else:  # plain causal step: let transformers build its fast default mask
+            mask = None
+        first = self.length == 0
+        out = self.model(
+            input_ids=ids,
+            position_ids=pos[None],
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=n_new + (1 if pending else 0),
+            output_hidden_states=hidden,
+        )
+        if first:
+            check_cache_used(self.model, self.cache, len(pending) + n_new, out.past_key_values)
+        self.length = len(committed)
+        h = out.hidden_states[-1][0, -(n_new + (1 if pending else 0)):] if hidden else None
+        return out.logits[0].float(), h
+
+    def _window_masks(self, committed: int, layout, start: int, end: int):
+        """Masks of a model with sliding layers: the tree (or causal) rows, windowed for the
+        sliding layers; a dict keyed by layer type when full layers need the plain rows."""
+        from decoding.tree import attention_rows
+
+        pending = committed - self.length
+        rows = attention_rows(self.length, pending, layout.mask, start, end)
+        anchor = committed - 1
+        qpos = torch.cat([torch.arange(self.length, committed), anchor + layout.depth_ids[start:end]])
+        kpos = torch.cat([torch.arange(committed), anchor + layout.depth_ids[:end]])
+        dt, dev = self.model.dtype, self.model.device
+        c = self.cut  # the sliding layers' cache starts at position c
+        sliding = additive_mask(windowed(rows[:, c:], qpos, kpos[c:], self.plan.window), dt, dev)
+        if not self.plan.hybrid:
+            return sliding
+        return {FULL: additive_mask(rows, dt, dev), SLIDING: sliding}
+
+    def commit(self, path: Sequence[int], fed: int) -> None:
+        """Keep the accepted tree nodes that were fed this round; drop every other node.
+        Sliding layers then keep the last window - 1 committed tokens (as transformers' rolling
+        layers do): the next query, at position >= length, sees nothing older."""
+        if self.plan.window is None:
+            self.length = keep_path(self.cache, self.length, path, fed)
+            return
+        front = [self.cut if i in self.plan.sliding else 0 for i in range(len(self.cache.layers))]
+        self.length = keep_path(self.cache, self.length, path, fed, front)
+        drop = max(0, self.length - self.plan.window + 1) - self.cut
+        if drop > 0:
+            cut_front(self.cache, self.plan.sliding, drop)
+            self.cut += drop

@@ -1,0 +1,139 @@
+"""Record decider traces: run the engine over a prompt set and keep, for every drafted node,
+its features (decoding.decider.features) and what the target made of it.
+
+    python -m training.collect --config configs/collect.yaml [--shard-index I --num-shards N]
+
+Resumable: prompts already in a shard are skipped; shards are written atomically.
+With --num-shards N, process I takes every N-th prompt and writes `<out>/part-I-of-N/`;
+`training.decider.traces.load_traces(<out>)` merges the parts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+
+from decoding.decider.features import FEATURE_NAMES, FEATURE_SCHEMA_VERSION
+from decoding.models import ModelError, fingerprint
+from decoding.sampling import SamplingConfig
+from decoding.strategies import StrategyConfig, build_engine
+
+from training.cli import parse_config
+from training.corpus.teacher import prompt_seed, read_prompts
+from training.shards import ShardWriter
+from training.decider.traces import KIND, SCHEMA, SCHEMA_VERSION, TraceRecorder
+
+
+@dataclass
+class CollectConfig:
+    prompt_files: list[str] = field(default_factory=lambda: ["data/prompts/val.jsonl"])
+    """JSONL prompt files ({id, kind, prompt})."""
+    out: str = "runs/traces"
+    """Trace directory (parquet shards + manifest.json)."""
+    target: str | None = None
+    """Target model dir; None = the embedded SmolLM2-135M-Instruct."""
+    draft: str | None = None
+    """Draft model dir; None = the shipped default draft."""
+    dtype: str = "auto"
+    """auto: bfloat16 only where the CPU or GPU computes it natively, else float32."""
+    strategy: str = "ti-mcsd"
+    """Tree drafted every round, always to full depth (stop decisions are replayed later)."""
+    k_config: str = "4,2,2,1"
+    width: int = 4
+    depth: int = 6
+    gamma: int = 4
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    chat: bool = True
+    """Wrap each prompt in the tokenizer's chat template (as users of an instruct model do)."""
+    hidden: bool = False
+    """Also record the draft's last hidden state (float16) for the hidden-state decider."""
+    every_position: bool = False
+    """Start a round at every position (commit one token a round; ~2.5x the work). A replay of
+    such traces follows each policy's own rounds, as deployment runs them, instead of the rounds
+    the full tree happened to leave (training.decider.replay walks them)."""
+    shard_size: int = 16
+    """Prompts per shard: the most work an interruption can lose."""
+    seed: int = 0
+    max_prompts: int | None = None
+    shard_index: int = 0
+    num_shards: int = 1
+    threads: int | None = None
+
+    def __post_init__(self):
+        if not 0 <= self.shard_index < self.num_shards:
+            raise ValueError(f"--shard-index must be in [0, {self.num_shards})")
+
+
+def out_dir(cfg: CollectConfig) -> Path:
+    root = Path(cfg.out)
+    return root if cfg.num_shards == 1 else root / f"part-{cfg.shard_index}-of-{cfg.num_shards}"
+
+
+def collect(cfg: CollectConfig, session, prompts, progress: bool = True) -> dict:
+    """Run the engine with a recorder over the prompts not yet collected."""
+    from tqdm import tqdm
+
+    scfg = StrategyConfig(strategy=cfg.strategy, k_config=cfg.k_config, width=cfg.width,
+                          depth=cfg.depth, gamma=cfg.gamma)
+    sampling = SamplingConfig(cfg.temperature, cfg.top_p)
+    engine = build_engine(session.target, session.draft, scfg, sampling)
+    rec = TraceRecorder(sampling, hidden=cfg.hidden)
+    engine.observer = rec
+    settings = {k: v for k, v in asdict(cfg).items()
+                if k in ("strategy", "k_config", "width", "depth", "gamma", "temperature", "top_p",
+                         "max_new_tokens", "hidden", "seed")}
+    settings["dtype"] = str(next(session.target.parameters()).dtype).removeprefix("torch.")  # auto resolved
+    if cfg.every_position:  # recorded only when set: older trace sets still resume
+        settings["every_position"] = True
+        engine.commit_limit = 1
+    identity = {"feature_schema": FEATURE_SCHEMA_VERSION, "feature_names": list(FEATURE_NAMES),
+                "model_pair": {"target": fingerprint(session.target), "draft": fingerprint(session.draft)},
+                "collect": settings}
+    mine = prompts[cfg.shard_index :: cfg.num_shards]
+    with ShardWriter(out_dir(cfg), KIND, SCHEMA_VERSION, identity) as w:
+        todo = [p for p in mine if p.id not in w.done()]
+        bar = tqdm(total=len(todo), unit="prompt", disable=not progress, dynamic_ncols=True)
+        for i in range(0, len(todo), cfg.shard_size):
+            chunk = todo[i : i + cfg.shard_size]
+            for p in chunk:
+                rec.start(p.id)
+                ids = session.encode(p.text, chat=cfg.chat, max_new_tokens=cfg.max_new_tokens,
+                                     tree_depth=len(scfg.k_levels))
+                engine.generate(ids, cfg.max_new_tokens, session.eos_token_id, prompt_seed(cfg.seed, p.id))
+                bar.set_postfix(acceptance=f"{rec.accepted / max(rec.drafted, 1):.3f}", refresh=False)
+                bar.update(1)
+            w.write(pa.table(rec.take(), schema=SCHEMA), [p.id for p in chunk])
+        bar.close()
+        total = sum(s["rows"] for s in w.manifest["shards"])
+    return {"new_prompts": len(todo), "rows": total, "acceptance_rate": rec.accepted / max(rec.drafted, 1)}
+
+
+def main(argv=None) -> int:
+    cfg = parse_config(CollectConfig, argv, "python -m training.collect", __doc__.split("\n")[0])
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        prompts = read_prompts(cfg.prompt_files, cfg.max_prompts)
+        from decoding.models.session import Session
+
+        sess = Session.open(cfg.target, cfg.draft, cfg.dtype, need_draft=True)
+        stats = collect(cfg, sess, prompts)
+    except (ModelError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: finished shards are kept; rerun to resume", file=sys.stderr)
+        return 130
+    print(json.dumps(stats))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
