@@ -13,7 +13,8 @@ from conftest import noisy_copy
 from test_engine_greedy import random_decider
 from decoding import kv_cache as cache_mod
 from decoding.models.arch import attention_plan
-from decoding.growth import CostCurve, GrowPolicy, q_scores
+from decoding.forward.cost import CostCurve
+from decoding.growth import GrowPolicy, q_scores
 from decoding.sampling import SamplingConfig
 from decoding.stopping import DraftConfidence
 from decoding.strategies import StrategyConfig, build_engine

@@ -7,7 +7,7 @@ import json
 import torch
 
 from conftest import tiny_llama
-from decoding import growth
+from decoding.forward import cost as cost_timing
 from decoding.forward.cost_cache import RETIME_ENV, cached_cost, cost_key
 
 
@@ -69,7 +69,7 @@ def test_a_hit_is_trusted_and_re_timed_only_when_asked(tmp_path, monkeypatch):
         calls.append(list(sizes))
         return [today[n] for n in sizes]
 
-    monkeypatch.setattr(growth, "time_forwards", fake)
+    monkeypatch.setattr(cost_timing, "time_forwards", fake)
     monkeypatch.delenv(RETIME_ENV, raising=False)
     first, how = cached_cost(target, draft, tmp_path)
     assert "now" in how and first.target(8) == today[8]

@@ -177,7 +177,8 @@ def test_checkpoint_roundtrip_and_refusal(feature_pair, tmp_path):
 
 def test_grow_with_a_feature_head_equals_ar_and_varies_the_tree(feature_pair):
     """The cost-aware grown tree works with the feature draft too (issue 13: every draft kind)."""
-    from decoding.growth import CostCurve, GrowPolicy, q_scores
+    from decoding.forward.cost import CostCurve
+    from decoding.growth import GrowPolicy, q_scores
 
     target, draft = feature_pair
     cost = CostCurve([1, 5, 16, 45, 64], [36.6, 41.0, 42.0, 55.0, 59.0], [1.5, 1.6, 1.8, 2.5, 3.0])
@@ -194,7 +195,7 @@ def test_grow_with_a_feature_head_equals_ar_and_varies_the_tree(feature_pair):
 
 def test_time_forwards_times_a_feature_head(feature_pair):
     """Cost models (training.decider.replay.calibrate, grow's measured curve) can time a feature head."""
-    from decoding.growth import time_forwards
+    from decoding.forward.cost import time_forwards
 
     _, draft = feature_pair
     ms = time_forwards(draft, [1, 4, 16], repeats=1, context=12)

@@ -9,7 +9,8 @@ import pytest
 
 from conftest import noisy_copy, tiny_llama
 from test_replay import FORK, table
-from decoding.growth import CostCurve, GrowPolicy, q_scores
+from decoding.forward.cost import CostCurve
+from decoding.growth import GrowPolicy, q_scores
 from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine
 from training.decider.grow_replay import grow_kept, grow_policy

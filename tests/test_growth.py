@@ -8,7 +8,8 @@ import torch
 
 from conftest import noisy_copy, tiny_llama
 from test_engine_greedy import random_decider
-from decoding.growth import CostCurve, GrowPolicy, candidate_level, candidate_order, child_values, pooled, q_scores
+from decoding.forward.cost import CostCurve
+from decoding.growth import GrowPolicy, candidate_level, candidate_order, child_values, pooled, q_scores
 from decoding.sampling import SamplingConfig
 from decoding.stopping import DraftLevel, Frontier
 from decoding.strategies import StrategyConfig, build_engine
@@ -46,7 +47,7 @@ def test_time_forwards_size_counts_the_new_tokens_fed(monkeypatch):
     reader uses (`target(1 + nodes)`): timing n nodes instead overstated each size by a token,
     which on a CPU whose kernels jump between 3 and 4 tokens mispriced the best small trees."""
     from decoding import kv_cache as cache
-    from decoding.growth import COST_SIZES, measure_cost, time_forwards
+    from decoding.forward.cost import COST_SIZES, measure_cost, time_forwards
 
     fed = []
     real = cache.CachedModel.feed

@@ -9,7 +9,8 @@ import torch
 
 from decoding import models
 from decoding.bench.agreement import check_greedy
-from decoding.growth import CostCurve, GrowPolicy, q_scores
+from decoding.forward.cost import CostCurve
+from decoding.growth import GrowPolicy, q_scores
 from decoding.sampling import SamplingConfig
 from decoding.models.session import Session
 from decoding.strategies import StrategyConfig, build_engine

@@ -28,7 +28,7 @@ from decoding.forward import kernels
 from decoding.forward import quant
 from decoding.forward.packed import REVISION, forward_kind
 from decoding.models.fingerprint import fingerprint
-from decoding.growth import COST_SIZES, TOKENS, CostCurve, measure_cost
+from decoding.forward.cost import COST_SIZES, TOKENS, CostCurve, measure_cost
 from decoding.models import cache_root
 
 RETIME_ENV = "SPECSTOP_RETIME_COST"

@@ -19,7 +19,8 @@ from decoding.decider.policy import DeciderConfig, DeciderStop, load_decider, re
 from decoding.defaults import DEFAULT_DRAFT, resolve_dtype
 from decoding.forward.cost_cache import cached_cost
 from decoding.forward.packed import default_forward, set_forward
-from decoding.growth import CostCurve, GrowPolicy, measure_cost, q_scores
+from decoding.forward.cost import CostCurve, measure_cost
+from decoding.growth import GrowPolicy, q_scores
 from decoding.sampling import SamplingConfig
 from decoding.stopping import GROW, make_stop_policy
 from decoding.strategies import StrategyConfig, build_engine

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from decoding.decider.features import FEATURE_NAMES
-from decoding.growth import COST_SIZES, NODES, TOKENS, at, monotone  # noqa: F401  (monotone re-exported)
+from decoding.forward.cost import COST_SIZES, NODES, TOKENS, at, monotone  # noqa: F401  (monotone re-exported)
 
 Q_TOKEN = FEATURE_NAMES.index("q_token")
 PATH_LOGQ = FEATURE_NAMES.index("path_logq")
@@ -60,7 +60,7 @@ def calibrate(target, draft, context: int = 256, repeats: int = 5, sizes=None,
     """Measure this machine: forward times for each tree size (sizes interleaved within each
     repeat, so a burst of load hits several sizes once, not one size every time; median of
     `repeats`, then made monotone), and the engine's per-round bookkeeping (`overhead_ms`)."""
-    from decoding.growth import time_forwards
+    from decoding.forward.cost import time_forwards
 
     cm = CostModel(**({"sizes": sizes} if sizes else {}), unit=TOKENS)
     vocab = target.get_output_embeddings().weight.shape[0]

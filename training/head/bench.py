@@ -256,10 +256,10 @@ def load_head(a, target):
 
 def step_cost(target, head, rounds: int = 5, context: int = 256) -> dict:
     """The head's step (1 node, and a 4-node level) as a share of the target's 1-token step,
-    both timed in this process, alternating (decoding.growth.time_forwards), medians."""
+    both timed in this process, alternating (decoding.forward.cost.time_forwards), medians."""
     import numpy as np
 
-    from decoding.growth import time_forwards
+    from decoding.forward.cost import time_forwards
 
     t, h1, h4 = [], [], []
     for _ in range(rounds):

@@ -1,0 +1,141 @@
+"""The target's and the draft's cost per forward on this machine (the cost curve), timed in
+place: what the grow rule and the decider's threshold replay price a tree with."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+TOKENS, NODES = "tokens", "nodes"
+"""Cost curve units: sizes count the new tokens a forward feeds, or (curves stored before
+2026-11-26) tree nodes."""
+
+
+@dataclass
+class CostCurve:
+    """Milliseconds per forward by number of tokens fed (the `cost_model` `training.decider.fit`
+    measures and stores with a decider: training.decider.replay.CostModel's fields)."""
+
+    sizes: list[int]
+    target_ms: list[float]
+    draft_ms: list[float]
+    overhead_ms: float = 0.0
+    policy_ms: float = 0.0
+    unit: str = TOKENS
+    """What a size counts: see `at`."""
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostCurve:
+        keys = ("sizes", "target_ms", "draft_ms")
+        if not isinstance(d, dict) or any(not d.get(k) for k in keys) \
+                or not len(d["sizes"]) == len(d["target_ms"]) == len(d["draft_ms"]):
+            raise ValueError("a cost model needs equal-length sizes, target_ms and draft_ms "
+                             f"(got {sorted(d) if isinstance(d, dict) else d!r})")
+        return cls(list(d["sizes"]), [float(x) for x in d["target_ms"]], [float(x) for x in d["draft_ms"]],
+                   float(d.get("overhead_ms", 0.0)), float(d.get("policy_ms", 0.0)), d.get("unit", NODES))
+
+    def target(self, n: int) -> float:
+        return float(at(n, self.sizes, self.target_ms, self.unit))
+
+    def draft(self, n: int) -> float:
+        return float(at(n, self.sizes, self.draft_ms, self.unit))
+
+
+def at(n, sizes, ms, unit: str):
+    """A curve's ms for a forward of n new tokens (pending included; n may be an array). Curves
+    timed before 2026-11-26 carry no unit: their size counted tree NODES, one pending token more
+    than it says, so they are read one size lower (a 1-token step is then read as a 2-token one)."""
+    if unit not in (TOKENS, NODES):
+        raise ValueError(f"cost curve unit must be {TOKENS} or {NODES} (got {unit!r})")
+    return np.interp(np.subtract(n, 1) if unit == NODES else n, sizes, ms)
+
+
+def monotone(ms: list[float]) -> list[float]:
+    """Non-decreasing in the number of tokens: a forward of more tokens never costs less, so a
+    smaller size's time is capped by every larger size's (a noise burst on a shared machine
+    inflates one size's median; a larger size's time is an upper bound for it)."""
+    out = list(ms)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return out
+
+
+COST_SIZES = (*range(1, 17), 20, 24, 32, 48, 64)
+"""Forward sizes a cost curve is timed at: every size up to 16, where CPU kernels jump (float32
+on a 2-core Xeon: about 42 ms for 3 tokens, 57 for 4), then sparser (the curve is smooth there)."""
+
+
+@torch.inference_mode()
+def time_forwards(model, sizes, repeats: int = 3, context: int = 256) -> list[float]:
+    """Median ms of one CachedModel.feed of n NEW TOKENS after `context` tokens, for each n: the
+    pending committed token plus n - 1 tree nodes (n = 1 is a plain decoding step), the unit
+    the cost curve is read in (`target(1 + nodes)`). Sizes are interleaved within each repeat,
+    so a burst of load hits several sizes once; the first pass warms up and is dropped; the
+    result is made non-decreasing in n."""
+    from decoding.kv_cache import CachedModel
+    from decoding.drafts.feature import FeatureDraft
+    from decoding.tree import TreeLayout, layout_from_k_config
+
+    if isinstance(model, FeatureDraft):
+        return _time_feature_head(model, sizes, repeats, context)
+    if min(sizes) < 1:
+        raise ValueError(f"forward sizes must be >= 1 (got {sorted(sizes)})")
+    vocab = model.get_output_embeddings().weight.shape[0]
+    limit = getattr(model.config, "max_position_embeddings", None)  # learned positions end there
+    grows = (repeats + 1) * len(sizes)  # each forward commits its pending token: the context grows by one
+    context = max(2, min(context, limit - max(sizes) - grows)) if limit else context
+    seq = [(10 + i) % vocab for i in range(context - 1)]
+    m = CachedModel(model)
+    m.feed(seq, TreeLayout(()), [], 0, 0)  # the context once (a prompt's forward per size cost ~20 s)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats + 1):
+        for n in sizes:
+            # n - 1 siblings: the mask / positions of a real tree
+            lay = layout_from_k_config([n - 1]) if n > 1 else TreeLayout(())
+            seq.append((10 + len(seq)) % vocab)
+            t = time.perf_counter()
+            m.feed(seq, lay, [(1 + i) % vocab for i in range(n - 1)], 0, n - 1)
+            times[n].append(1000 * (time.perf_counter() - t))
+            m.commit([], n - 1)  # drop the nodes, keep the pending token
+    return monotone([float(np.median(times[n][1:])) for n in sizes])
+
+
+@torch.inference_mode()
+def _time_feature_head(head, sizes, repeats: int, context: int) -> list[float]:
+    """time_forwards for a feature (EAGLE-3) head: one tree level of n nodes after `context`
+    committed entries, as FeatureCache.feed runs it (head step, lean where it runs, with the tree mask, q scattered
+    to the target vocabulary). The features are random: the cost does not depend on them."""
+    from decoding.drafts import lean_step
+    from decoding.drafts.feature import DraftKV
+    from decoding.models import MASKED_LOGIT
+    from decoding.tree import layout_from_k_config
+
+    c, dev, dt = head.config, head.fc.weight.device, head.fc.weight.dtype
+    g = torch.Generator(device="cpu").manual_seed(0)
+    cache = DraftKV()
+    toks = (torch.arange(context + max(sizes)) % c.draft_vocab_size).to(dev)[None]
+    aux = torch.randn(1, context, 3 * c.target_hidden_size, generator=g).to(device=dev, dtype=dt)
+    lean_step.step(head, toks[:, :context], head.fuse(aux), torch.arange(context, device=dev)[None], cache)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats + 1):
+        for n in sizes:
+            lay = layout_from_k_config([n])
+            mask = torch.cat((torch.ones(n, context, dtype=torch.bool), lay.mask[:n, :n]), 1)
+            hid = torch.randn(1, n, c.hidden_size, generator=g).to(device=dev, dtype=dt)
+            pos = torch.full((1, n), context, device=dev)
+            t = time.perf_counter()
+            logits, _ = lean_step.step(head, toks[:, context: context + n], hid, pos, cache, mask)
+            head.to_target(logits[0].float(), MASKED_LOGIT)
+            times[n].append(1000 * (time.perf_counter() - t))
+            cache.crop(context)
+    return monotone([float(np.median(times[n][1:])) for n in sizes])
+
+
+def measure_cost(target, draft, sizes=COST_SIZES, repeats: int = 3) -> CostCurve:
+    """This machine's cost curve, in the dtype the models are in (~10-30 s on a CPU)."""
+    sizes = list(sizes)
+    return CostCurve(sizes, time_forwards(target, sizes, repeats), time_forwards(draft, sizes, repeats), unit=TOKENS)
