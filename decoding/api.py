@@ -118,10 +118,8 @@ class Decoder:
         """The defaults entry's configuration (`self.defaults`) on the same loaded models; e.g.
         after `Decoder.load(strategy="ar")`, the default beside plain decoding."""
         d = self.defaults or dflt.Defaults()
-        opts = dict(gamma=d.gamma, k_config=d.k_config, width=d.width, depth=d.depth, stop=d.stop,
-                    confidence_rule=d.confidence_rule, confidence_threshold=d.confidence_threshold,
-                    max_nodes=d.max_nodes, grow_cost=d.grow_cost, decider_rule=d.decider_rule)
-        return self.variant(d.strategy, **{**opts, **overrides})
+        opts = {k: getattr(d, k) for k in _STRATEGY_KEYS} | {"decider_rule": d.decider_rule}
+        return self.variant(**{**opts, **overrides})
 
     @property
     def tokenizer(self):

@@ -8,7 +8,7 @@ modules that use them (sampling, stopping, tree, strategies, decider) re-export 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 
 # ---- sampling ----
@@ -116,9 +116,15 @@ MODES = ("lossless", "longest-branch")
 
 
 @dataclass
-class StrategyConfig:
-    strategy: str = "mcsd"
+class StrategyOptions:
+    """How a round drafts and when it stops: the ONE declaration of these options, shared by
+    the engine (StrategyConfig), the defaults file (decoding.defaults.Defaults), the benchmark's
+    rows (decoding.bench.config.StrategySpec) and the API's keywords. Only `strategy` may be
+    given by position."""
+
+    strategy: str = "ar"
     """ar | sd | mcsd | ti-mcsd."""
+    _: KW_ONLY
     gamma: int = 4
     """Chain length of `sd`."""
     k_config: str = "4,2,2,1"
@@ -143,6 +149,11 @@ class StrategyConfig:
     grow_cost: str = "decider"
     """grow rules only: decider (the cost model stored with the decider checkpoint) or measure
     (time this machine's forwards once, in the dtype loaded: ~10-30 s on a CPU)."""
+
+
+@dataclass
+class StrategyConfig(StrategyOptions):
+    """StrategyOptions checked (every value, before any model loads) for the engine."""
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:

@@ -165,12 +165,12 @@ def test_shipped_pair_uses_this_device_kinds_defaults():
 
 def test_bf16_on_a_cpu_without_native_bf16_says_so(target_dir, monkeypatch, capsys):
     """--dtype bfloat16 where the CPU emulates it: one note line (it runs, slower than fp32)."""
-    from decoding.forward import kernels
+    from decoding.forward import cpu
     from decoding.models.session import Session
 
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(cpu, "flags", lambda: {"avx2", "fma"})
     Session.open(str(target_dir), None, "bfloat16")
     assert "no native bfloat16" in capsys.readouterr().err
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    monkeypatch.setattr(cpu, "flags", lambda: {"avx2", "avx512_bf16"})
     Session.open(str(target_dir), None, "bfloat16")
     assert "no native bfloat16" not in capsys.readouterr().err

@@ -394,11 +394,11 @@ def test_rows_with_their_own_draft_share_the_run_and_are_checked(quick, tmp_path
     assert "## Drafts compared" in md
     cfg = quick_config(tmp_path / "q")
     d2 = next(s.draft for s in cfg.strategies if s.draft)
-    cfg.strategies = [StrategySpec("ar"), StrategySpec("tree (draft2)", "ti-mcsd", width=3, depth=4,
+    cfg.strategies = [StrategySpec("ar"), StrategySpec("ti-mcsd", name="tree (draft2)", width=3, depth=4,
                                                        stop="decider", draft=d2)]
     with pytest.raises(ValueError, match=r"strategy tree \(draft2\): .*(pair|draft)"):
         run_compare(cfg, "test")
-    cfg.strategies[1] = StrategySpec("sd (missing)", "sd", draft=str(tmp_path / "nowhere"))
+    cfg.strategies[1] = StrategySpec("sd", name="sd (missing)", draft=str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match=r"strategy sd \(missing\): "):
         run_compare(cfg, "test")
 

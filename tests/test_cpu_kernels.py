@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from arch_models import tiny
-from decoding.forward import kernels
+from decoding.forward import cpu, kernels
 from decoding.kv_cache import CachedModel
 from decoding.forward.packed import set_forward
 from decoding.tree import TreeLayout
@@ -168,10 +168,10 @@ def test_off_by_environment_or_cpu_or_failed_build(monkeypatch):
     assert kernels.rows_below(torch.bfloat16) == 0
     monkeypatch.delenv(kernels.ENV)
     monkeypatch.setattr(kernels, "_state", {})
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr(cpu, "flags", lambda: {"avx2"})
     assert "the CPU lacks avx512f" in kernels.why_not()
     monkeypatch.setattr(kernels, "_state", {})
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: set(kernels.FLAGS))
+    monkeypatch.setattr(cpu, "flags", lambda: set(kernels.FLAGS))
     monkeypatch.setattr(kernels, "_registered", lambda: False)
 
     def fail():

@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from decoding import defaults as D
-from decoding.strategies import StrategyConfig
+from decoding.bench.pick_defaults import pick_best, write_defaults
+from decoding.forward import cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,28 +41,28 @@ def test_pick_best_takes_the_fastest_lossless_row_that_beats_ar_everywhere():
              [row("W2 D2", 1.5, [1.2, 1.8]), row("sd", 1.7, [1.5, 1.9]), row("lossy", 3.0, [2, 4], lossless=False),
               row("wide ci", 2.5, [1.5, 3.0]), row("mismatch", 2.9, [2, 3]), row("peer", 5.0, [4, 6]),
               row("conf", 1.45, [1.3, 1.6], setting={"rule": "tree", "threshold": 0.2})]]
-    best = D.pick_best(results(conds, specs), source="r.json")
+    best = pick_best(results(conds, specs), source="r.json")
     # geometric means: W2 D2 1.5, sd 1.543, conf 1.498; wide ci / mismatch / lossy / peer excluded
     assert {k: best[k] for k in ("strategy", "gamma", "stop", "dtype")} == \
         {"strategy": "sd", "gamma": 3, "stop": "fixed", "dtype": "float32"}
     assert best["measured"] == {"greedy/0": 1.4, "greedy/1": 1.7} and best["source"].startswith("r.json")
     # bf16: near-tie flips are expected, so equality with ar is not asked
-    assert D.pick_best(results(conds, specs, dtype="bfloat16"))["strategy"] == "mcsd"
+    assert pick_best(results(conds, specs, dtype="bfloat16"))["strategy"] == "mcsd"
     # the tuned confidence row reproduces with the threshold it ran with
     only_conf = [[r for r in c if r["name"] == "conf"] for c in conds]
-    assert D.pick_best(results(only_conf, specs))["confidence_threshold"] == 0.2
+    assert pick_best(results(only_conf, specs))["confidence_threshold"] == 0.2
     # reports that tell near-tie flips from mismatches: a tie is fine in any dtype, a mismatch never
     tie = [[dict(r, equal_to_ar={"equal": 2, "tie": 1, "mismatch": 0, "n": 3}) for r in c] for c in only_conf]
-    assert D.pick_best(results(tie, specs))["strategy"] == "ti-mcsd"
+    assert pick_best(results(tie, specs))["strategy"] == "ti-mcsd"
     tie[1][0]["equal_to_ar"]["mismatch"] = 1
-    assert D.pick_best(results(tie, specs, dtype="bfloat16"))["strategy"] == "ar"
+    assert pick_best(results(tie, specs, dtype="bfloat16"))["strategy"] == "ar"
 
 
 def test_a_grown_tree_row_becomes_a_default_with_its_cost_curve_source():
     grow = spec("grow(q)", width=4, depth=8, max_nodes=48, stop="confidence", confidence_rule="grow",
                 grow_cost="measure")
     conds = [[row("grow(q)", 1.5, [1.2, 1.8], setting={"rule": "grow", "scores": "q"})]] * 2
-    entry = D.pick_best(results(conds, [grow]))
+    entry = pick_best(results(conds, [grow]))
     assert {k: entry[k] for k in ("confidence_rule", "max_nodes", "grow_cost", "width", "depth")} == \
         {"confidence_rule": "grow", "max_nodes": 48, "grow_cost": "measure", "width": 4, "depth": 8}
     assert "confidence_threshold" not in entry  # the grow rule has none
@@ -70,21 +71,21 @@ def test_a_grown_tree_row_becomes_a_default_with_its_cost_curve_source():
     assert (cfg.confidence_rule, cfg.max_nodes, cfg.grow_cost) == ("grow", 48, "measure")
     assert "grow" in d.describe() and "48 nodes" in d.describe()
     dec = spec("grow(decider)", width=4, depth=8, stop="decider", rule="grow", grow_cost="decider")
-    picked = D.pick_best(results([[row("grow(decider)", 1.5, [1.2, 1.8], setting={"rule": "grow"})]] * 2, [dec]))
+    picked = pick_best(results([[row("grow(decider)", 1.5, [1.2, 1.8], setting={"rule": "grow"})]] * 2, [dec]))
     assert (picked["decider_rule"], picked["grow_cost"], picked["max_nodes"]) == ("grow", "decider", 64)
 
 
 def test_pick_best_falls_back_to_ar_and_needs_a_greedy_condition():
     slow = [[row("W2 D2", 0.9)], [row("W2 D2", 1.3)]]
-    assert D.pick_best(results(slow, [spec("W2 D2", width=2, depth=2)]))["strategy"] == "ar"
+    assert pick_best(results(slow, [spec("W2 D2", width=2, depth=2)]))["strategy"] == "ar"
     with pytest.raises(ValueError, match="no greedy condition"):
-        D.pick_best({"meta": {}, "conditions": []})
+        pick_best({"meta": {}, "conditions": []})
 
 
 def test_write_defaults_replaces_one_entry_atomically(tmp_path, monkeypatch):
     f = tmp_path / "defaults.yaml"
-    D.write_defaults({"strategy": "sd", "gamma": 2, "source": "a"}, "cpu", f)
-    D.write_defaults({"strategy": "ar", "dtype": "bfloat16", "source": "b"}, "cuda", f)
+    write_defaults({"strategy": "sd", "gamma": 2, "source": "a"}, "cpu", f)
+    write_defaults({"strategy": "ar", "dtype": "bfloat16", "source": "b"}, "cuda", f)
     data = D.load_defaults(f)
     assert data["cpu"]["gamma"] == 2 and data["cuda"]["strategy"] == "ar"
     assert "# cuda: b" in f.read_text()  # which report each entry came from
@@ -94,19 +95,19 @@ def test_write_defaults_replaces_one_entry_atomically(tmp_path, monkeypatch):
 
     monkeypatch.setattr(D.os, "replace", crash)
     with pytest.raises(OSError):
-        D.write_defaults({"strategy": "mcsd"}, "cpu", f)
+        write_defaults({"strategy": "mcsd"}, "cpu", f)
     assert D.load_defaults(f) == data and list(tmp_path.iterdir()) == [f]  # old file, no temp left
     with pytest.raises(ValueError, match="not default options: colour"):
-        D.write_defaults({"colour": "red"}, "cpu", f)
+        write_defaults({"colour": "red"}, "cpu", f)
 
 
 def test_device_kind_follows_amx():
-    assert D.cpu_prefers_bf16("flags\t: fpu avx2 amx_bf16 amx_tile\n", packed=False)
+    assert cpu.prefers_bf16("flags\t: fpu avx2 amx_bf16 amx_tile\n", packed=False)
     # AVX512-BF16 without AMX: float32 measured faster on the eager forward (reports/dtype-2026-11-26),
     # bfloat16 on the packed one (issue 34, reports/forward-2026-11-26)
-    assert not D.cpu_prefers_bf16("flags\t: fpu avx2 avx512f avx512_bf16\n", packed=False)
-    assert D.cpu_prefers_bf16("flags\t: fpu avx2 avx512f avx512_bf16\n", packed=True)
-    assert not D.cpu_prefers_bf16("flags\t: fpu sse avx avx2 fma\n", packed=True)
+    assert not cpu.prefers_bf16("flags\t: fpu avx2 avx512f avx512_bf16\n", packed=False)
+    assert cpu.prefers_bf16("flags\t: fpu avx2 avx512f avx512_bf16\n", packed=True)
+    assert not cpu.prefers_bf16("flags\t: fpu sse avx avx2 fma\n", packed=True)
     assert D.device_kind("cuda:0") == "cuda" and D.device_kind("cpu") in ("cpu", "cpu-bf16")
 
 
@@ -123,12 +124,10 @@ def test_committed_defaults_are_valid_and_reproduce_their_report():
     assert data["cpu"]["dtype"] == "float32"  # no AMX: float32 measured faster
     for kind, entry in data.items():
         d = D.Defaults(**entry)
-        StrategyConfig(d.strategy, d.gamma, d.k_config, d.width, d.depth, stop=d.stop,
-                       confidence_threshold=d.confidence_threshold, confidence_rule=d.confidence_rule,
-                       max_nodes=d.max_nodes, grow_cost=d.grow_cost)
+        D.strategy_config(d, None, {})  # every option valid for the engine
         report = ROOT / d.source.split(" ")[0]
         if d.source.startswith("reports/") and report.is_file():  # a measured entry
-            picked = D.pick_best(json.loads(report.read_text()))
+            picked = pick_best(json.loads(report.read_text()))
             assert {k: v for k, v in picked.items() if k != "source"} == \
                 {k: v for k, v in entry.items() if k != "source"}, kind
 
@@ -142,7 +141,7 @@ def test_bench_write_defaults(tmp_path, capsys):
                  "--write-defaults", str(f)]) == 0
     res = json.loads((out / "results.json").read_text())
     entry = D.load_defaults(f)[D.run_kind("cpu", res["meta"]["dtype"])]
-    assert entry == D.pick_best(res, source=str(out / "results.json"))
+    assert entry == pick_best(res, source=str(out / "results.json"))
     # the package's own file is only rewritten from the shipped pair (refused before the run)
     capsys.readouterr()
     assert main(["--quick", "--no-sweep", "--out", str(tmp_path / "r2"), "--write-defaults"]) == 2

@@ -246,7 +246,7 @@ def test_hf_assisted_refuses_a_feature_head(feature_pair):
 
     target, draft = feature_pair
     with pytest.raises(ModelError, match="stand-alone draft .* feature head.*draft: checkpoints/drafts/"):
-        HFRunner(target, draft, StrategySpec("hf-assisted", "hf-assisted"), GREEDY, None, True)
+        HFRunner(target, draft, StrategySpec("hf-assisted"), GREEDY, None, True)
 
 
 def test_a_run_past_the_heads_trained_window_is_reported(feature_pair, tmp_path, capsys, monkeypatch):

@@ -36,11 +36,10 @@ from decoding.models.session import Session
 
 def _cpu() -> str:
     """The CPU model and the flags that decide the dtype and kernels (AMX, AVX512-BF16)."""
-    from decoding.forward.cost_cache import cpu_model
-    from decoding.bench.forward import _cpu_flags
+    from decoding.forward import cpu
 
-    flags = [f for f in _cpu_flags() if f in ("amx_bf16", "avx512_bf16")]
-    return cpu_model() + (f" ({', '.join(flags)})" if flags else "")
+    flags = sorted(cpu.flags() & {"amx_bf16", "avx512_bf16"})
+    return cpu.model_name() + (f" ({', '.join(flags)})" if flags else "")
 
 
 def _log(msg: str) -> None:
@@ -65,8 +64,8 @@ def run_sweep(sess, cfg: BenchConfig, prompts: list[list[int]]) -> dict:
     """Greedy tokens/s of a few tree shapes (fixed depth) next to ar, on a few prompts."""
     sw, greedy = cfg.sweep, SamplingConfig(0.0, cfg.top_p)
     specs = [StrategySpec("ar")]
-    specs += [StrategySpec(f"ti-mcsd[W={w},D={d}]", "ti-mcsd", width=w, depth=d) for w, d in sw.ti_mcsd]
-    specs += [StrategySpec(f"mcsd[{k}]", "mcsd", k_config=k) for k in sw.mcsd]
+    specs += [StrategySpec("ti-mcsd", name=f"ti-mcsd[W={w},D={d}]", width=w, depth=d) for w, d in sw.ti_mcsd]
+    specs += [StrategySpec("mcsd", name=f"mcsd[{k}]", k_config=k) for k in sw.mcsd]
     runners = {s.name: make_runner(sess, s, greedy, cfg) for s in specs}
     accs = measure(runners, prompts[: sw.prompts], cfg, sw.max_new_tokens, sw.repeats, cfg.device,
                    cfg.seed, cfg.warmup_tokens)
@@ -236,7 +235,8 @@ def _check_defaults_pair(cfg: BenchConfig, path: str) -> None:
 
 
 def _write_defaults(results: dict, cfg: BenchConfig, out: Path, path: str) -> None:
-    from decoding.defaults import pick_best, run_kind, write_defaults
+    from decoding.bench.pick_defaults import pick_best, write_defaults
+    from decoding.defaults import run_kind
 
     _check_defaults_pair(cfg, path)
     entry = pick_best(results, source=str(out / "results.json"))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from decoding.decider.policy import RULES
 from decoding.stopping import CONFIDENCE_RULES
+from decoding.options import StrategyOptions
 from decoding.strategies import StrategyConfig
 from decoding.tree import layout_from_k_config
 
@@ -18,34 +19,19 @@ PEERS = ("hf-assisted", "hf-prompt-lookup")
 
 
 @dataclass
-class StrategySpec:
-    """One row of the table: our engine with a StrategyConfig, or a Hugging Face peer."""
+class StrategySpec(StrategyOptions):
+    """One row of the table: our engine with StrategyOptions, or a Hugging Face peer
+    (`strategy` hf-assisted | hf-prompt-lookup)."""
 
-    name: str
-    """Row label."""
-    strategy: str = "ar"
-    """ar | sd | mcsd | ti-mcsd (our engine) | hf-assisted | hf-prompt-lookup (HF generate)."""
-    gamma: int = 4
-    k_config: str = "4,2,2,1"
-    width: int = 4
-    depth: int = 6
-    mode: str = "lossless"
-    """lossless | longest-branch (the paper's LOSSY rule, ti-mcsd only)."""
-    stop: str = "fixed"
-    """fixed | confidence | decider."""
+    name: str = ""
+    """Row label (default: the strategy)."""
     confidence_threshold: float | str = 0.4
     """A draft-probability threshold, or `tuned`: the one the decider's fit chose for this
     confidence_rule on its validation replay (the same procedure as the decider's own)."""
-    confidence_rule: str = "level"
-    """level (HF's rule) | tree (extend nodes while their path's draft probability >= threshold)."""
-    rule: str | None = None
+    decider_rule: str | None = None
     """Decider stop rule (paper | specdecpp | tree | grow); null = the checkpoint's."""
-    max_nodes: int = 64
-    """grow rules: cap on the draft tree's nodes."""
-    grow_cost: str = "decider"
-    """grow rules: decider (its stored cost model) | measure (this machine, timed at start)."""
-    threshold: float | None = None
-    """Decider threshold; null = the one validated for `rule` at fit time."""
+    decider_threshold: float | None = None
+    """Decider threshold; null = the one validated for `decider_rule` at fit time."""
     prompt_lookup_num_tokens: int = 10
     """hf-prompt-lookup: n-gram continuation length (draft-free)."""
     draft: str | None = None
@@ -54,6 +40,9 @@ class StrategySpec:
     decider: str | None = None
     """This row's decider (dir or 'latest'; its pair must be this row's); null = the config's."""
 
+    def __post_init__(self):
+        self.name = self.name or self.strategy
+
     @property
     def peer(self) -> bool:
         return self.strategy in PEERS
@@ -61,7 +50,7 @@ class StrategySpec:
     @property
     def grows(self) -> bool:
         """A cost-aware growth row (decoding.growth): its tree is sized per round."""
-        return (self.stop == "decider" and self.rule == "grow") or \
+        return (self.stop == "decider" and self.decider_rule == "grow") or \
             (self.stop == "confidence" and self.confidence_rule == "grow")
 
     @property
@@ -76,10 +65,8 @@ class StrategySpec:
             if tuned_threshold is None:
                 raise ValueError(f"strategy {self.name}: the tuned confidence threshold was not resolved")
             t = tuned_threshold
-        return StrategyConfig(strategy=self.strategy, gamma=self.gamma, k_config=self.k_config,
-                              width=self.width, depth=self.depth, mode=self.mode, stop=self.stop,
-                              confidence_threshold=t, confidence_rule=self.confidence_rule,
-                              max_nodes=self.max_nodes, grow_cost=self.grow_cost)
+        return StrategyConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(StrategyOptions)}
+                              | {"confidence_threshold": t})
 
     def shape_config(self) -> StrategyConfig:
         """The engine config for its tree shape (a tuned threshold does not change the shape)."""
@@ -103,8 +90,8 @@ class StrategySpec:
             raise ValueError(f"strategy {self.name}: confidence_threshold 'tuned' belongs to stop: confidence")
         if not self.peer:
             self.shape_config()  # raises ValueError on a bad strategy / mode / k-config
-        if self.rule not in (None, *RULES):
-            raise ValueError(f"strategy {self.name}: rule must be one of {', '.join(RULES)}")
+        if self.decider_rule not in (None, *RULES):
+            raise ValueError(f"strategy {self.name}: decider_rule must be one of {', '.join(RULES)}")
         if self.confidence_rule not in CONFIDENCE_RULES:
             raise ValueError(f"strategy {self.name}: confidence_rule must be one of {', '.join(CONFIDENCE_RULES)}")
         if self.prompt_lookup_num_tokens < 1:
@@ -270,19 +257,19 @@ def load_config(path: str | Path | None) -> BenchConfig:
 
 def default_strategies() -> list[StrategySpec]:
     S = StrategySpec
-    return [S("ar"), S("hf-assisted", "hf-assisted"), S("hf-prompt-lookup", "hf-prompt-lookup"),
-            S("sd", "sd", gamma=4), S("mcsd", "mcsd", k_config="4,2,2,1"),
-            S("ti-mcsd", "ti-mcsd", width=4, depth=6),
-            S("ti-mcsd+confidence (HF default 0.4)", "ti-mcsd", width=4, depth=8, stop="confidence",
+    return [S("ar"), S("hf-assisted"), S("hf-prompt-lookup"),
+            S("sd", gamma=4), S("mcsd", k_config="4,2,2,1"),
+            S("ti-mcsd", width=4, depth=6),
+            S("ti-mcsd", name="ti-mcsd+confidence (HF default 0.4)", width=4, depth=8, stop="confidence",
               confidence_threshold=0.4),
-            S("ti-mcsd+confidence (tuned)", "ti-mcsd", width=4, depth=8, stop="confidence",
+            S("ti-mcsd", name="ti-mcsd+confidence (tuned)", width=4, depth=8, stop="confidence",
               confidence_threshold="tuned"),
-            S("ti-mcsd+decider(paper)", "ti-mcsd", width=4, depth=8, stop="decider", rule="paper"),
-            S("ti-mcsd+decider(specdecpp)", "ti-mcsd", width=4, depth=8, stop="decider", rule="specdecpp"),
-            S("ti-mcsd+confidence(tree, tuned)", "ti-mcsd", width=4, depth=8, stop="confidence",
+            S("ti-mcsd", name="ti-mcsd+decider(paper)", width=4, depth=8, stop="decider", decider_rule="paper"),
+            S("ti-mcsd", name="ti-mcsd+decider(specdecpp)", width=4, depth=8, stop="decider", decider_rule="specdecpp"),
+            S("ti-mcsd", name="ti-mcsd+confidence(tree, tuned)", width=4, depth=8, stop="confidence",
               confidence_rule="tree", confidence_threshold="tuned"),
-            S("ti-mcsd+decider(tree)", "ti-mcsd", width=4, depth=8, stop="decider", rule="tree"),
-            S("ti-mcsd longest-branch (LOSSY)", "ti-mcsd", width=4, depth=6, mode="longest-branch")]
+            S("ti-mcsd", name="ti-mcsd+decider(tree)", width=4, depth=8, stop="decider", decider_rule="tree"),
+            S("ti-mcsd", name="ti-mcsd longest-branch (LOSSY)", width=4, depth=6, mode="longest-branch")]
 
 
 def as_dict(cfg: BenchConfig) -> dict:

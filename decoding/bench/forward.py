@@ -24,7 +24,7 @@ import torch
 
 from decoding import models
 
-from decoding.forward import kernels
+from decoding.forward import cpu, kernels
 from decoding.kv_cache import CachedModel, crop
 from decoding.forward.packed import packed_available, set_forward
 from decoding.tree import TreeLayout, layout_from_k_config
@@ -143,12 +143,7 @@ def forward_suite(dtypes=("float32", "bfloat16"), forwards=("eager", "packed"), 
 
 
 def _cpu_flags() -> list[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
-    except OSError:
-        return []
-    return sorted(x for x in flags if x.startswith(("amx", "avx512_bf16", "avx512f", "avx2")))
+    return sorted(x for x in cpu.flags() if x.startswith(("amx", "avx512_bf16", "avx512f", "avx2")))
 
 
 def forward_markdown(r: dict, command: str) -> str:

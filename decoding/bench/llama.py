@@ -154,9 +154,9 @@ def llama_suite(prompts: int = 6, new_tokens: int = 96, threads: int = 1, server
             pa, pb = res[a], res[b]
             ratios[(a, b)] = speedup_ci([[r["tokens"] for r in pa]], [[r["wall_s"] for r in pa]],
                                         [[r["tokens"] for r in pb]], [[r["wall_s"] for r in pb]])
-    from decoding.forward.cost_cache import cpu_model
+    from decoding.forward import cpu
 
-    return {"cpu": cpu_model(), "threads": threads, "gguf": src.name, "new_tokens": new_tokens,
+    return {"cpu": cpu.model_name(), "threads": threads, "gguf": src.name, "new_tokens": new_tokens,
             "quantized_linears": n_quant, "quant_isa": quant.isa(), "quant_act": quant.act(), "results": res,
             "tokens_per_s": {n: sum(r["tokens"] for r in v) / sum(r["wall_s"] for r in v) for n, v in res.items()},
             "ratios": [{"a": a, "b": b, "speedup": p, "low": lo, "high": hi} for (a, b), (p, lo, hi) in ratios.items()],

@@ -153,7 +153,7 @@ def _setting(spec: StrategySpec, stop) -> dict | None:
                                            if spec.grow_cost == "measure" else "measured by the decider's fit")}
     if spec.stop == "decider":
         return {"rule": stop.cfg.rule, "threshold": stop.cfg.threshold,
-                "source": "config" if spec.threshold is not None else f"validated for the {stop.cfg.rule} rule"}
+                "source": "config" if spec.decider_threshold is not None else f"validated for the {stop.cfg.rule} rule"}
     if spec.stop == "confidence":
         return {"rule": stop.rule, "threshold": stop.threshold,
                 "source": "tuned on the decider's validation replay" if spec.tuned else "config"}
@@ -169,7 +169,7 @@ def make_runner(sess, spec: StrategySpec, sampling: SamplingConfig, cfg: BenchCo
             return HFRunner(sess.target, sess.draft, spec, sampling, sess.eos_token_id, cfg.stop_at_eos)
         decider = spec.decider or cfg.decider
         tuned = sess.tuned_confidence_threshold(decider, spec.confidence_rule) if spec.tuned else None
-        eng = sess.engine(spec.engine_config(tuned), sampling, decider, spec.rule, spec.threshold)
+        eng = sess.engine(spec.engine_config(tuned), sampling, decider, spec.decider_rule, spec.decider_threshold)
     except (ValueError, OSError) as e:  # ModelError is a ValueError: missing / corrupt / other pair
         raise ValueError(f"strategy {spec.name}: {str(e).splitlines()[0]}") from e
     return EngineRunner(eng, eos, _setting(spec, eng.stop))

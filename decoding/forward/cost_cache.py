@@ -16,16 +16,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from decoding.forward import kernels
-
-from decoding.forward import quant
+from decoding.forward import cpu, kernels, quant
 from decoding.forward.packed import REVISION, forward_kind
 from decoding.models.fingerprint import fingerprint
 from decoding.forward.cost import COST_SIZES, TOKENS, CostCurve, measure_cost
@@ -33,16 +30,6 @@ from decoding.models import cache_root
 
 RETIME_ENV = "SPECSTOP_RETIME_COST"
 """Set to 1 to re-time (and overwrite) the stored curve on the next load."""
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _forward_tag(target) -> str:
@@ -63,7 +50,7 @@ def cost_key(target, draft) -> dict:
     return {
         "target": fingerprint(target)["weights_sha256"], "draft": fingerprint(draft)["weights_sha256"],
         "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model(),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu.model_name(),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "forward": _forward_tag(target),
         "draft_blocks": quant.quantized(draft),  # a head on blocks keeps its checkpoint's fingerprint
         "sizes": list(COST_SIZES), "unit": TOKENS,  # how it is timed: a curve of another kind is a miss

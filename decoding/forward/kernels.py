@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from decoding.forward import cpu
+
 ENV = "SPECSTOP_CPU_KERNELS"
 """0 turns the kernels off (the lean forward keeps torch's ops and oneDNN's linears)."""
 PAGES_ENV = "SPECSTOP_HUGE_PAGES"
@@ -76,14 +78,6 @@ SOURCES = [CSRC / name for name in ("gemm.cpp", "layer_ops.cpp", "attention.cpp"
 _state: dict = {}
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), []))
-    except OSError:
-        return set()
-
-
 def _registered() -> bool:
     return hasattr(torch.ops.specstop, "small_linear")
 
@@ -104,7 +98,7 @@ def _load() -> str | None:
     """Build / load the ops once per process; None when they are ready, else why not."""
     if os.environ.get(ENV, "").strip() == "0":
         return f"${ENV}=0"
-    missing = [f for f in FLAGS if f not in _cpu_flags()]
+    missing = [f for f in FLAGS if f not in cpu.flags()]
     if missing:
         return f"the CPU lacks {', '.join(missing)}"
     if _registered():
@@ -134,7 +128,7 @@ def available() -> bool:
 def amx() -> bool:
     """bf16 linears run on AMX tiles here (the CPU has them and the OS grants their state)."""
     if "amx" not in _state:
-        _state["amx"] = (available() and all(f in _cpu_flags() for f in AMX_FLAGS)
+        _state["amx"] = (available() and all(f in cpu.flags() for f in AMX_FLAGS)
                          and bool(torch.ops.specstop.amx_ready()))
     return _state["amx"]
 

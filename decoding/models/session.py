@@ -11,7 +11,7 @@ import torch
 
 from decoding import models
 
-from decoding.forward import quant
+from decoding.forward import cpu, quant
 from decoding.models.arch import attention_plan
 from decoding.drafts.io import draft_kind, load_feature_draft
 from decoding.models.fingerprint import fingerprint, same_model, stale_fingerprint
@@ -36,14 +36,6 @@ def rule_threshold(dcfg: DeciderConfig, rule: str, where: Path | str = "the deci
     raise models.ModelError(f"decider {where} has no validated threshold for the {rule} rule "
                             f"(it has: {', '.join(sorted(dcfg.thresholds) or [dcfg.rule])}); "
                             f"pass a threshold or refit it with python -m training.fit")
-
-
-def native_bf16() -> bool:
-    """The CPU computes bfloat16 natively (AVX512-BF16 or AMX-BF16); True where flags are unknown."""
-    from decoding.forward.kernels import _cpu_flags
-
-    flags = _cpu_flags()
-    return not flags or bool({"avx512_bf16", "amx_bf16"} & flags)
 
 
 @dataclass
@@ -76,7 +68,7 @@ class Session:
         # auto: a GGUF target on its blocks (float32 activations in), else bf16 on CUDA, with AMX, or
         # AVX512-BF16 + packed
         dtype = "float32" if dtype == "auto" and models.gguf_runs_quantized(target, device) else resolve_dtype(dtype, device)[0]
-        if dtype == "bfloat16" and device.startswith("cpu") and not native_bf16():
+        if dtype == "bfloat16" and device.startswith("cpu") and not cpu.native_bf16():
             print("note: this CPU has no native bfloat16 (no AVX512-BF16 or AMX-BF16): bfloat16 runs emulated, "
                   "slower than float32 (--dtype float32), and its first call times an emulated cost curve",
                   file=sys.stderr)

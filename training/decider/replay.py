@@ -89,7 +89,7 @@ def bookkeeping_ms(target, draft, prompt, repeats: int = 5, collect: dict | None
     keys = ("strategy", "width", "depth", "k_config", "gamma")
     scfg = StrategyConfig(**{k: c[k] for k in keys if c.get(k) is not None})
     if scfg.strategy == "ar":
-        scfg = StrategyConfig()
+        scfg = StrategyConfig("mcsd")  # a drafting strategy: ar has no draft steps to time
     sampling = SamplingConfig(float(c.get("temperature") or 0.0), float(c.get("top_p") or 1.0))
     engine = build_engine(target, draft, scfg, sampling)
     in_feed = [0.0]
