@@ -26,8 +26,8 @@ def _growing_layer_class():
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            self.keys, self._kb = _append(self.keys, getattr(self, "_kb", None), key_states)
-            self.values, self._vb = _append(self.values, getattr(self, "_vb", None), value_states)
+            self.keys, self._kb = append_kv(self.keys, getattr(self, "_kb", None), key_states)
+            self.values, self._vb = append_kv(self.values, getattr(self, "_vb", None), value_states)
             return self.keys, self.values
 
         def room(self, like: torch.Tensor, t: int):
@@ -66,7 +66,7 @@ def _room(view: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor, t: in
     return view, buf, start
 
 
-def _append(view: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor):
+def append_kv(view: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor):
     """`view` (a slice along dim -2 of `buf`, or anything else) followed by `new`, written into
     `buf` where it fits after the view; else into a new buffer of twice the length."""
     t = new.shape[-2]

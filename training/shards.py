@@ -9,6 +9,7 @@ already done (prompt ids) are skipped by the caller.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -33,6 +34,14 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
 
 def write_json(path: Path, obj) -> None:
     atomic_write(Path(path), lambda p: p.write_text(json.dumps(obj, indent=1) + "\n"))
+
+
+def write_text(path: Path, text: str) -> None:
+    atomic_write(Path(path), lambda p: p.write_text(text))
+
+
+def sha256_file(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def read_manifest(folder: Path, kind: str, version: int) -> dict | None:

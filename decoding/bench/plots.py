@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from decoding.bench.oracle import LABEL
-from decoding.bench.report import _finite, ok_rows
+from decoding.bench.report import finite, ok_rows
 
 
 def _save(fig, path: Path) -> None:
@@ -35,7 +35,7 @@ def plots(results: dict, out: Path) -> list[str]:
         for i, n in enumerate(names):
             if n in rows and rows[n].get("speedup"):
                 s = rows[n]["speedup"]
-                ci = [c if _finite(c) else s["median"] for c in s.get("ci95") or [None, None]]
+                ci = [c if finite(c) else s["median"] for c in s.get("ci95") or [None, None]]
                 xs.append(i + (j - (len(conds) - 1) / 2) * w)  # (the bound row has no interval)
                 ys.append(s["median"])
                 lo.append(s["median"] - ci[0])

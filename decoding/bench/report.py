@@ -159,7 +159,7 @@ def _draft_lines(results: dict) -> list[str]:
     return L + [""]
 
 
-def _finite(x) -> bool:
+def finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
@@ -171,7 +171,7 @@ def _speedup_cell(s: dict | None) -> str:
     if not s:
         return "–"
     ci = s.get("ci95")
-    if ci and all(map(_finite, ci)):
+    if ci and all(map(finite, ci)):
         return f"{s['median']:.2f}x [{ci[0]:.2f}, {ci[1]:.2f}]"
     return f"{s['median']:.2f}x ({s['min']:.2f}..{s['max']:.2f})"
 

@@ -2,7 +2,7 @@
 
 A forward reads every weight once and the cache once, and does two flops per weight per token plus
 the attention's; so it cannot take less than max(bytes / read rate, flops / peak). The read rate
-and the peaks are MEASURED here (decoding/forward/csrc/peaks.cpp), at the suite's thread count, not read
+and the peaks are MEASURED here (decoding/bench/csrc/peaks.cpp, built for the benchmark only), at the suite's thread count, not read
 from a datasheet. bound(n) / bound(1) is what a verify of n tokens must cost over a step on this
 hardware; a variant's time over its bound is how far the software is from it.
 """
@@ -35,13 +35,13 @@ class Peaks:
 
 
 def measure(threads: int, repeats: int = 3, read_mib: int = 512, fma_iters: int = 20_000_000) -> Peaks | None:
-    """The best of `repeats` probes at `threads` threads; None where decoding.forward.kernels is not
-    built (the probes are part of it)."""
+    """The best of `repeats` probes at `threads` threads; None where the probes do not build
+    (they need the CPU kernels' AVX512 flags)."""
     from decoding.forward import kernels
 
-    if not kernels.available():
+    if not kernels.available() or not _build_probes():
         return None
-    ops, before = torch.ops.specstop, torch.get_num_threads()
+    ops, before = kernels.ops, torch.get_num_threads()
     torch.set_num_threads(threads)
     try:  # best, not median: a probe can only be slowed by the machine, never sped up
         read = max(ops.read_gbps(read_mib) for _ in range(repeats))
@@ -50,6 +50,26 @@ def measure(threads: int, repeats: int = 3, read_mib: int = 512, fma_iters: int 
     finally:
         torch.set_num_threads(before)
     return Peaks(threads, read, fp32, bf16, "AMX tiles" if kernels.amx() else "AVX512-BF16")
+
+
+def _build_probes() -> bool:
+    """The probes, a library of their own (the runtime kernels do not carry them)."""
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import load
+
+    from decoding.forward import kernels
+
+    if hasattr(kernels.ops, "read_gbps"):
+        return True
+    src = Path(__file__).parent / "csrc" / "peaks.cpp"
+    flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"]
+    try:
+        load(f"specstop_peaks_{kernels.source_digest([src])}", [str(src)], extra_cflags=flags,
+             extra_include_paths=[str(kernels.CSRC)], extra_ldflags=["-fopenmp"], is_python_module=False)
+    except Exception:  # no compiler: the suite runs without its roofline
+        return False
+    return True
 
 
 @dataclass

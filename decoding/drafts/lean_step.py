@@ -21,7 +21,7 @@ import torch
 from decoding.forward import kernels
 
 from decoding.forward import quant
-from decoding.kv_cache import _append
+from decoding.kv_cache import append_kv
 
 
 class LeanStep:
@@ -45,11 +45,11 @@ class LeanStep:
                             getattr(draft.lm_head, "_few", None)])
 
     def _norm(self, x, name):
-        return torch.ops.specstop.add_rms_norm(x, None, *self.norms[name])[1]
+        return kernels.ops.add_rms_norm(x, None, *self.norms[name])[1]
 
     def __call__(self, draft, tokens, hidden, positions, cache, mask):
         """As FeatureDraft.step: (draft-vocab logits [B, T, N], pre-norm h [B, T, H])."""
-        ops = torch.ops.specstop
+        ops = kernels.ops
         B, T = tokens.shape
         H = hidden.shape[-1]
         h0 = hidden.reshape(B * T, H).contiguous()
@@ -60,8 +60,8 @@ class LeanStep:
         cos, sin = emb.cos().to(h0.dtype), emb.sin().to(h0.dtype)
         q, k, v = ops.rope_qkv(self.qkv(x), cos, sin, B, self.heads, self.kv_heads)
         if cache is not None:
-            cache.k, cache._kb = _append(cache.k, getattr(cache, "_kb", None), k) if cache.k is not None else (k, None)
-            cache.v, cache._vb = _append(cache.v, getattr(cache, "_vb", None), v) if cache.v is not None else (v, None)
+            cache.k, cache._kb = append_kv(cache.k, getattr(cache, "_kb", None), k) if cache.k is not None else (k, None)
+            cache.v, cache._vb = append_kv(cache.v, getattr(cache, "_vb", None), v) if cache.v is not None else (v, None)
             k, v = cache.k, cache.v
         S = k.shape[2]
         if mask is None:
@@ -88,7 +88,7 @@ def step(draft, tokens, hidden, positions, cache=None, mask=None):
     lean = getattr(draft, "_lean_step", False)
     if lean is False:  # once per head and fast forward (set_forward drops it, as it drops packed weights)
         lean = draft._lean_step = _build(draft)
-    if (lean is not None and getattr(draft, "_specstop_forward", "eager") != "eager"
+    if (lean is not None and getattr(draft, "_specstop_forward", "eager") in ("packed", "lean")
             and tokens.shape[1] <= lean.rows and not torch.is_grad_enabled()):
         return lean(draft, tokens, hidden, positions, cache, mask)
     return draft.step(tokens, hidden, positions, cache, mask)

@@ -74,12 +74,15 @@ PANEL_ROWS = 32
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("gemm.cpp", "layer_ops.cpp", "attention.cpp", "panel.cpp", "layer.cpp", "arena.cpp", "peaks.cpp")]
+SOURCES = sorted(p for p in CSRC.glob("*.cpp") if not p.name.startswith("quant"))
+"""Every csrc/*.cpp but the quantized library's (decoding.forward.quant builds `quant*.cpp`)."""
+ops = torch.ops.specstop
+"""The kernels' ops: callers reach them here, after `available()` built and loaded them."""
 _state: dict = {}
 
 
 def _registered() -> bool:
-    return hasattr(torch.ops.specstop, "small_linear")
+    return hasattr(ops, "small_linear")
 
 
 def _build() -> None:
@@ -88,10 +91,16 @@ def _build() -> None:
     flags = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
     # the name carries a hash of every source and header: torch's loader rebuilds on a changed
     # source but not on a changed header
-    files = sorted(p for p in CSRC.iterdir() if p.suffix in (".cpp", ".h"))
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()[:12]
+    digest = source_digest(SOURCES)
     load(f"specstop_cpu_kernels_{digest}", [str(p) for p in SOURCES], extra_cflags=flags + ["-fopenmp"],
          extra_ldflags=["-fopenmp"], is_python_module=False)
+
+
+def source_digest(sources) -> str:
+    """A library's sources and every header beside them: torch's loader rebuilds on a changed
+    source but not on a changed header, so the hash goes into the library's name."""
+    files = sorted({*map(Path, sources), *CSRC.glob("*.h")})
+    return hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()[:12]
 
 
 def _load() -> str | None:
@@ -129,7 +138,7 @@ def amx() -> bool:
     """bf16 linears run on AMX tiles here (the CPU has them and the OS grants their state)."""
     if "amx" not in _state:
         _state["amx"] = (available() and all(f in cpu.flags() for f in AMX_FLAGS)
-                         and bool(torch.ops.specstop.amx_ready()))
+                         and bool(ops.amx_ready()))
     return _state["amx"]
 
 
@@ -173,9 +182,9 @@ class FewRowWeight:
         self.n = w.shape[0]
         w = w.detach()
         if w.dtype == torch.bfloat16 and amx():
-            self.w, self.op = torch.ops.specstop.amx_pack(w), torch.ops.specstop.amx_linear.default
+            self.w, self.op = ops.amx_pack(w), ops.amx_linear.default
         elif w.dtype == torch.float32:
-            self.w, self.op = torch.ops.specstop.panel_pack(w), torch.ops.specstop.panel_linear.default
+            self.w, self.op = ops.panel_pack(w), ops.panel_linear.default
         else:
             self.w, self.op = w.contiguous(), None
 
@@ -183,7 +192,7 @@ class FewRowWeight:
         """x [T, K] (contiguous, the weight's dtype) @ w.T + bias -> [T, N]."""
         if self.op is not None:
             return self.op(x, self.w, self.n, bias)
-        return torch.ops.specstop.small_linear(x, self.w, bias)
+        return ops.small_linear(x, self.w, bias)
 
 
 def gather(weights) -> int:
@@ -199,7 +208,7 @@ def gather(weights) -> int:
             todo.setdefault(w.w.dtype, []).append(w)
     moved = 0
     for dt, ws in todo.items():
-        arena = torch.ops.specstop.huge_empty(sum(w.w.numel() for w in ws), dt)
+        arena = ops.huge_empty(sum(w.w.numel() for w in ws), dt)
         off = 0
         for w in ws:  # every packed size is a multiple of 64 bytes: each weight starts on a cache line
             n = w.w.numel()
@@ -211,4 +220,4 @@ def gather(weights) -> int:
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ w[N, K].T + bias on the row-major kernel (both contiguous, one dtype)."""
-    return torch.ops.specstop.small_linear(x, w, bias)
+    return ops.small_linear(x, w, bias)

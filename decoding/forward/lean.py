@@ -108,7 +108,7 @@ def _add_norm(x: torch.Tensor, norm, res: torch.Tensor | None = None, fused: boo
     """(x + res, RMSNorm of it); one pass of decoding.forward.kernels's kernel where `fused` (torch's
     rms_norm on a CPU is ~10 ops, ~12 us a row)."""
     if fused:
-        return torch.ops.specstop.add_rms_norm(x.contiguous(), None if res is None else res.contiguous(),
+        return kernels.ops.add_rms_norm(x.contiguous(), None if res is None else res.contiguous(),
                                                norm.weight, norm.variance_epsilon)
     x = x if res is None else x + res
     return x, _rms(x, norm)
@@ -128,7 +128,7 @@ def _lean_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
     y = f["qkv"](_add_norm(x, self.input_layernorm, fused=fused)[1])
     cos, sin = position_embeddings  # [B or 1, T, D]
     if fused and not f["qk_norm"]:  # one pass: split, rotate q and k, lay out [B, heads, T, D]
-        q, k, v = torch.ops.specstop.rope_qkv(y, cos.expand(B, T, D).reshape(B * T, D).contiguous(),
+        q, k, v = kernels.ops.rope_qkv(y, cos.expand(B, T, D).reshape(B * T, D).contiguous(),
                                               sin.expand(B, T, D).reshape(B * T, D).contiguous(), B, H, K)
     else:
         y = y.view(B, T, H + 2 * K, D)
@@ -146,7 +146,7 @@ def _lean_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
     if causal and k.shape[2] > T:  # transformers builds a mask whenever a cache precedes the rows
         raise RuntimeError("lean forward: a causal block after cached tokens needs a mask")
     if fused and T <= f["row_attention_below"] and (mask is not None or T == 1):  # [B, T, H, D]
-        att = torch.ops.specstop.row_attention(q, k, v, mask, a.scaling).reshape(B * T, H * D)
+        att = kernels.ops.row_attention(q, k, v, mask, a.scaling).reshape(B * T, H * D)
     elif f["quant_attention"] and (mask is not None or T == 1):  # a GGUF target, no AVX512 kernels
         att = quant.row_attention(q, k, v, mask, a.scaling).reshape(B * T, H * D)
     else:
@@ -154,7 +154,7 @@ def _lean_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
                                              enable_gqa=H != K).transpose(1, 2).reshape(B * T, H * D)
     x, h = _add_norm(x, self.post_attention_layernorm, f["o"](att), fused)
     g = f["gate_up"](h)
-    g = torch.ops.specstop.silu_mul(g) if fused else F.silu(g[:, : f["inter"]]) * g[:, f["inter"]:]
+    g = kernels.ops.silu_mul(g) if fused else F.silu(g[:, : f["inter"]]) * g[:, f["inter"]:]
     x = x + f["down"](g)
     return x.view(B, T, C)
 
@@ -175,7 +175,7 @@ def _kernel_layer_forward(self, hidden_states, attention_mask=None, position_ids
     if T >= f["row_attention_below"] or (attention_mask is None and T > 1):
         return _lean_layer_forward(self, hidden_states, attention_mask, position_ids, past_key_values, use_cache,
                                    position_embeddings, **kwargs)
-    ops = torch.ops.specstop
+    ops = kernels.ops
     x = hidden_states.reshape(B * T, C)
     global _ROPE
     rope = _ROPE  # read once: another thread's forward may replace it
@@ -221,8 +221,8 @@ def _one_call(f: dict) -> int:
     if all(isinstance(lin.few, quant.QuantWeight) for lin in lins):  # a GGUF's blocks, one form
         return min(f["row_attention_below"], *(lin.small_below for lin in lins)) \
             if len({(lin.few.act, lin.few.isa) for lin in lins}) == 1 else 0
-    kernels = {lin.few.op for lin in lins}
-    if kernels not in ({torch.ops.specstop.amx_linear.default}, {torch.ops.specstop.panel_linear.default}):
+    used = {lin.few.op for lin in lins}
+    if used not in ({kernels.ops.amx_linear.default}, {kernels.ops.panel_linear.default}):
         return 0
     return min(f["row_attention_below"], *(lin.small_below for lin in lins))
 

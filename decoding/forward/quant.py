@@ -39,7 +39,9 @@ KINDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 """ggml block types the kernel multiplies by, to their ggml ids."""
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "quant.cpp", CSRC / "quant_q8.cpp", CSRC / "quant_attention.cpp"]
+SOURCES = sorted(CSRC.glob("quant*.cpp"))
+ops = torch.ops.specstop_quant
+"""The quantized library's ops (its own namespace): reached here, after `available()` loaded them."""
 ACT_ENV = "SPECSTOP_QUANT_ACT"
 """How a quantized linear takes its activations: q8 (int8 per block of 32, as llama.cpp's dot
 products; csrc/quant_q8.cpp) or f32 (float32: the dequantized model's numbers up to summation
@@ -60,7 +62,7 @@ _state: dict = {}
 def _load() -> str | None:
     if os.environ.get(ENV, "").strip() == "0":
         return f"${ENV}=0"
-    if hasattr(torch.ops.specstop_quant, "linear"):
+    if hasattr(ops, "linear"):
         return None
     import platform
 
@@ -71,7 +73,7 @@ def _load() -> str | None:
 
         load(f"specstop_quant_{revision()}", [str(p) for p in SOURCES], extra_cflags=["-O3", "-ffp-contract=off"],
              is_python_module=False)
-        torch.ops.specstop_quant.isa(_isa_arg())  # the CPU has what the asked path needs
+        ops.isa(_isa_arg())  # the CPU has what the asked path needs
     except Exception as e:  # no compiler, an old CPU: the dequantized linears still work
         lines = str(e).splitlines() or [""]
         why = f"the quantized kernel is unavailable ({type(e).__name__}: {lines[-1][:200]})"
@@ -119,7 +121,7 @@ def isa() -> str:
     """The instruction set the kernel runs on here: avx2 or avx512 ('' when unavailable)."""
     if not available():
         return ""
-    return {1: "avx2", 2: "avx512"}[torch.ops.specstop_quant.isa(_isa_arg())]
+    return {1: "avx2", 2: "avx512"}[ops.isa(_isa_arg())]
 
 
 class QuantWeight:
@@ -147,17 +149,16 @@ class QuantWeight:
     def packed(self) -> torch.Tensor:
         """The kernel's layout of the blocks (csrc/quant*.cpp), made on first use."""
         if self.panels is None:
-            ops = torch.ops.specstop_quant
             self.panels = (ops.pack_q8 if self.act == "q8" else ops.pack)(self.w, self.kind, self.k)
         return self.panels
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        op = torch.ops.specstop_quant.linear_q8 if self.act == "q8" else torch.ops.specstop_quant.linear
+        op = ops.linear_q8 if self.act == "q8" else ops.linear
         return op(x.float(), self.packed(), self.kind, self.k, bias, self.isa)
 
     def dequant(self) -> torch.Tensor:
         """float32 [N, K]: exactly the weights the kernel multiplies by."""
-        return torch.ops.specstop_quant.dequant(self.w, self.kind, self.k)
+        return ops.dequant(self.w, self.kind, self.k)
 
     @staticmethod
     def cat(ws: list[QuantWeight]) -> QuantWeight | None:
@@ -170,7 +171,7 @@ class QuantWeight:
 def row_attention(q, k, v, mask, scale: float) -> torch.Tensor:
     """Batch-invariant float32 attention for the lean layers where decoding.forward.kernels does not
     build (csrc/quant_attention.cpp; the contract of specstop::row_attention): [B, T, H, D]."""
-    return torch.ops.specstop_quant.row_attention(q, k, v, mask, scale)
+    return ops.row_attention(q, k, v, mask, scale)
 
 
 def attends_here(dtype: torch.dtype) -> bool:

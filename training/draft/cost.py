@@ -25,7 +25,8 @@ import torch
 def main(argv: list[str] | None = None) -> None:
     from decoding.models import ModelError, load_model, resolve_model_dir
 
-    from training.draft.evaluate import _write, step_cost
+    from training.draft.evaluate import step_cost
+    from training.shards import write_text
 
     p = argparse.ArgumentParser(prog="python -m training.draft.cost", description=__doc__.split("\n")[0])
     p.add_argument("--draft", action="append", required=True, help="draft directory (repeatable)")
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.speed_prompts:
         out["speed"] = speed(target, drafts, a.speed_prompts, a.target)
     if a.out:
-        _write(Path(a.out), json.dumps(out, indent=1) + "\n")
+        write_text(Path(a.out), json.dumps(out, indent=1) + "\n")
 
 
 def speed(target, drafts: dict, n: int, target_dir: str | None = None) -> dict:

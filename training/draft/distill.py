@@ -14,7 +14,6 @@ is written to a temp dir and renamed.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import sys
@@ -30,6 +29,7 @@ from training.draft.module import DistillModule, DraftConfig
 from training.cli import ckpt_metrics, lightning_cli, relative_path, usage_error  # noqa: F401  (re-exported)
 from training.corpus.teacher import target_fingerprint  # noqa: F401  (re-exported)
 from training.swap import replace_dir
+from training.shards import sha256_file
 
 METADATA = "specstop_draft.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -53,10 +53,6 @@ class RunConfig:
     over cores that free up (e.g. when corpus generation ends) without a restart."""
     dtype: str = "bfloat16"
     """16-bit dtype of the exported weights: bfloat16 | float16."""
-
-
-def _sha256_file(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def export_draft(module: DistillModule, out: Path, meta: dict, dtype: str = "bfloat16") -> Path:
@@ -115,7 +111,7 @@ def build_metadata(module: DistillModule, ckpt: str, corpus: str | None, metrics
 
     def manifest_sha(c: str | None) -> str | None:
         man = Path(c) / "manifest.json" if c else None
-        return _sha256_file(man) if man and man.exists() else None
+        return sha256_file(man) if man and man.exists() else None
 
     head = output_token_ids(module.base())
     return {

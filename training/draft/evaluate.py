@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from training.shards import write_text
 
 KINDS = {"general": "data/prompts/heldout_general.jsonl", "code": "data/prompts/heldout_code.jsonl"}
 PROMPT_SETS = {**KINDS, "magpie": "data/prompts/magpie_heldout.jsonl"}
@@ -198,12 +198,6 @@ def learning_curve(csv: Path, png: Path, prior: list[dict] | None = None) -> lis
     return prior + pts
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def markdown(res: dict) -> str:
     lines = [f"# Draft evaluation: `{res['draft']}`", "",
              (f"Target: {res['target']}; dtype {res['dtype']}; threads {res['threads']}; "
@@ -279,15 +273,15 @@ def main(argv: list[str] | None = None) -> None:
         if a.prior_curve:
             prior = json.loads(Path(a.prior_curve).read_text()).get("learning_curve")
         res["learning_curve"] = learning_curve(Path(a.metrics_csv), out / "learning_curve.png", prior)
-    _write(out / "eval.json", json.dumps(res, indent=1) + "\n")
-    _write(out / "eval.md", markdown(res))
+    write_text(out / "eval.json", json.dumps(res, indent=1) + "\n")
+    write_text(out / "eval.md", markdown(res))
     meta_path = draft_dir / "specstop_draft.json"
     if meta_path.is_file():  # the draft carries its own measured figures
         meta = json.loads(meta_path.read_text())
         meta.setdefault("metrics", {})["heldout"] = {k: res[k] for k in ("teacher_forced", "engine", "cost")}
         from decoding.drafts.format import dumps_meta
 
-        _write(meta_path, dumps_meta(meta))  # the head id list stays on one line
+        write_text(meta_path, dumps_meta(meta))  # the head id list stays on one line
     print(out / "eval.json")
 
 

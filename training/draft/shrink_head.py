@@ -64,7 +64,8 @@ def shrink(model, size: int, counts: Counter) -> dict:
 def main(argv: list[str] | None = None) -> None:
     from decoding.models import ModelError, load_model, resolve_model_dir
 
-    from training.draft.distill import METADATA, _sha256_file, write_draft
+    from training.draft.distill import METADATA, write_draft
+    from training.shards import sha256_file
 
     p = argparse.ArgumentParser(prog="python -m training.draft.shrink_head", description=__doc__.split("\n")[0])
     p.add_argument("--draft", required=True, help="draft directory to shrink")
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: {e}") from None
     meta_path = src / METADATA
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    info |= {"source": a.draft, "ranked_by": {c: _sha256_file(Path(c) / "manifest.json")
+    info |= {"source": a.draft, "ranked_by": {c: sha256_file(Path(c) / "manifest.json")
                                               for c in a.corpus}}
     # training's validation figures were measured with the larger head: kept, and labelled;
     # held-out ones are dropped (training.draft.evaluate measures the new draft again)

@@ -92,7 +92,7 @@ def teacher_topk(model, seqs: list[list[int]], prompt_lens: list[int], k: int,
     return out
 
 
-def _batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+def length_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     """Row indices grouped by similar length so that padded batches hold <= max_tokens."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     out, cur = [], []
@@ -108,7 +108,7 @@ def compute_rows(model, prompts: list[list[int]], completions: list[list[int]], 
                  max_tokens: int = 4096, pad_id: int = 0) -> TeacherRows:
     seqs = [p + c for p, c in zip(prompts, completions)]
     res: list = [None] * len(seqs)
-    for idx in _batches([len(s) for s in seqs], max_tokens):
+    for idx in length_batches([len(s) for s in seqs], max_tokens):
         for i, r in zip(idx, teacher_topk(model, [seqs[i] for i in idx],
                                           [len(prompts[i]) for i in idx], k, pad_id)):
             res[i] = r

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from training.shards import write_text
 
 STEPS = 4
 
@@ -49,7 +49,8 @@ def agreement(target, head, rows: list[dict], layers: list[int], steps: int = ST
     the full vocabulary (its top `k` draft tokens: a lower bound, the rest is negligible at 0.7)
     and the head's q_T; what sampled decoding gets per step, beside top-1 for greedy."""
     from training.draft.accept_metrics import walk_sd
-    from training.head.cache import _batches, pad_batch, target_batch
+    from training.draft.teacher_cache import length_batches
+    from training.head.cache import pad_batch, target_batch
     from training.head.module import shift
 
     used, t2d = head.used_ids, head.t2d
@@ -58,7 +59,7 @@ def agreement(target, head, rows: list[dict], layers: list[int], steps: int = ST
     inside = 0.0
     seqs = [r["prompt_ids"] + r["completion_ids"] for r in rows]
     starts = [len(r["prompt_ids"]) - 1 for r in rows]
-    for idx in _batches([len(s) for s in seqs], max_tokens):
+    for idx in length_batches([len(s) for s in seqs], max_tokens):
         ids, mask = pad_batch([seqs[i] for i in idx])
         b = target_batch(target, ids, mask, torch.tensor([starts[i] for i in idx]), layers, used, k,
                          temperature=temperature)
@@ -272,12 +273,6 @@ def step_cost(target, head, rounds: int = 5, context: int = 256) -> dict:
             "head_step_share": m1 / tm, "head_level4_share": m4 / tm}
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> None:
     from decoding.models import ModelError, load_model
 
@@ -320,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
         res = speed(a) | {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-        _write(out / "throughput.json", json.dumps(res, indent=1) + "\n")
+        write_text(out / "throughput.json", json.dumps(res, indent=1) + "\n")
         return print(out / "throughput.json")
     for f in (a.ckpt, a.metrics_csv, a.baseline):
         if f and not Path(f).is_file():
@@ -355,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.metrics_csv:
         png = "learning_curve.png" if a.name == "eval" else f"{a.name}_learning_curve.png"
         res["learning_curve"] = learning_curve(Path(a.metrics_csv), out / png)
-    _write(out / f"{a.name}.json", json.dumps(res, indent=1) + "\n")
+    write_text(out / f"{a.name}.json", json.dumps(res, indent=1) + "\n")
     print(out / f"{a.name}.json")
 
 

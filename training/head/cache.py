@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from training.draft.teacher_cache import _batches  # rows grouped by length, padded batches <= max_tokens
+from training.draft.teacher_cache import length_batches  # rows grouped by length, padded batches <= max_tokens
 from training.head.vocab import DraftVocab, build_vocab, fixed_vocab
 
 CACHE_VERSION = 1
@@ -154,7 +154,7 @@ def compute_shard(model, seqs: list[list[int]], starts: list[int], settings: Cac
     """Flat tensors of a list of rows: row i's positions are offsets[i]:offsets[i+1] and its
     labelled positions lab_offsets[i]:lab_offsets[i+1] (starting at label_start[i])."""
     per: list = [None] * len(seqs)
-    for idx in _batches([len(s) for s in seqs], max_tokens):
+    for idx in length_batches([len(s) for s in seqs], max_tokens):
         ids, mask = pad_batch([seqs[i] for i in idx], pad_id)
         out = target_batch(model, ids, mask, torch.tensor([starts[i] for i in idx]),
                            settings.layers, used, settings.k)

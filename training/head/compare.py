@@ -13,7 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from training.head.bench import HEADLINE, _write, baseline, bootstrap
+from training.head.bench import HEADLINE, baseline, bootstrap
+from training.shards import write_text
 
 
 def compare(new: dict, base: dict) -> dict:
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: {str(e).splitlines()[0]}") from None
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    _write(out / f"{a.name}.json", json.dumps(res, indent=1) + "\n")
+    write_text(out / f"{a.name}.json", json.dumps(res, indent=1) + "\n")
     difference_plot(res, out / f"{a.name}.png")
     for kind, r in res.items():
         if isinstance(r, dict):

@@ -29,13 +29,14 @@ def by_position(target, head, seqs: list[list[int]], starts: list[int], layers: 
     """Per bucket [edges[i], edges[i+1]) of context length: positions, step-1 agreement and
     expected acceptance. starts[i]: index of the last prompt token of row i."""
     from training.draft.accept_metrics import expected_acceptance
-    from training.head.cache import _batches, pad_batch, target_batch
+    from training.draft.teacher_cache import length_batches
+    from training.head.cache import pad_batch, target_batch
     from training.head.module import shift
 
     used = head.used_ids
     edges = torch.tensor([*edges, 1 << 62])
     n, hit, acc = (torch.zeros(len(edges) - 1, dtype=torch.float64) for _ in range(3))
-    for idx in _batches([len(s) for s in seqs], max_tokens):
+    for idx in length_batches([len(s) for s in seqs], max_tokens):
         ids, mask = pad_batch([seqs[i] for i in idx])
         b = target_batch(target, ids, mask, torch.tensor([starts[i] for i in idx]), layers, used, 32)
         (lg, _), = head.unroll(ids, b["feats"], 1, mask)

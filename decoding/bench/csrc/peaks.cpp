@@ -15,7 +15,7 @@
 #include <cstring>
 #include <vector>
 
-#include "vec.h"
+#include "vec.h"  // decoding/forward/csrc, on the include path
 
 namespace {
 
