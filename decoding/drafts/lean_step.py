@@ -8,7 +8,7 @@ one linear, gate / up in one, one-pass RMSNorm, rotary split and SiLU gate, `row
 the cache with GQA inside, and the draft cache appended in place. Each fused step rounds once
 (float32 math), so in bf16 the head's outputs move within rounding, never its target's: what
 is committed is the target's decision either way (lossless), and in float32 it equals the module
-step to ~1e-6 (tests/test_feature_decoding.py compares it with training-time test).
+step to ~1e-6 (tests/head/test_decoding_with_a_head.py compares it with training-time test).
 
 Used (`step`) where the kernels run (CPUs with AVX512-BF16) and the head runs a fast forward, for
 steps of up to `kernels.attention_rows` rows; elsewhere, and for longer steps, the modules run.

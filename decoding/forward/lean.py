@@ -24,7 +24,7 @@ Only layers whose arithmetic is known are replaced (`FAMILIES`: Llama, Mistral, 
 silu MLPs and RMSNorm); anything else keeps transformers' layer, and the kind is then "packed".
 The result equals the eager forward to rounding (float32: ~1e-5; bfloat16: each fused step
 rounds once), so it is a forward of its own: greedy equality and exact sampling are proven on it
-(tests/test_engine_greedy.py, tests/test_sampling_exact.py), and a bf16 lean row agrees with a
+(tests/decoding/test_greedy_equals_plain.py, tests/decoding/test_exact_sampling.py), and a bf16 lean row agrees with a
 bf16 lean `ar`, not with an eager one.
 """
 

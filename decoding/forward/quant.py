@@ -12,7 +12,7 @@ What is quantized ($SPECSTOP_QUANT_ACT, ACT_ENV below):
 - f32: the weights only; every dequantized weight is exactly the dequantized model's number
   (q * d is exact in fp32), so the result differs from it only in summation order (csrc/quant.cpp).
 Either way the quantized path is a forward of its own on which greedy equality and exact sampling
-are proven, and a row of a verify equals a 1-token step bit for bit (tests/test_quant.py).
+are proven, and a row of a verify equals a 1-token step bit for bit (tests/forward/test_quantized_blocks.py).
 
 Built on first use (~20 s, cached like decoding.forward.kernels) on any x86-64 CPU with AVX2, FMA and
 F16C; AVX512 (with VNNI) where the CPU has it. $SPECSTOP_QUANT_ISA=avx2 forces the AVX2 path on an

@@ -4,7 +4,7 @@ the corpus identity only when set; a tokenizer without a chat template is one cl
 import json
 
 import pytest
-from distill_fixtures import make_target
+from support.distill import make_target
 
 from decoding.models import load_tokenizer
 from training.corpus.teacher import CorpusConfig, Prompt, build_corpus, load_teacher

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from chat_fixtures import EOS, make_chat_target, openai_rows, sharegpt_rows, write_jsonl
+from support.chat import EOS, make_chat_target, openai_rows, sharegpt_rows, write_jsonl
 
 from training.corpus import chat as chat_corpus
 

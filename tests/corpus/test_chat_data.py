@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from chat_fixtures import (EOS, GENERATION_TEMPLATE, chat_tokenizer, openai_rows, sharegpt_rows,
+from support.chat import (EOS, GENERATION_TEMPLATE, chat_tokenizer, openai_rows, sharegpt_rows,
                            write_jsonl)
 
 from training.corpus import chat_data

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from chat_fixtures import make_chat_target
+from support.chat import make_chat_target
 
 from training.corpus import diversity
 from training.corpus.chat_template import encode, user_prefix

@@ -140,7 +140,7 @@ def test_bad_prompt_files_exit_with_one_line(tmp_path):
 def test_shipped_prompt_splits_are_disjoint():
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1] / "data" / "prompts"
+    root = Path(__file__).resolve().parents[2] / "data" / "prompts"
     splits = {n: corpus.read_prompts([str(root / f"{n}.jsonl")])
               for n in ("train", "val", "heldout_general", "heldout_code")}
     ids = [p.id for ps in splits.values() for p in ps]

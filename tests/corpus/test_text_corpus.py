@@ -7,7 +7,7 @@ import string
 
 import pyarrow.parquet as pq
 import pytest
-from distill_fixtures import EOS, PAD, V, make_target
+from support.distill import EOS, PAD, V, make_target
 from transformers import PreTrainedTokenizerFast
 
 from decoding.models import load_model

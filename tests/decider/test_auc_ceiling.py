@@ -5,7 +5,7 @@ from dataclasses import asdict
 
 import pytest
 
-from synth_traces import PAIR, write_traces
+from support.traces import PAIR, write_traces
 from training.decider.ceiling import CeilingConfig, ceiling, main, needed_auc
 from training.decider.threshold import DEFAULT_COST
 

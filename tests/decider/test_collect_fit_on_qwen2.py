@@ -1,12 +1,12 @@
 """collect -> fit on a non-Llama pair: a tiny random Qwen2 target and a noisy copy of it as
-the draft (in memory; prompts encoded character by character, as in test_collect)."""
+the draft (in memory; prompts encoded character by character, as in test_trace_collection)."""
 
 import copy
 import json
 
 import torch
-from test_collect import StubSession
-from test_fit import config
+from support.decider import StubSession
+from support.decider import fit_config
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from decoding.decider.policy import load_decider
@@ -41,7 +41,7 @@ def test_collect_then_fit_on_a_qwen2_pair(tmp_path):
     assert stats["new_prompts"] == 24 and stats["rows"] > 0 and 0 < stats["acceptance_rate"] < 1
     manifest = json.loads((tmp_path / "traces" / "manifest.json").read_text())
     assert manifest["model_pair"]["target"] == fingerprint(target)
-    rc = fit.main(["--config", str(config(tmp_path, tmp_path / "traces")), "--export.run_id", "q2",
+    rc = fit.main(["--config", str(fit_config(tmp_path, tmp_path / "traces")), "--export.run_id", "q2",
                    "--data.val_fraction", "0.25", "--data.test_fraction", "0.25"])
     assert rc == 0
     _, dcfg = load_decider(tmp_path / "deciders" / "q2", target, draft)  # refuses another pair

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import noisy_copy, tiny_llama
-from test_cli import WORDS, save_tiny
+from support.models import WORDS, noisy_copy, save_tiny, tiny_llama
 from training.decider.traces import load_traces
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # one xdist worker runs this module (--dist loadgroup): the tiny pair and the reference
 # collection are made once

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from conftest import noisy_copy, tiny_llama
+from support.models import noisy_copy, tiny_llama
 from decoding.decider.context import CONTEXT_NAMES, MAX_MATCH, NGRAMS, ContextIndex, Snapshot
 from decoding.decider.features import FEATURE_NAMES, node_features
 from decoding.sampling import SamplingConfig

@@ -11,8 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-import yaml
-from synth_traces import PAIR, write_traces
+from support.decider import fit_config
+from support.traces import PAIR, write_traces
 
 from decoding.decider import policy as D
 from decoding.decider.features import NUM_FEATURES
@@ -27,23 +27,7 @@ from training.decider.traces import KIND, SCHEMA, SCHEMA_VERSION
 # one xdist worker runs this module (--dist loadgroup): the fitted decider (module fixture) is trained once
 pytestmark = pytest.mark.xdist_group("test_fit")
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def config(tmp: Path, traces: Path, **over) -> Path:
-    """A fast fit config (tiny MLP, high lr, illustrative cost model) writing under `tmp`."""
-    cfg = {"seed_everything": 0, "threads": 1,
-           "model": {"kind": "mlp", "lr": 0.01},
-           "data": {"traces": str(traces), "label": "hard", "batch_size": 128},
-           "trainer": {"max_epochs": 6, "accelerator": "cpu", "devices": 1, "logger": False,
-                       "enable_progress_bar": False, "default_root_dir": str(tmp / "work")},
-           "replay": {"cost_model": "default", "decider_ms": 0.0, "grid": [0.1, 0.3, 0.5, 0.7, 0.9]},
-           "export": {"out": str(tmp / "deciders"), "reports": None}}
-    for key, val in over.items():
-        cfg[key] = {**cfg.get(key, {}), **val} if isinstance(val, dict) else val
-    path = tmp / "fit.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +38,7 @@ def traces(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory, traces):
     tmp = tmp_path_factory.mktemp("fit")
-    assert fit.main(["--config", str(config(tmp, traces)), "--export.run_id", "run-a"]) == 0
+    assert fit.main(["--config", str(fit_config(tmp, traces)), "--export.run_id", "run-a"]) == 0
     return tmp, tmp / "deciders" / "run-a"
 
 
@@ -78,7 +62,7 @@ def test_fit_learns_known_rule_and_exports(fitted, traces):
     _, run = fitted
     m = json.loads((run / "metrics.json").read_text())
     auc = {k: v["roc_auc"] for k, v in m["classification"]["test"].items()}
-    # the label depends on the parent's entropy as well as on q (synth_traces): q alone is
+    # the label depends on the parent's entropy as well as on q (support/traces.py): q alone is
     # ~0.72, so every learned scorer must find the entropy signal to clear 0.9
     assert auc["confidence_q_token"] < 0.8
     for scorer in ("decider", "logistic_regression", "hist_gradient_boosting"):
@@ -162,7 +146,7 @@ def test_registry_is_atomic_and_latest_resolves(tmp_path, fitted, monkeypatch):
 @pytest.mark.parametrize("kind", ["hidden", "hybrid"])
 def test_hidden_kind_soft_labels_and_balancing(tmp_path, kind):
     tr = write_traces(tmp_path / "th", n_prompts=40, hidden=8)
-    cfg = config(tmp_path, tr, model={"kind": kind, "lr": 0.003},
+    cfg = fit_config(tmp_path, tr, model={"kind": kind, "lr": 0.003},
                  data={"label": "soft", "balance": "pos_weight"},
                  trainer={"max_epochs": 4}, replay={"baselines": False, "rule": "paper"})
     assert fit.main(["--config", str(cfg), "--export.run_id", "h"]) == 0
@@ -222,7 +206,7 @@ def test_cost_model_sources(tmp_path, monkeypatch, pair):
     monkeypatch.setattr(Session, "open", classmethod(lambda cls, *a, **k: stub))
     with pytest.raises(ValueError, match="not the target the traces were recorded with"):
         load_cost(ReplayConfig(cost_model="measure"), PAIR)
-    # the real calibrate is tested in test_replay.py: here only which models it is given
+    # the real calibrate is tested in test_trace_replay.py: here only which models it is given
     monkeypatch.setattr(T, "calibrate", lambda t, d, collect=None: ("timed", t, d))
     assert load_cost(ReplayConfig(cost_model="measure"),
                      {"target": fingerprint(target), "draft": fingerprint(draft)}) == ("timed", target, draft)
@@ -254,7 +238,7 @@ def test_bad_input_is_one_clear_error(tmp_path, capsys, case, message):
               "feature_schema": lambda: write_traces(tmp_path / "fs", 4, feature_schema=99),
               "empty_split": lambda: write_traces(tmp_path / "few", 2),
               "hidden": lambda: write_traces(tmp_path / "nh", 10)}[case]()
-    args = ["--config", str(config(tmp_path, traces))]
+    args = ["--config", str(fit_config(tmp_path, traces))]
     if case == "hidden":
         args += ["--model.kind", "hidden"]
     assert fit.main(args) == 2
@@ -275,7 +259,7 @@ def test_held_out_test_traces_must_not_share_prompts(tmp_path, traces, capsys):
 
 @pytest.mark.slow
 def test_ddp_two_processes_gives_equivalent_result(tmp_path, traces, fitted):
-    cfg = config(tmp_path, traces)
+    cfg = fit_config(tmp_path, traces)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "training.fit", "--config", str(cfg), "--export.run_id", "ddp",
                           "--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"],

@@ -7,8 +7,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from conftest import noisy_copy, tiny_llama
-from test_replay import FORK, table
+from support.models import noisy_copy, tiny_llama
+from support.decider import FORK, table
 from decoding.forward.cost import CostCurve
 from decoding.growth import GrowPolicy, q_scores
 from decoding.sampling import SamplingConfig

@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 
-from synth_traces import write_traces
+from support.traces import write_traces
 from training.decider.history import main, round_history
 
 

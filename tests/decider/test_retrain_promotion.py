@@ -1,6 +1,6 @@
 """Every promotion branch of training.decider.retrain, on synthetic traces (seconds, no real fit).
 
-Seams (tests/retrain_seams.py): synthetic traces instead of collection, a hand-made decider
+Seams (tests/support/retrain_seams.py): synthetic traces instead of collection, a hand-made decider
 instead of a fit, and a table instead of the live check; assess / decide / the registry
 compare-and-swap / the decision record are the real code. Crashes and races are injected at
 the exact step (events, no timing).
@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-import retrain_seams
-from conftest import noisy_copy, tiny_llama
-from retrain_seams import make_decider
-from test_retrain import write_prompts
+from support import retrain_seams
+from support.models import noisy_copy, tiny_llama
+from support.retrain_seams import make_decider
+from support.decider import write_prompts
 from training.decider import registry
 from training.decider import retrain as R
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import noisy_copy, tiny_llama
-from test_cli import WORDS, save_tiny
+from support.decider import write_prompts
+from support.models import WORDS, noisy_copy, save_tiny, tiny_llama
 from training.decider import retrain as R
 from training.decider.traces import load_traces
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +25,6 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("rt")
     target = tiny_llama(0, vocab=len(WORDS), scale=6, max_pos=128)
     return save_tiny(root / "target", WORDS, target), save_tiny(root / "draft", WORDS, noisy_copy(target, 0.05))
-
-
-def write_prompts(folder: Path, name: str, n: int, offset: int = 0):
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / name).write_text("".join(
-        json.dumps({"prompt": f"w{(i + offset) % 30} w{(7 * i + offset) % 30} w{(3 * i) % 30}"}) + "\n"
-        for i in range(n)))
 
 
 def make_cfg(tmp_path, models, **kw) -> dict:

@@ -1,5 +1,5 @@
 """training.decider.signal: each study end to end on synthetic traces whose label signal beyond
-q (the parent's entropy, see synth_traces) is moved out of the features into the studied group,
+q (the parent's entropy, see support/traces.py) is moved out of the features into the studied group,
 so only that group can lift the ROC-AUC over q alone."""
 
 import json
@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from synth_traces import Q_ENTROPY, identity, synth_rows
+from support.traces import Q_ENTROPY, identity, synth_rows
 from decoding.decider.features import FEATURE_NAMES
 from training.decider.signal import agreement_history, ancestors, main
 from training.decider.traces import KIND, SCHEMA_VERSION

@@ -5,7 +5,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from conftest import noisy_copy, tiny_llama
+from support.decider import StubSession
+from support.models import noisy_copy, tiny_llama
 from decoding.decider.policy import DeciderConfig, DeciderNet, DeciderStop
 from decoding.decider.features import node_features
 from decoding.sampling import SamplingConfig
@@ -14,14 +15,6 @@ from training.decider import collect as C
 from training.corpus.teacher import Prompt
 from training.decider.replay import ReplaySet
 from training.decider.traces import feature_matrix, load_traces
-
-
-class StubSession:
-    def __init__(self, target, draft):
-        self.target, self.draft, self.eos_token_id = target, draft, None
-
-    def encode(self, text, chat=True, max_new_tokens=0, tree_depth=0):
-        return [3 + (ord(c) % 20) for c in text]
 
 
 @pytest.fixture(scope="module")

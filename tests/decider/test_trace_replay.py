@@ -4,6 +4,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from support.decider import FORK, table
 from training.decider.replay import (
     CostModel,
     ReplaySet,
@@ -19,29 +20,6 @@ from training.decider.replay import (
 
 # constant costs: a round is draft 1 ms per call + target 10 ms, whatever the sizes
 COST = CostModel(sizes=[1, 64], target_ms=[10.0, 10.0], draft_ms=[1.0, 1.0], overhead_ms=0.0)
-
-
-def table(rounds):
-    """rounds: list of (parents, accepted) per round; nodes in BFS order, -1 = level 1."""
-    cols = {k: [] for k in ("prompt_id", "round", "node", "parent", "depth", "branch", "accepted", "valid")}
-    for r, (parents, accepted) in enumerate(rounds):
-        depth, seen = [], {}
-        for p in parents:
-            depth.append(1 if p < 0 else depth[p] + 1)
-            cols["branch"].append(seen.get(p, 0))
-            seen[p] = seen.get(p, 0) + 1
-        cols["prompt_id"] += ["p"] * len(parents)
-        cols["round"] += [r] * len(parents)
-        cols["node"] += list(range(len(parents)))
-        cols["parent"] += list(parents)
-        cols["depth"] += depth
-        cols["accepted"] += [i in accepted for i in range(len(parents))]
-        cols["valid"] += [True] * len(parents)
-    return pa.table(cols)
-
-
-# a fork tree: 2 chains of depth 3 (nodes 0,1 | 2,3 | 4,5; chain 0 = 0,2,4; chain 1 = 1,3,5)
-FORK = (-1, -1, 0, 1, 2, 3)
 
 
 def test_fixed_depth_and_oracles_closed_form():

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from synth_traces import write_traces
+from support.traces import write_traces
 
 from decoding.bench.cli import main
 from decoding.bench.config import load_config
@@ -122,7 +122,7 @@ def test_config_rejects_unknown_keys(tmp_path):
 
 
 def test_shipped_config_is_valid():
-    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "bench.yaml")
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "bench.yaml")
     assert cfg.strategies[0].strategy == "ar" and {s.strategy for s in cfg.strategies} >= {
         "hf-assisted", "hf-prompt-lookup", "sd", "mcsd", "ti-mcsd"}
 
@@ -278,7 +278,7 @@ def test_decider_rows_without_a_decider_are_a_config_error(tmp_path, capsys, row
 def test_row_selection_and_no_decider():
     from decoding.bench.cli import _apply_overrides, parser
 
-    path = Path(__file__).resolve().parent.parent / "configs" / "bench_feature.yaml"
+    path = Path(__file__).resolve().parents[2] / "configs" / "bench_feature.yaml"
     cfg = load_config(path)
     a = parser().parse_args(["--decider", "none", "--row", "sd g4", "--row", "mcsd 4,2,2,1",
                              "--row", "grow(q)"])
@@ -304,7 +304,7 @@ def test_confidence_threshold_values_are_checked(tmp_path):
 
 @pytest.mark.parametrize("name", ["bench.yaml", "bench_decider.yaml", "bench_feature.yaml"])
 def test_shipped_configs_measure_enough_and_tune_the_baselines(name):
-    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / name)
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / name)
     assert cfg.prompts_per_set >= 6 and cfg.repeats >= 3 and cfg.bootstrap_resamples >= 1000
     conf = [s for s in cfg.strategies if s.stop == "confidence"]
     assert {s.confidence_rule for s in conf if s.tuned} == {"level", "tree"}
@@ -343,7 +343,7 @@ def test_a_mismatching_row_is_not_reported_lossless(pair):
     """A row configured lossless whose greedy outputs really differ from ar (here: the lossy
     longest-branch engine's outputs under a lossless label) is marked MISMATCH and loses
     its lossless flag; the same outputs as ar count as equal."""
-    from conftest import noisy_copy
+    from support.models import noisy_copy
     from decoding.bench.config import StrategySpec
     from decoding.bench.report import _table_row
     from decoding.bench.runs import Acc, LogLik, row_of
@@ -407,7 +407,7 @@ def test_the_drafts_config_gives_each_draft_its_own_decider():
     from decoding.decider.policy import resolve_decider_dir
     from decoding.defaults import DEFAULT_DRAFT
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     cfg = load_config(root / "configs" / "bench_drafts.yaml")
     assert cfg.prompts_per_set >= 6 and cfg.repeats >= 3 and cfg.dtype == "auto"
     drafts = {s.draft for s in cfg.strategies if s.strategy != "ar"}

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from conftest import noisy_copy, tiny_llama
+from support.models import noisy_copy, tiny_llama
 from decoding.bench.agreement import GreedyCheck, check_greedy, count_kinds, first_difference, fp32_logits, ulp
 from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine

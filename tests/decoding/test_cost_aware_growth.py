@@ -6,8 +6,8 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import noisy_copy, tiny_llama
-from test_engine_greedy import random_decider
+from support.models import noisy_copy, tiny_llama
+from support.engine import random_decider
 from decoding.forward.cost import CostCurve
 from decoding.growth import GrowPolicy, candidate_level, candidate_order, child_values, pooled, q_scores
 from decoding.sampling import SamplingConfig
@@ -236,9 +236,9 @@ def test_grow_runs_through_session_config(pair):
 def test_grow_sampling_is_exact_while_shapes_vary(scorer, envelope):
     """Continuations under grow follow the target's exact distribution (chi-square over a tiny
     vocabulary), with the policy really choosing different trees and child counts."""
-    from test_sampling_exact import LENGTH, PROMPT, SAMPLES, VOCAB, chi2_pvalue, exact_distribution
+    from support.exact import LENGTH, PROMPT, SAMPLES, VOCAB, chi2_pvalue, exact_distribution
 
-    samples = SAMPLES  # a lossless check; test_sampling_exact shows this size catches ~0.1 TV of bias
+    samples = SAMPLES  # a lossless check; test_exact_sampling shows this size catches ~0.1 TV of bias
     target = tiny_llama(0, vocab=VOCAB, layers=1, hidden=16, scale=10)
     draft = tiny_llama(1, vocab=VOCAB, layers=1, hidden=16, scale=10)
     sampling = SamplingConfig(temperature=1.0)

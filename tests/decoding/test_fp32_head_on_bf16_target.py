@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import tiny_llama
+from support.models import tiny_llama
 from decoding import models
 from decoding.bench.agreement import check_greedy
 from decoding.sampling import SamplingConfig

@@ -6,9 +6,9 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import noisy_copy, tiny_llama
+from support.engine import random_decider, with_forward
+from support.models import noisy_copy, tiny_llama
 from decoding.bench.agreement import check_greedy
-from decoding.decider.policy import DeciderConfig, DeciderNet, DeciderStop
 from decoding.forward.packed import FORWARDS, set_forward
 from decoding.sampling import SamplingConfig
 from decoding.stopping import DraftConfidence
@@ -36,16 +36,6 @@ def reference(target, prompt, n=N):
         out = target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
                               eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
-
-
-def with_forward(models, kind):
-    """Copies of the models running `kind` (decoding.forward.packed); eager: the models as given."""
-    if kind == "eager":
-        return models
-    out = tuple(copy.deepcopy(m) for m in models)
-    for m in out:
-        assert set_forward(m, kind) == kind  # the fast path really runs (oneDNN present)
-    return out
 
 
 @pytest.fixture(scope="module", params=FORWARDS)
@@ -127,33 +117,6 @@ def test_confidence_policy_shortens_drafts(pair):
     full = build_engine(target, draft, cfg, GREEDY).generate([1, 2], N)[1]
     short = build_engine(target, draft, cfg, GREEDY, stop=DraftConfidence(0.999)).generate([1, 2], N)[1]
     assert max(short.drafted_depths) < 6 <= max(full.drafted_depths)
-
-
-def random_decider(rule, threshold, seed=0, kind="logistic", hidden_size=0, cut=0.11):
-    """A decider whose stops vary from round to round (any stop must stay lossless).
-
-    logistic: score = sigmoid(40 * (q_token - cut)); hidden: sigmoid(100 * relu(h . v) - 1)
-    for a random direction v, so scores swing with the draft's hidden state; hybrid: the same
-    over the hidden part of its input (the features come first)."""
-    from decoding.decider.features import FEATURE_NAMES, NUM_FEATURES
-
-    torch.manual_seed(seed)
-    cfg = DeciderConfig(kind=kind, rule=rule, threshold=threshold, hidden_size=hidden_size)
-    net = DeciderNet(cfg)
-    with torch.no_grad():
-        for p in net.parameters():
-            p.zero_()
-        first, last = net.net[0], net.net[-1]
-        if kind == "logistic":
-            last.weight[0, FEATURE_NAMES.index("q_token")] = 40.0
-            last.bias.fill_(-40.0 * cut)
-        else:
-            skip = NUM_FEATURES if kind == "hybrid" else 0
-            first.weight[0, skip:] = torch.nn.functional.normalize(torch.randn(hidden_size), dim=0)
-            net.net[2].weight[0, 0] = 1.0
-            last.weight[0, 0] = 100.0
-            last.bias.fill_(-1.0)
-    return DeciderStop(net, cfg)
 
 
 @pytest.mark.parametrize("rule,threshold", [("paper", 0.5), ("specdecpp", 0.5), ("tree", 0.3)])

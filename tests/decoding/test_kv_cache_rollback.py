@@ -3,8 +3,8 @@ concatenating DynamicLayer, through the engine's commits (keep_path, cut_front, 
 
 import torch
 
-from conftest import tiny_llama
-from decoding.kv_cache import CachedModel, _append, crop, cut_front, keep_path, new_cache
+from support.models import tiny_llama
+from decoding.kv_cache import CachedModel, append_kv, crop, cut_front, keep_path, new_cache
 from decoding.tree import TreeLayout
 
 
@@ -20,7 +20,7 @@ def test_append_writes_into_spare_room_and_doubles_when_full():
         new = _kv(t, seed=i)
         ref = new if ref is None else torch.cat([ref, new], -2)
         old_buf = buf
-        view, buf = _append(view, buf, new)
+        view, buf = append_kv(view, buf, new)
         assert torch.equal(view, ref)
         if old_buf is not None and ref.shape[-2] <= old_buf.shape[-2]:
             assert buf is old_buf  # room left: no new allocation, no copy of the cache
@@ -28,15 +28,15 @@ def test_append_writes_into_spare_room_and_doubles_when_full():
 
 
 def test_append_after_a_cut_overwrites_the_dropped_rows_only():
-    view, buf = _append(torch.empty(0), None, _kv(10))
+    view, buf = append_kv(torch.empty(0), None, _kv(10))
     kept = view[..., :6, :]  # a rollback keeps 6 of 10
-    view2, buf2 = _append(kept, buf, _kv(1, fill=7.0))
+    view2, buf2 = append_kv(kept, buf, _kv(1, fill=7.0))
     assert buf2 is buf and torch.equal(view2[..., :6, :], kept) and (view2[..., 6, :] == 7).all()
     front = view2[..., 2:, :]  # a sliding layer drops its 2 oldest
-    view3, _ = _append(front, buf2, _kv(1, fill=9.0))
+    view3, _ = append_kv(front, buf2, _kv(1, fill=9.0))
     assert torch.equal(view3[..., :-1, :], front) and (view3[..., -1, :] == 9).all()
     other = torch.zeros(1, 2, 3, 4)  # not a view of the buffer (set from outside): copied, not aliased
-    view4, buf4 = _append(other, buf, _kv(1, fill=1.0))
+    view4, buf4 = append_kv(other, buf, _kv(1, fill=1.0))
     assert buf4 is not buf and torch.equal(view4[..., :3, :], other) and (view4[..., 3, :] == 1).all()
 
 

@@ -2,8 +2,9 @@
 `generate` on the GPU for every strategy and stop rule, sliding windows that bite included, and
 the exact-sampling test with the engine's draws made on the GPU.
 
-CPU CI never runs these; `pytest -m cuda tests/test_cuda.py` on a GPU machine does. Greedy runs
-in float32 with TF32 matmuls off, so the GPU's sums are the only difference from the CPU suite.
+CPU CI never runs these; `pytest -m cuda tests/decoding/test_lossless_on_cuda.py` on a GPU machine
+does. Greedy runs in float32 with TF32 matmuls off, so the GPU's sums are the only difference from
+the CPU suite.
 """
 
 from functools import cache
@@ -11,11 +12,9 @@ from functools import cache
 import pytest
 import torch
 
-from arch_models import tiny
-from conftest import noisy_copy
-from test_arch_matrix import CASES, N, PROMPTS
-from test_sampling_exact import SAMPLES, T1, WARPED, chi2_pvalue, exact_distribution, speculative_counts
-from conftest import tiny_llama
+from support.models import noisy_copy, tiny, tiny_llama
+from support.arch_matrix import CASES, N, PROMPTS
+from support.exact import SAMPLES, T1, WARPED, chi2_pvalue, exact_distribution, speculative_counts
 from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine
 

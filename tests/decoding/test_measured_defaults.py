@@ -10,7 +10,7 @@ from decoding import defaults as D
 from decoding.bench.pick_defaults import pick_best, write_defaults
 from decoding.forward import cpu
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def spec(name, strategy="ti-mcsd", **kw):

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_llama
+from support.models import tiny_llama
 from decoding.models import (
     FINGERPRINT_VERSION,
     ModelError,

@@ -10,9 +10,7 @@ from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
 from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM,
                           PreTrainedTokenizerFast)
 
-from arch_models import tiny
-from conftest import noisy_copy, tiny_llama
-from test_cli import WORDS, save_tiny
+from support.models import WORDS, noisy_copy, save_tiny, tiny, tiny_llama
 from decoding import Decoder
 from decoding.generate import main
 from decoding.growth import GrowPolicy

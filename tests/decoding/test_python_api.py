@@ -5,9 +5,8 @@ import sys
 
 import pytest
 import yaml
-from test_cli import WORDS, save_tiny
+from support.models import WORDS, noisy_copy, save_tiny, tiny_llama
 
-from conftest import noisy_copy, tiny_llama
 from decoding import Decoder, GenerationResult
 from decoding.models import ModelError, load_model, load_tokenizer
 from decoding.sampling import SamplingConfig

@@ -26,7 +26,7 @@ def grow_policy(cfg):
     return GrowPolicy(q_scores, cost, max_width=cfg.width, max_nodes=cfg.max_nodes)
 
 
-STANDALONE = Path(__file__).resolve().parent.parent / "checkpoints" / "drafts" / "smollm2-135m-draft"
+STANDALONE = Path(__file__).resolve().parents[2] / "checkpoints" / "drafts" / "smollm2-135m-draft"
 
 
 @pytest.mark.parametrize("dtype,draft_dir", [("float32", None), ("bfloat16", None), ("float32", STANDALONE)],

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from decoding.models import MASKED_LOGIT, load_model
-from distill_fixtures import (
+from support.distill import (
     EOS,
     TINY_DRAFT,
     V,

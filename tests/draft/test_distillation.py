@@ -26,7 +26,7 @@ from training.draft.distill import export_draft
 from training.draft.module import DistillModule, DraftConfig, bucket_loss, select_head_ids
 from training.draft.teacher_cache import load_cache
 
-from distill_fixtures import (
+from support.distill import (
     EOS,
     ROOT,
     TINY_DRAFT,

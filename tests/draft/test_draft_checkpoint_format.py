@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from decoding.drafts.format import DRAFT_META, OLD_MODEL_TYPE
 from decoding.generate import main as generate_main
 from decoding.models import MASKED_LOGIT, ModelError, PrunedHeadLlamaForCausalLM, load_model
-from distill_fixtures import EOS, V, tiny_tokenizer
+from support.distill import EOS, V, tiny_tokenizer
 from training.convert_draft import convert
 from training.draft.distill import write_draft
 from training.draft.module import DraftConfig, new_draft

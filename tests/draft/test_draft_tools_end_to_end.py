@@ -1,5 +1,5 @@
 """End to end, on tiny models: the tools a user runs (corpus, the shipped distill configs,
-draft_cost, distill_eval; the demo is tests/test_demo.py), each through its own `main` with the shipped config and only
+draft_cost, distill_eval; the demo is tests/ops/test_demo.py), each through its own `main` with the shipped config and only
 the models, data and sizes overridden."""
 
 import json
@@ -8,7 +8,7 @@ import shutil
 import pytest
 import yaml
 
-from distill_fixtures import ROOT
+from support.distill import ROOT
 
 CHAT = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
@@ -77,7 +77,7 @@ def test_shipped_distill_configs_chain_on_a_tiny_target(target_dir, corpus_dir, 
 
 
 def test_draft_cost_and_distill_eval_on_a_tiny_pair(chat_target, tmp_path, capsys):
-    from distill_fixtures import TINY_DRAFT
+    from support.distill import TINY_DRAFT
     from training.draft import evaluate as distill_eval, cost as draft_cost
     from training.draft.distill import export_draft
     from training.draft.module import DistillModule

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import tiny_llama
+from support.models import tiny_llama
 from decoding.bench.compiled_forward import CompiledForward
 from decoding.bench.forward import _Forward
 

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from conftest import tiny_llama
+from support.models import tiny_llama
 from decoding.forward import cost as cost_timing
 from decoding.forward.cost_cache import RETIME_ENV, cached_cost, cost_key
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from arch_models import tiny
+from support.models import tiny
 from decoding.forward import cpu, kernels
 from decoding.kv_cache import CachedModel
 from decoding.forward.packed import set_forward
@@ -288,7 +288,7 @@ def test_the_kernel_sources_ship_with_the_package():
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["decoding"]
     for f in (root / "decoding" / "forward" / "csrc").iterdir():
         if f.suffix in (".cpp", ".h"):

@@ -7,8 +7,7 @@ import copy
 import pytest
 import torch
 
-from arch_models import ARCHS, tiny
-from conftest import noisy_copy
+from support.models import ARCHS, noisy_copy, tiny
 from decoding.kv_cache import CachedModel
 from decoding.drafts.capture import capture_aux
 from decoding.forward.packed import forward_kind, packed_available, set_forward

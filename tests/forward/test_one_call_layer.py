@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arch_models import tiny
+from support.forward import layer_rounds
+from support.models import tiny
 from decoding.forward import kernels
 from decoding.kv_cache import CachedModel
 from decoding.forward.packed import few_row_weights, set_forward
-from decoding.tree import TreeLayout, layout_from_k_config
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason=f"no kernel here: {kernels.why_not()}")
 ONE_CALL = ["llama", "qwen2", "qwen2+window", "mistral+window"]  # qwen3's per-head q/k norms keep the per-op layer
@@ -33,22 +33,6 @@ def _lean(arch, dtype, one_call=True):
     return model
 
 
-def _rounds(model):
-    """A prefill, a 1-token step, a tree round, its commit and the next round (longer than the
-    tiny models' window of 4, so sliding layers cut their front): logits and every cached key."""
-    cm, lay = CachedModel(model), layout_from_k_config([2, 2, 1])
-    prompt = list(range(3, 14))
-    out = [cm.feed(prompt, TreeLayout(()), [], 0, 0)[0]]
-    prompt.append(7)
-    out.append(cm.feed(prompt, TreeLayout(()), [], 0, 0)[0])
-    out.append(cm.feed(prompt, lay, [5, 6, 7, 8, 9, 10, 11], 0, 7)[0])
-    cm.commit([0, 2, 5], 7)
-    prompt += [5, 7, 10]
-    out.append(cm.feed(prompt, lay, [1, 2, 3, 4, 5, 6, 7], 0, 7)[0])
-    keys = [torch.cat([layer.keys.flatten(), layer.values.flatten()]).float() for layer in cm.cache.layers]
-    return out, keys
-
-
 @needs_kernel
 @pytest.mark.parametrize("arch", ONE_CALL)
 @pytest.mark.parametrize("dtype", _dtypes())
@@ -60,9 +44,9 @@ def test_one_call_layers_equal_the_per_op_layers_bit_for_bit(arch, dtype, monkey
     calls = []
     grown = cls.grown
     monkeypatch.setattr(cls, "grown", lambda self, *a: (calls.append(1), grown(self, *a))[1])
-    got, got_keys = _rounds(model)
+    got, got_keys = layer_rounds(model)
     n = len(calls)
-    ref, ref_keys = _rounds(per_op)
+    ref, ref_keys = layer_rounds(per_op)
     # every forward after the prefill (a windowed prefill has a mask: it runs in one call too); none per op
     assert n >= 3 * len(model.model.layers) and len(calls) == n
     for a, b in zip(got + got_keys, ref + ref_keys):
@@ -91,7 +75,7 @@ def test_gathered_weights_are_the_packed_ones_in_reading_order(dtype, monkeypatc
     assert not any(getattr(w, "in_arena", False) for w in few_row_weights(plain))
     for a, b in zip(weights, few_row_weights(plain)):
         assert torch.equal(a.w, b.w)
-    (got, got_keys), (ref, ref_keys) = _rounds(model), _rounds(plain)
+    (got, got_keys), (ref, ref_keys) = layer_rounds(model), layer_rounds(plain)
     for a, b in zip(got + got_keys, ref + ref_keys):
         assert torch.equal(a, b)
 

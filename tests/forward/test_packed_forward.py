@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import tiny_llama
+from support.models import tiny_llama
 from decoding.forward import packed as ff
 from decoding.kv_cache import CachedModel
 from decoding.models.fingerprint import fingerprint

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import noisy_copy, tiny_llama
+from support.gguf import write_gguf
+from support.models import noisy_copy, tiny_llama
 from decoding.forward import kernels
 from decoding.forward import quant
 from decoding.models.errors import ModelError
@@ -189,7 +190,7 @@ def test_sampling_follows_the_quantized_target(name, cfg, sampling, act, monkeyp
     """Exact sampling on the quantized lean forward: short continuations against the target's
     law enumerated over a 6-token vocabulary (the output layer stays dense: 6 < 16 outputs), the
     law computed by the quantized forward itself (one batched forward: rows are independent)."""
-    from test_sampling_exact import LENGTH, SAMPLES, chi2_pvalue, exact_distribution, speculative_counts
+    from support.exact import LENGTH, SAMPLES, chi2_pvalue, exact_distribution, speculative_counts
 
     monkeypatch.setenv(quant.ACT_ENV, act)
     target = tiny_llama(0, vocab=6, layers=1, hidden=32, scale=3)
@@ -201,37 +202,6 @@ def test_sampling_follows_the_quantized_target(name, cfg, sampling, act, monkeyp
     exact = exact_distribution(target, sampling)
     counts, _, _ = speculative_counts(build_engine(target, draft, cfg, sampling), SAMPLES)
     assert LENGTH == 3 and chi2_pvalue(counts, exact, SAMPLES) > 1e-3
-
-
-def _permute(rows, heads):  # llama.cpp's converter, on rows of blocks
-    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
-def write_gguf(model, path, kind="Q4_1"):
-    """The model's linears as a Llama GGUF of `kind` blocks, q / k rows permuted as llama.cpp does."""
-    import gguf
-
-    names = {v: k for k, v in quant.LAYER_NAMES.items()}
-    w = gguf.GGUFWriter(str(path), "llama")
-    cfg = model.config
-    for name, mod in model.named_modules():
-        if type(mod) is not torch.nn.Linear:
-            continue
-        blocks = quant.quantize(mod.weight, kind).w.numpy()
-        if name == "lm_head":
-            gname = "output.weight"
-        else:
-            parts = name.split(".")  # model.layers.I.self_attn.q_proj
-            gname = f"blk.{parts[2]}.{names['.'.join(parts[3:])]}.weight"
-        if gname.endswith("attn_q.weight"):
-            blocks = _permute(blocks, cfg.num_attention_heads)
-        elif gname.endswith("attn_k.weight"):
-            blocks = _permute(blocks, cfg.num_key_value_heads)
-        w.add_tensor(gname, np.ascontiguousarray(blocks), raw_dtype=gguf.GGMLQuantizationType[kind])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 def test_gguf_blocks_land_on_their_modules(tmp_path):
@@ -259,7 +229,7 @@ def test_gguf_blocks_land_on_their_modules(tmp_path):
 def test_one_call_layer_on_blocks_equals_the_per_op_layer(act, monkeypatch):
     """`specstop::decoder_layer` over a GGUF's blocks: logits and KV cache equal the per-op
     layer's bit for bit over a prefill, a step, tree rounds and a commit."""
-    from test_one_call_layer import _rounds
+    from support.forward import layer_rounds
 
     monkeypatch.setenv(quant.ACT_ENV, act)
     runs = []
@@ -271,7 +241,7 @@ def test_one_call_layer_on_blocks_equals_the_per_op_layer(act, monkeypatch):
             assert layer._lean["one_call"] > 1
             if not one_call:
                 layer._lean["one_call"] = 0
-        runs.append(_rounds(m))
+        runs.append(layer_rounds(m))
     (a, ak), (b, bk) = runs
     for x, y in zip(a + ak, b + bk):
         assert torch.equal(x, y)
@@ -281,7 +251,7 @@ def test_feature_head_on_blocks_beside_a_quantized_target():
     """A GGUF target's feature head runs on Q8_0 blocks (decoding.forward.quant.quantize_head): its lean
     step multiplies by them, its fingerprint stays the checkpoint's, and speculation with it still
     reproduces the quantized target's ar token for token."""
-    from test_feature_decoding import fit_head
+    from support.head import fit_head
 
     from decoding.models.fingerprint import fingerprint
 

@@ -4,7 +4,7 @@ larger of its two sides, and the probes that measure this machine."""
 import pytest
 import torch
 
-from conftest import tiny_llama
+from support.models import tiny_llama
 from decoding.forward import kernels
 from decoding.bench import roofline
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_feature_train import data, tiny  # noqa: F401  (the module's tiny target and corpus)
+from support.head import data
 
 from training.draft.accept_metrics import combine, expected_acceptance, sd_rounds, walk_sd
 from training.head.module import FeatureDistillModule
@@ -82,14 +82,14 @@ def test_walk_sd_chains_the_steps_of_each_row():
 
 
 @pytest.mark.parametrize("loss", ["lk_alpha", "lk_lambda"])
-def test_acceptance_losses_train_and_validation_logs_acceptance(tiny, tmp_path, loss):  # noqa: F811
-    from distill_fixtures import trainer
+def test_acceptance_losses_train_and_validation_logs_acceptance(head_corpus, tmp_path, loss):
+    from support.distill import trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from training.head.train import load_feature_module
 
     torch.manual_seed(0)
-    dm = data(tiny)
+    dm = data(head_corpus)
     module = FeatureDistillModule(target=dm.target, steps=2, lr=1e-2, schedule="steps", loss=loss)
     before = trainer().validate(module, datamodule=dm, verbose=False)[0]
     assert 0 < before["val/accept_1"] < 1 and "val/accept_2" in before

@@ -6,66 +6,16 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_llama
-from test_engine_greedy import random_decider
-from test_feature_draft import tiny_feature_draft
-from test_sampling_exact import chi2_pvalue, exact_distribution, speculative_counts
+from support.head import CASES, GREEDY, N, PROMPTS, SAMPLES, ar_output
+from support.models import tiny_llama
+from support.engine import random_decider
+from support.exact import chi2_pvalue, exact_distribution, speculative_counts
 from decoding.drafts.capture import capture_aux
 from decoding.drafts.feature import DraftKV
 from decoding.drafts.io import draft_kind, load_feature_draft, save_feature_draft
 from decoding.models import ModelError, fingerprint, same_model
 from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine
-
-GREEDY = SamplingConfig()
-N = 24
-PROMPTS = [[1, 2, 3], [5], [7, 7, 7, 7, 9, 11]]
-CASES = [
-    StrategyConfig(strategy="sd", gamma=4),
-    StrategyConfig(strategy="mcsd", k_config="3,2,1"),
-    StrategyConfig(strategy="ti-mcsd", width=3, depth=4),
-    StrategyConfig(strategy="ti-mcsd", width=2, depth=5, stop="confidence", confidence_threshold=0.5),
-    StrategyConfig(strategy="mcsd", k_config="2,2,1", stop="confidence", confidence_rule="tree",
-                   confidence_threshold=0.3),
-]
-
-
-def fit_head(target, draft_vocab=32, steps=150, seed=0):
-    """A head briefly trained (training-time test, 2 steps) on the target's own greedy text, so
-    that drafts get accepted and the accepted-path bookkeeping is really exercised."""
-    torch.manual_seed(seed)
-    prompts = torch.randint(0, target.config.vocab_size, (24, 3))
-    with torch.no_grad():
-        seqs = target.generate(prompts, max_new_tokens=N, do_sample=False, eos_token_id=None, pad_token_id=0)
-        with capture_aux(target, (0, 1, 3)) as cap:
-            teacher = target(input_ids=seqs).logits.argmax(-1)
-    used = torch.bincount(seqs.flatten(), minlength=target.config.vocab_size).argsort(descending=True)[:draft_vocab]
-    draft = tiny_feature_draft(target, draft_vocab=draft_vocab, init=False)
-    draft.init_from_target(target, used)
-    t2d_index = torch.full((target.config.vocab_size,), -1).index_put_((draft.used_ids,), torch.arange(draft_vocab))
-    opt = torch.optim.AdamW(draft.parameters(), lr=3e-3)
-    T = seqs.shape[1]
-    for _ in range(steps):
-        outs = draft.unroll(seqs, cap.aux(), 2)
-        loss = 0.0
-        for j, (logits, _) in enumerate(outs):
-            label = t2d_index[teacher[:, 1 + j:]]  # target's argmax at position t+1+j
-            loss = loss + torch.nn.functional.cross_entropy(
-                logits[:, : T - 1 - j].reshape(-1, draft_vocab), label.reshape(-1), ignore_index=-1)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return draft.eval()
-
-
-@pytest.fixture(scope="module")
-def feature_pair():
-    target = tiny_llama(0, vocab=40, layers=4, hidden=32, scale=6)
-    return target, fit_head(target)
-
-
-def ar_output(target, prompt, n=N):
-    return build_engine(target, None, StrategyConfig(strategy="ar"), GREEDY).generate(prompt, n)[0]
 
 
 @pytest.mark.parametrize("cfg", CASES, ids=lambda c: c.name)
@@ -117,17 +67,6 @@ def test_draft_cache_is_rebuilt_from_true_features(feature_pair):
         draft.step(torch.tensor([seq[1: n + 1]]), draft.fuse(cap.aux()[:, :n]), torch.arange(n)[None], ref)
     torch.testing.assert_close(fc.cache.k, ref.k, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(fc.cache.v, ref.v, rtol=1e-4, atol=1e-5)
-
-
-# -- exact sampling over a tiny vocabulary (machinery of test_sampling_exact) -------------------
-SAMPLES = 4000
-
-
-@pytest.fixture(scope="module")
-def tiny_pair():
-    target = tiny_llama(0, vocab=6, layers=2, hidden=16, scale=3)
-    # 4 of the 6 ids: the two others reach the output only through residual resampling
-    return target, tiny_feature_draft(target, draft_vocab=4, aux=(0, 1, 1), seed=3)
 
 
 @pytest.mark.parametrize("cfg,sampling", [

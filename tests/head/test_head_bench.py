@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from conftest import tiny_llama
-from test_feature_draft import AUX, tiny_feature_draft
+from support.models import tiny_llama
+from support.head import AUX, tiny_feature_draft
 from training.head.bench import agreement, bootstrap, summary
 
 
@@ -107,7 +107,7 @@ def test_baseline_must_be_an_eval_with_per_prompt_counts(tmp_path):
 def test_sd_tokens_per_call_on_greedy_continuations_is_what_decoding_commits():
     """On the target's greedy continuations the walked sd chain is the engine's sd run, round
     for round (the same head, fp32): rounds start after a rejection in both."""
-    from test_feature_decoding import fit_head
+    from support.head import fit_head
     from decoding.sampling import SamplingConfig
     from decoding.strategies import StrategyConfig, build_engine
 

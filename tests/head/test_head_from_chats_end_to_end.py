@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from chat_fixtures import make_chat_target, openai_rows, sharegpt_rows, write_jsonl
-from distill_fixtures import ROOT
+from support.chat import make_chat_target, openai_rows, sharegpt_rows, write_jsonl
+from support.distill import ROOT
 
 
 def test_three_commands_train_a_head_on_your_own_chats(tmp_path, monkeypatch, capsys):

@@ -3,26 +3,10 @@
 import pytest
 import torch
 
-from conftest import tiny_llama
+from support.head import AUX, tiny_feature_draft
+from support.models import tiny_llama
 from decoding.drafts.capture import capture_aux
-from decoding.drafts.feature import DraftKV, FeatureDraft, FeatureDraftConfig, default_aux_layers
-
-AUX = (0, 1, 3)
-
-
-def tiny_feature_draft(target, draft_vocab=24, seed=0, aux=AUX, init=True):
-    torch.manual_seed(seed)
-    cfg = FeatureDraftConfig.from_target(target.config, draft_vocab_size=draft_vocab, aux_layers=aux)
-    d = FeatureDraft(cfg, target.get_input_embeddings().weight).eval()
-    used = torch.randperm(cfg.vocab_size)[:draft_vocab]
-    if init:
-        d.init_from_target(target, used)
-        with torch.no_grad():  # keep it random enough that every part of the head matters
-            for p in d.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
-    else:
-        d.set_vocab(used)
-    return d
+from decoding.drafts.feature import DraftKV, FeatureDraftConfig, default_aux_layers
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ embedding included) gives `ar`'s greedy output."""
 
 import pytest
 import torch
-from arch_fixtures import V, tiny_model
+from support.models import FAMILY_VOCAB as V, tiny_model
 
 from decoding.drafts.io import load_feature_draft, save_feature_draft
 from decoding.models import ModelError

@@ -3,70 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
-from distill_fixtures import EOS, PAD, V, tiny_tokenizer, trainer
-from transformers import LlamaConfig, LlamaForCausalLM
+from support.head import LAYERS, data, make_head_target, teacher_of
+from support.distill import EOS, trainer
 
 from decoding.models import load_model
-from training.corpus.teacher import CorpusConfig, Prompt, Teacher, build_corpus
 from training.draft.distill import target_fingerprint
 from training.head.cache import CacheSettings, ShardReader, build, cached, target_batch
-from training.head.data import FeatureDataModule
 from training.head.module import FeatureDistillModule
-
-LAYERS = [0, 1, 3]
-
-
-def make_target(out: Path, seed: int = 0) -> Path:
-    """A tiny, sharp random 4-layer Llama (three distinct aux layers) with a tokenizer."""
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                      bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD, tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.model.norm.weight.mul_(4)  # sharp next-token distributions: a learnable target
-    model.save_pretrained(out)
-    tiny_tokenizer(out)
-    return out
-
-
-def teacher_of(target: Path) -> Teacher:
-    model = load_model(target)
-    return Teacher(model, lambda t: [1] + [3 + ord(c) % 60 for c in t], [EOS], PAD,
-                   target_fingerprint(str(target)))
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(target dir, corpus dir, cache root) for the whole module."""
-    root = tmp_path_factory.mktemp("feature")
-    target = make_target(root / "target")
-    prompts = [Prompt(f"p{i}", "code" if i % 3 else "general", "train", "abcde"[i % 5] * (1 + i % 4))
-               for i in range(64)]
-    build_corpus(CorpusConfig(out=str(root / "corpus"), dtype="float32", batch_size=8,
-                              shard_size=16, max_new_tokens=24, temperature=1.0),
-                 teacher_of(target), prompts, progress=False)
-    return target, root / "corpus", root / "cache"
 
 
 def settings() -> CacheSettings:
     return CacheSettings(LAYERS, draft_vocab_size=40, k=8, max_prompt_tokens=16)
 
 
-def data(tiny, **kw) -> FeatureDataModule:
-    target, corpus, cache = tiny
-    args = dict(corpora=[str(corpus)], target=str(target), cache_root=str(cache),
-                draft_vocab_size=40, k=8, layers=LAYERS, max_prompt_tokens=16, max_tokens=256,
-                val_percent=20, max_val_rows=16)
-    return FeatureDataModule(**(args | kw))
-
-
-def test_cache_round_trips_and_is_incremental(tiny):
-    target, corpus, cache = tiny
+def test_cache_round_trips_and_is_incremental(head_corpus):
+    target, corpus, cache = head_corpus
     teacher = teacher_of(target)
     folder, vocab = build([str(corpus)], cache, settings(), teacher, progress=False)
     assert len(vocab.used) == 40 and int(vocab.t2d.sum()) == 40
@@ -97,8 +51,8 @@ def test_cache_round_trips_and_is_incremental(tiny):
                                atol=1e-2, rtol=1e-2)
 
 
-def test_online_batch_equals_cached_batch(tiny):
-    cached_dm, online_dm = data(tiny), data(tiny, source="online")
+def test_online_batch_equals_cached_batch(head_corpus):
+    cached_dm, online_dm = data(head_corpus), data(head_corpus, source="online")
     for dm in (cached_dm, online_dm):
         dm.prepare_data()
         dm.setup("fit")
@@ -125,9 +79,9 @@ class Record(__import__("lightning").Callback):
         self.steps.append(trainer.global_step)
 
 
-def test_loss_falls_and_step1_agreement_rises(tiny):
+def test_loss_falls_and_step1_agreement_rises(head_corpus):
     torch.manual_seed(0)
-    dm = data(tiny)
+    dm = data(head_corpus)
     module = FeatureDistillModule(target=dm.target, steps=3, lr=1e-2, schedule="steps")
     before = trainer().validate(module, datamodule=dm, verbose=False)[0]
     rec = Record()
@@ -141,7 +95,7 @@ def test_loss_falls_and_step1_agreement_rises(tiny):
     assert {"val/agree_2", "val/agree_3", "val/agree_1_code", "val/agree_1_general"} <= set(after)
 
 
-def test_resume_continues_the_step_count(tiny, tmp_path):
+def test_resume_continues_the_step_count(head_corpus, tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     def run(max_steps, ckpt=None):
@@ -149,8 +103,8 @@ def test_resume_continues_the_step_count(tiny, tmp_path):
         cb = ModelCheckpoint(dirpath=tmp_path, save_last=True, enable_version_counter=False)
         t = trainer(max_steps=max_steps, callbacks=[rec, cb], enable_checkpointing=True,
                     limit_val_batches=0)
-        m = FeatureDistillModule(target=str(tiny[0]), steps=2, schedule="steps")
-        t.fit(m, datamodule=data(tiny), ckpt_path=ckpt)
+        m = FeatureDistillModule(target=str(head_corpus[0]), steps=2, schedule="steps")
+        t.fit(m, datamodule=data(head_corpus), ckpt_path=ckpt)
         return rec, t
 
     run(4)
@@ -164,17 +118,17 @@ def test_resume_continues_the_step_count(tiny, tmp_path):
     assert m.head is not None and m.hp["steps"] == 2
 
 
-def test_refuses_a_corpus_of_another_target(tiny, tmp_path):
-    other = make_target(tmp_path / "other", seed=5)
-    dm = data(tiny, target=str(other), cache_root=str(tmp_path / "cache"))
+def test_refuses_a_corpus_of_another_target(head_corpus, tmp_path):
+    other = make_head_target(tmp_path / "other", seed=5)
+    dm = data(head_corpus, target=str(other), cache_root=str(tmp_path / "cache"))
     with pytest.raises(ValueError, match="written for target"):
         dm.setup("fit")
     with pytest.raises(ValueError, match="not the loaded one"):
-        build([str(tiny[1])], tmp_path / "cache", settings(), replace(teacher_of(other)),
+        build([str(head_corpus[1])], tmp_path / "cache", settings(), replace(teacher_of(other)),
               progress=False)
 
 
-def test_distill_dispatches_eagle3_configs_and_exports(tiny, tmp_path, monkeypatch):
+def test_distill_dispatches_eagle3_configs_and_exports(head_corpus, tmp_path, monkeypatch):
     import json
 
     monkeypatch.chdir(tmp_path)  # LightningCLI writes its config.yaml into the working directory
@@ -183,7 +137,7 @@ def test_distill_dispatches_eagle3_configs_and_exports(tiny, tmp_path, monkeypat
 
     from training.draft.distill import main
 
-    target, corpus, cache = tiny
+    target, corpus, cache = head_corpus
     conf = {
         "run": {"kind": "eagle3", "name": "head", "drafts": str(tmp_path / "drafts"), "threads": 1},
         "model": {"target": str(target), "steps": 2, "schedule": "steps"},
@@ -218,17 +172,17 @@ def test_distill_dispatches_eagle3_configs_and_exports(tiny, tmp_path, monkeypat
     with pytest.raises(ValueError, match="vocabulary"):
         warm.build_head(LAYERS, other)
 
-    other = make_target(tmp_path / "other", seed=5)
+    other = make_head_target(tmp_path / "other", seed=5)
     with pytest.raises(SystemExit) as e:
         main(["--config", str(path), "--data.target", str(other), "--model.target", str(other)])
     assert e.value.code == 2
 
 
-def test_skipped_prompt_rows_leave_the_loss_unchanged(tiny, monkeypatch):
+def test_skipped_prompt_rows_leave_the_loss_unchanged(head_corpus, monkeypatch):
     """The loss with later steps cut to the labelled rows equals the loss over every row."""
     import training.head.module as fm
 
-    dm = data(tiny)
+    dm = data(head_corpus)
     dm.prepare_data()
     dm.setup("fit")
     from training.head.data import collate
@@ -249,8 +203,8 @@ def test_skipped_prompt_rows_leave_the_loss_unchanged(tiny, monkeypatch):
         torch.testing.assert_close(xc, xf, rtol=1e-5, atol=1e-5)  # expected acceptance
 
 
-def test_freeze_output_trains_only_fc_and_midlayer(tiny):
-    dm = data(tiny)
+def test_freeze_output_trains_only_fc_and_midlayer(head_corpus):
+    dm = data(head_corpus)
     dm.setup("fit")
     module = FeatureDistillModule(target=dm.target, steps=2, init="output", freeze_output=True)
     head = module.build_head(dm.layers, dm.vocab.used)
@@ -262,19 +216,19 @@ def test_freeze_output_trains_only_fc_and_midlayer(tiny):
         FeatureDistillModule(init="bogus")
 
 
-def test_shipped_eagle3_configs_train_then_continue_on_a_tiny_target(tiny, tmp_path, monkeypatch):
+def test_shipped_eagle3_configs_train_then_continue_on_a_tiny_target(head_corpus, tmp_path, monkeypatch):
     """configs/distill_eagle3.yaml, then the same with configs/distill_eagle3_continue.yaml laid
     over it (online source, warm start from the exported head, its vocabulary), only the models,
     data and sizes overridden; relative paths land in the test's working directory."""
     import hashlib
     import json
 
-    from distill_fixtures import ROOT
+    from support.distill import ROOT
 
     from training.draft.distill import main
 
     monkeypatch.chdir(tmp_path)
-    target, corpus, cache = tiny
+    target, corpus, cache = head_corpus
     tiny_args = ["--model.target", str(target), "--model.steps", "2", "--model.schedule", "steps",
                  "--data.target", str(target), "--data.corpora", json.dumps([str(corpus)]),
                  "--data.cache_root", str(cache), "--data.draft_vocab_size", "40", "--data.k", "8",

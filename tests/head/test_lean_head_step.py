@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 
-from test_feature_decoding import CASES, GREEDY, N, PROMPTS, SAMPLES, feature_pair, tiny_pair  # noqa: F401
-from test_sampling_exact import chi2_pvalue, exact_distribution, speculative_counts
+from support.head import CASES, GREEDY, N, PROMPTS, SAMPLES
+from support.exact import chi2_pvalue, exact_distribution, speculative_counts
 from decoding.forward import kernels
 from decoding.drafts import lean_step
 from decoding.drafts.feature import DraftKV
@@ -30,7 +30,7 @@ def fast(models, dtype=torch.float32):
     return out
 
 
-def test_lean_step_equals_the_module_step(feature_pair):  # noqa: F811
+def test_lean_step_equals_the_module_step(feature_pair):
     """Catch-up (causal, no mask) then a tree level (a bool mask over cache + level) against the
     module step on the same head and an equal cache: logits and h to fp32 rounding, and the cache
     holds the same keys and values."""
@@ -58,7 +58,7 @@ def test_lean_step_equals_the_module_step(feature_pair):  # noqa: F811
 
 
 @pytest.mark.parametrize("cfg", CASES, ids=lambda c: c.name)
-def test_greedy_with_the_lean_head_equals_ar(feature_pair, cfg):  # noqa: F811
+def test_greedy_with_the_lean_head_equals_ar(feature_pair, cfg):
     target, draft = fast(feature_pair)
     ar = build_engine(target, None, StrategyConfig(strategy="ar"), GREEDY)
     eng = build_engine(target, draft, cfg, GREEDY)
@@ -68,7 +68,7 @@ def test_greedy_with_the_lean_head_equals_ar(feature_pair, cfg):  # noqa: F811
 
 
 @pytest.mark.skipif(not kernels.amx(), reason="bf16 batch invariance needs AMX linears")
-def test_bf16_greedy_with_the_lean_head_equals_bf16_ar_bit_for_bit(feature_pair):  # noqa: F811
+def test_bf16_greedy_with_the_lean_head_equals_bf16_ar_bit_for_bit(feature_pair):
     target, draft = fast(feature_pair, torch.bfloat16)
     ar = build_engine(target, None, StrategyConfig(strategy="ar"), GREEDY)
     for cfg in CASES:
@@ -77,7 +77,7 @@ def test_bf16_greedy_with_the_lean_head_equals_bf16_ar_bit_for_bit(feature_pair)
             assert eng.generate(prompt, N)[0] == ar.generate(prompt, N)[0], cfg.name
 
 
-def test_sampling_with_the_lean_head_is_exact(tiny_pair):  # noqa: F811
+def test_sampling_with_the_lean_head_is_exact(tiny_pair):
     target, draft = fast(tiny_pair)
     sampling = SamplingConfig(temperature=0.8, top_p=0.9)
     cfg = StrategyConfig(strategy="ti-mcsd", width=2, depth=2, stop="confidence", confidence_threshold=0.3)
@@ -87,7 +87,7 @@ def test_sampling_with_the_lean_head_is_exact(tiny_pair):  # noqa: F811
     assert chi2_pvalue(counts, exact_distribution(target, sampling), SAMPLES) > 1e-3
 
 
-def test_the_lean_step_lives_as_long_as_the_fast_forward(feature_pair):  # noqa: F811
+def test_the_lean_step_lives_as_long_as_the_fast_forward(feature_pair):
     """Like packed weights, the fused copies belong to one set_forward: switching the forward drops
     them, and the next fast forward (here after a dtype change) builds them anew."""
     _, draft = feature_pair

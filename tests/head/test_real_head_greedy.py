@@ -16,7 +16,7 @@ from decoding.strategies import StrategyConfig, build_engine
 
 pytestmark = pytest.mark.real
 N = 24
-SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints" / "drafts" / "smollm2-135m-eagle3"
+SHIPPED = Path(__file__).resolve().parents[2] / "checkpoints" / "drafts" / "smollm2-135m-eagle3"
 
 
 @pytest.mark.parametrize("which", ["untrained", "shipped"])

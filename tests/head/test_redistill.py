@@ -14,55 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_feature_train import LAYERS, make_target, teacher_of
-from test_retrain import write_prompts
+from support.head import USED, make_head, make_head_target, setup_run
+from support.head import LAYERS, teacher_of
+from support.decider import write_prompts
 
-from decoding.drafts.io import save_feature_draft
 from decoding.models import load_model
 from training.head import redistill as RD
-from training.head.module import FeatureDistillModule
-
-USED = torch.cat([torch.tensor([0, 1, 2]), torch.arange(27, 64)])  # not the corpus's own choice
-
-
-def make_head(target: Path, out: Path, damaged: bool = True) -> Path:
-    module = FeatureDistillModule(target=str(target))
-    head = module.build_head(LAYERS, USED)
-    if damaged:
-        with torch.no_grad():
-            head.lm_head.weight.zero_()
-    return save_feature_draft(head, out, module.target(), {"dtype": "float32"})
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("redistill")
-    target = make_target(root / "target")
-    base = {"seed_everything": 0,
-            "run": {"kind": "eagle3", "threads": 1},
-            "model": {"steps": 2, "schedule": "steps", "lr": 0.01, "warmup_ratio": 0.0},
-            "data": {"cache_root": str(root / "cache"), "k": 8, "max_prompt_tokens": 16,
-                     "max_tokens": 256, "val_percent": 20, "max_val_rows": 16},
-            "trainer": {"accelerator": "cpu", "logger": False, "enable_progress_bar": False,
-                        "enable_model_summary": False}}
-    (root / "distill.yaml").write_text(yaml.safe_dump(base))
-    return root, target, make_head(target, root / "damaged")
-
-
-def setup_run(tmp_path, tiny, **kw) -> tuple[RD.RedistillConfig, Path]:
-    """A copy of the damaged champion, 40 logged prompts, a redistill config."""
-    import shutil
-
-    root, target, damaged = tiny
-    champ = tmp_path / "drafts" / "head"
-    shutil.copytree(damaged, champ)
-    write_prompts(tmp_path / "logged", "day1.jsonl", 40)
-    args = dict(new_prompts=str(tmp_path / "logged"), work=str(tmp_path / "work"), draft=str(champ),
-                target=str(target), heldout_fraction=0.3, distill_config=str(root / "distill.yaml"),
-                max_minutes=None, max_steps=30, dtype="float32", temperature=1.0, max_new_tokens=24,
-                batch_size=8, shard_size=16, depth=2, threads=1,
-                serve_check_python=str(tmp_path / "no-vllm" / "python"))  # test_serve_gate runs one
-    return RD.RedistillConfig(**(args | kw)), champ
 
 
 def run_dirs(work: Path) -> list[Path]:
@@ -77,11 +34,11 @@ class Crash(BaseException):
     """Stands in for a kill (no `except Exception` sees it)."""
 
 
-def test_improving_challenger_is_promoted_atomically_and_rerun_is_up_to_date(tmp_path, tiny, monkeypatch):
+def test_improving_challenger_is_promoted_atomically_and_rerun_is_up_to_date(tmp_path, damaged_champion, monkeypatch):
     import training.swap
 
-    cfg, champ = setup_run(tmp_path, tiny)
-    teacher = teacher_of(tiny[1])
+    cfg, champ = setup_run(tmp_path, damaged_champion)
+    teacher = teacher_of(damaged_champion[1])
     before = snapshot(champ)
     real = training.swap.replace_dir
 
@@ -116,7 +73,7 @@ def test_improving_challenger_is_promoted_atomically_and_rerun_is_up_to_date(tmp
     from decoding.drafts.io import head_vocab, load_feature_draft
 
     assert torch.equal(head_vocab(champ), USED)  # the champion's vocabulary, kept
-    load_feature_draft(champ, load_model(tiny[1]))
+    load_feature_draft(champ, load_model(damaged_champion[1]))
 
     # same inputs again (the champion is now this run's challenger): nothing to do
     after = snapshot(champ)
@@ -124,25 +81,25 @@ def test_improving_challenger_is_promoted_atomically_and_rerun_is_up_to_date(tmp
     assert snapshot(champ) == after and len(run_dirs(tmp_path / "work")) == 1
 
 
-def test_challenger_that_does_not_improve_is_refused(tmp_path, tiny):
-    cfg, champ = setup_run(tmp_path, tiny, max_steps=3, distill_overrides=["--model.lr", "0"])
+def test_challenger_that_does_not_improve_is_refused(tmp_path, damaged_champion):
+    cfg, champ = setup_run(tmp_path, damaged_champion, max_steps=3, distill_overrides=["--model.lr", "0"])
     before = snapshot(champ)
     logs = []
-    assert RD.run(cfg, teacher_of(tiny[1]), log=logs.append) == RD.EXIT_KEPT
+    assert RD.run(cfg, teacher_of(damaged_champion[1]), log=logs.append) == RD.EXIT_KEPT
     assert snapshot(champ) == before  # byte-identical
     (dec,) = (tmp_path / "work").glob("*/" + RD.DECISION)
     d = json.loads(dec.read_text())
     assert not d["promoted"] and "not 2% above" in d["reason"]
     assert d["champion_sha"] == RD.dir_sha(champ)
-    assert RD.run(cfg, teacher_of(tiny[1]), log=logs.append) == RD.EXIT_UP_TO_DATE
+    assert RD.run(cfg, teacher_of(damaged_champion[1]), log=logs.append) == RD.EXIT_UP_TO_DATE
     assert snapshot(champ) == before
 
 
-def test_bad_input_exits_2_with_one_line(tmp_path, tiny, capsys):
+def test_bad_input_exits_2_with_one_line(tmp_path, damaged_champion, capsys):
     import shutil
 
-    root, target, damaged = tiny
-    cfg, champ = setup_run(tmp_path, tiny)
+    root, target, damaged = damaged_champion
+    cfg, champ = setup_run(tmp_path, damaged_champion)
 
     def main(**kw) -> tuple[int, str]:
         path = tmp_path / "c.yaml"
@@ -152,7 +109,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, tiny, capsys):
 
     code, err = main(new_prompts=str(tmp_path / "empty"))
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: no new prompt files")
-    other = make_target(tmp_path / "other", seed=5)
+    other = make_head_target(tmp_path / "other", seed=5)
     foreign = make_head(other, tmp_path / "foreign")
     code, err = main(draft=str(foreign))
     assert code == 2 and err.count("\n") == 1 and "only fits its own target" in err
@@ -164,12 +121,12 @@ def test_bad_input_exits_2_with_one_line(tmp_path, tiny, capsys):
     assert not run_dirs(tmp_path / "work")  # nothing was started
 
 
-def test_fixed_vocabulary_cache_labels_over_the_champions_ids(tmp_path, tiny):
+def test_fixed_vocabulary_cache_labels_over_the_champions_ids(tmp_path, damaged_champion):
     from training.corpus.teacher import CorpusConfig, Prompt, build_corpus, read_manifest
     from training.head.cache import CacheSettings, ShardReader, build, cached
     from training.head.data import FeatureDataModule
 
-    root, target, damaged = tiny
+    root, target, damaged = damaged_champion
     teacher = teacher_of(target)
     prompts = [Prompt(f"p{i}", "general", "train", "abcde"[i % 5] * (1 + i % 4)) for i in range(16)]
     corpus = tmp_path / "corpus"
@@ -202,21 +159,21 @@ def test_fixed_vocabulary_cache_labels_over_the_champions_ids(tmp_path, tiny):
         build([str(corpus)], tmp_path / "cache", s, teacher, progress=False, vocab=USED.flip(0))
 
 
-def test_retrain_runs_the_head_redistill_behind_its_gate(tmp_path, tiny, monkeypatch):
+def test_retrain_runs_the_head_redistill_behind_its_gate(tmp_path, damaged_champion, monkeypatch):
     """The hook: a feature-head draft runs training.head.redistill on retrain's own prompts
     and pair; a stand-alone draft keeps redistill_command; a decider fit for the head the
     draft was re-distilled from is replaced, not compared."""
     from types import SimpleNamespace
 
-    import retrain_seams
-    from conftest import tiny_llama
+    from support import retrain_seams
+    from support.models import tiny_llama
     from decoding.decider.policy import DeciderConfig, DeciderNet, save_decider
     from decoding.drafts.io import load_feature_draft
     from decoding.models import ModelError, fingerprint
     from training.decider import registry
     from training.decider import retrain as R
 
-    root, target, damaged = tiny
+    root, target, damaged = damaged_champion
     tmodel = load_model(target)
     head = load_feature_draft(damaged, tmodel)
     retrain_seams.install(monkeypatch.setattr, {"kind": "good"})

@@ -4,7 +4,7 @@ its output layer starts as the target's own, capture and initialisation run; GPT
 
 import pytest
 import torch
-from arch_fixtures import CONFIGS, REFUSED, V, tiny_model
+from support.models import CONFIGS, REFUSED, FAMILY_VOCAB as V, tiny_model
 
 from decoding.drafts.capture import capture_aux
 from decoding.drafts.feature import FeatureDraft, FeatureDraftConfig

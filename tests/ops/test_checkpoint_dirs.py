@@ -99,15 +99,15 @@ def test_replace_dir_into_a_free_path(tmp_path):
 
 
 def test_fit_refuses_an_existing_run_id_before_training(tmp_path, capsys):
-    from synth_traces import write_traces
-    from test_fit import config
+    from support.traces import write_traces
+    from support.decider import fit_config
     from training.decider import fit
 
     traces = write_traces(tmp_path / "t", n_prompts=12)
     taken = tmp_path / "deciders" / "run-a"
     taken.mkdir(parents=True)
     (taken / "config.json").write_text("theirs")
-    assert fit.main(["--config", str(config(tmp_path, traces)), "--export.run_id", "run-a"]) == 2
+    assert fit.main(["--config", str(fit_config(tmp_path, traces)), "--export.run_id", "run-a"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and "write-once" in err[-1]
     assert [p.name for p in taken.iterdir()] == ["config.json"] and (taken / "config.json").read_text() == "theirs"

@@ -9,7 +9,7 @@ CUDA run would mix devices. A correct run gives the same output as outside the c
 import pytest
 import torch
 
-from conftest import tiny_llama
+from support.models import tiny_llama
 from decoding.models import session as S
 from decoding.decider.policy import DeciderConfig, DeciderNet, DeciderStop
 from decoding.sampling import SamplingConfig, multinomial, uniforms

@@ -1,10 +1,10 @@
-"""Every row of the fault table (tests/fault_cases.py): one clear line, the documented exit
+"""Every row of the fault table (tests/support/faults.py): one clear line, the documented exit
 code, nothing lost on disk; crash rows finish on the re-run. Rows marked xfail there are
 known gaps another change is closing: they xfail here while they fail, and pass once fixed."""
 
 import pytest
 
-import fault_cases as FC
+from support import faults as FC
 
 CASES = {c.name: c for c in FC.cases()}
 

@@ -3,22 +3,9 @@
 import json
 
 import pytest
-from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
-from conftest import noisy_copy, tiny_llama
+from support.models import WORDS, noisy_copy, save_tiny, tiny_llama
 from decoding.generate import main, parser
-
-WORDS = ["<unk>", "<eos>"] + [f"w{i}" for i in range(30)]
-
-
-def save_tiny(path, words, model):
-    tok = Tokenizer(tk_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
-    model.save_pretrained(path)
-    fast.save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

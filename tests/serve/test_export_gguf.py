@@ -10,12 +10,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
-from conftest import tiny_llama
+from support.models import tiny_llama
 from decoding.drafts.feature import default_aux_layers
 from decoding.drafts.io import save_feature_draft
 from decoding.forward import quant
 from decoding.models import ModelError, load_model
-from test_feature_draft import tiny_feature_draft
+from support.head import tiny_feature_draft
 from training.serve.export import main
 from training.serve.gguf_head import export_gguf
 
@@ -158,8 +158,8 @@ def test_f32_copy_of_a_quantized_gguf(tmp_path):
     import gguf
     import numpy as np
 
-    from conftest import tiny_llama
-    from test_quant import write_gguf
+    from support.models import tiny_llama
+    from support.gguf import write_gguf
     from training.serve.llama_check import write_f32_gguf
 
     src = tmp_path / "q.gguf"

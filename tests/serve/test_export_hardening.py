@@ -9,11 +9,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import tiny_llama
+from support.models import tiny_llama
 from decoding.drafts.feature import default_aux_layers
 from decoding.drafts.io import save_feature_draft
 from decoding.models import ModelError, load_model
-from test_feature_draft import tiny_feature_draft
+from support.head import tiny_feature_draft
 from training.serve.export import main, to_eagle3
 from training.serve.eagle3_import import from_eagle3
 

@@ -13,12 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import test_redistill
-from test_redistill import RD, setup_run, teacher_of
-
+from support.head import setup_run, teacher_of
+from training.head import redistill as RD
 from training.serve import gate
-
-tiny = test_redistill.tiny  # the module-scoped tiny target and damaged champion
 
 FAKE = '''#!{python}
 import json, os, sys, torch
@@ -56,8 +53,8 @@ def ours_accepted(champ: Path, target: str, rows: list[dict], tokens: int) -> li
     return [dec.generate(r["ids"], max_new_tokens=tokens).stats["accepted"] for r in rows]
 
 
-def test_gate_passes_fails_and_skips(tmp_path, tiny, fake, monkeypatch):
-    cfg, champ = setup_run(tmp_path, tiny)
+def test_gate_passes_fails_and_skips(tmp_path, damaged_champion, fake, monkeypatch):
+    cfg, champ = setup_run(tmp_path, damaged_champion)
     rows = [{"id": f"p{i}", "kind": "general", "ids": [1] + [3 + (5 * i + j) % 60 for j in range(8)]}
             for i in range(3)]
     acc = ours_accepted(champ, cfg.target, rows, 12)
@@ -76,12 +73,12 @@ def test_gate_passes_fails_and_skips(tmp_path, tiny, fake, monkeypatch):
     assert gate.serve_gate(champ, cfg.target, None, rows, 12)["status"] == "skipped"
 
 
-def test_redistill_keeps_the_champion_when_vllm_would_serve_it_differently(tmp_path, tiny, fake, monkeypatch):
+def test_redistill_keeps_the_champion_when_vllm_would_serve_it_differently(tmp_path, damaged_champion, fake, monkeypatch):
     monkeypatch.setenv("FAKE_VLLM_FAIL", "1")  # vLLM cannot load the challenger
-    cfg, champ = setup_run(tmp_path, tiny, serve_check_python=str(fake), serve_check_prompts=2,
+    cfg, champ = setup_run(tmp_path, damaged_champion, serve_check_python=str(fake), serve_check_prompts=2,
                            serve_check_tokens=8)
     before = {p.name: p.read_bytes() for p in champ.iterdir()}
-    assert RD.run(cfg, teacher_of(tiny[1]), log=lambda m: None) == RD.EXIT_KEPT
+    assert RD.run(cfg, teacher_of(damaged_champion[1]), log=lambda m: None) == RD.EXIT_KEPT
     (dec,) = (tmp_path / "work").glob(f"*/{RD.DECISION}")
     d = json.loads(dec.read_text())
     # the quality gate alone would have promoted it (a damaged champion)

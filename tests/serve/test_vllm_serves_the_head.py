@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distill_fixtures import tiny_tokenizer
+from support.distill import tiny_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from decoding.drafts.feature import FeatureDraft, FeatureDraftConfig

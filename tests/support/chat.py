@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from support.models import build
+
 CHARS = [chr(i) for i in range(32, 127)] + ["\n"]
 PAD, START, EOS = 0, 1, 2
 V = 3 + len(CHARS)
@@ -43,12 +45,11 @@ def chat_tokenizer(template: str = SMOLLM2_TEMPLATE) -> PreTrainedTokenizerFast:
 
 def make_chat_target(out: Path, seed: int = 0, layers: int = 4) -> Path:
     """A tiny, sharp random Llama with the chat tokenizer, saved as an HF directory."""
-    torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
                       bos_token_id=START, eos_token_id=EOS, pad_token_id=PAD,
                       tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg).eval()
+    model = build(cfg, LlamaForCausalLM, seed=seed)
     with torch.no_grad():
         model.model.norm.weight.mul_(4)
         model.lm_head.weight[EOS] += 0.3  # turns end now and then within a few dozen tokens

@@ -1,5 +1,5 @@
 """Tiny target, corpora and trainers shared by the distillation tests (their fixtures are in
-conftest.py: one tiny target and corpus per test module)."""
+tests/conftest.py: one tiny target and corpus per test module)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from decoding.models import load_model
+from support.models import build
 from training.corpus.teacher import CorpusConfig, Prompt, Teacher, build_corpus
 from training.draft.data import CorpusDataModule
 from training.draft.module import DraftConfig
 from training.draft.teacher_cache import build_cache
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 V, EOS, PAD = 64, 2, 0
 TINY_DRAFT = DraftConfig(layers=1, hidden=32, heads=2, intermediate=64, head_size=48)
 
@@ -36,11 +37,10 @@ def tiny_tokenizer(path: Path, shift: int = 0) -> None:
 
 def make_target(out: Path) -> Path:
     """A tiny, sharp random Llama target saved as an HF directory with a tokenizer."""
-    torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
                       bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).eval()
+    model = build(cfg, LlamaForCausalLM, seed=0)
     with torch.no_grad():
         model.model.norm.weight.mul_(3)  # sharp next-token distributions: a learnable target
     model.save_pretrained(out)

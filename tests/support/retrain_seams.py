@@ -1,6 +1,6 @@
 """Seams that make training.decider.retrain run in seconds on synthetic traces (tests and fault table).
 
-`collect` writes synthetic traces (acceptance follows q_token, see synth_traces.py) and
+`collect` writes synthetic traces (acceptance follows q_token, see support/traces.py) and
 `training.decider.fit.main` exports a hand-made decider: good (scores q_token up), inverted (down)
 or timid (stops at once). Everything after them (assess, decide, the registry
 compare-and-swap, the decision record) is the real code.
@@ -15,7 +15,7 @@ import torch
 
 from decoding.decider.policy import DeciderConfig, DeciderNet, save_decider
 from decoding.decider.features import FEATURE_NAMES
-from synth_traces import write_traces
+from support.traces import write_traces
 from training.decider import fit
 from training.decider import registry
 from training.decider import retrain as R

@@ -9,7 +9,7 @@
 //
 // Batch-invariant: a row's quantized x depends on that row only, its integer sums are exact and its
 // float steps fixed, whatever the number of rows or the thread; AVX2 and AVX512 agree bit for bit.
-// The result is not the dequantized model's: it is this law (tests/test_quant.py checks it against
+// The result is not the dequantized model's: it is this law (tests/forward/test_quantized_blocks.py checks it against
 // a float64 emulation of the same quantization).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
