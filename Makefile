@@ -6,7 +6,7 @@ TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 LOCK    := constraints.txt
 
-.PHONY: venv lock test test-quick test-fast demo draft bench serve-check llama-cpp llama-bench llama-check lint clean gemma3
+.PHONY: venv lock test test-quick test-fast demo draft bench serve-check llama-cpp llama-bench llama-check gpu-pack lint clean gemma3
 
 venv: $(STAMP)
 
@@ -145,6 +145,12 @@ llama-bench: venv $(LLAMA_SERVER)
 # not), and accepts as many draft tokens as our sd --gamma 3 where its text equals ours
 llama-check: venv $(LLAMA_SERVER)
 	LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m training.serve.llama_check
+
+# the prepared GPU run (docs/gpu.md): the target, the drafts and the wheels in .whl/ in parts under
+# .gpu-carry/ sized for a slimmed tree, then the device `run` calls, printed as JSON
+PACK ?= --slim --drafts both
+gpu-pack: venv
+	$(BIN)/python -m decoding.bench.gpu_pack --out .gpu-carry $(PACK) --commands
 
 lint: venv
 	$(BIN)/ruff check decoding training tests

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from decoding import acceptance as acc
-from decoding.kv_cache import CachedModel
+from decoding.forward.static import cached_model
 from decoding.proposers import DraftTree, TreeProposer, empty_tree
 from decoding.sampling import SamplingConfig, argmax_rows, warp
 from decoding.run_stats import RunStats
@@ -32,7 +32,7 @@ class SpeculativeEngine:
     def __init__(self, target, proposer: TreeProposer | None, sampling: SamplingConfig,
                  stop: StopPolicy | None = None, replacement: bool = False,
                  longest_branch: bool = False, name: str = "ar"):
-        self.target = CachedModel(target)
+        self.target = cached_model(target)
         self.proposer = proposer
         self.sampling = sampling
         self.stop = stop or FixedDepth()

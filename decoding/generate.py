@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 
 from decoding import defaults as dflt
-from decoding.options import CONFIDENCE_RULES, FORWARDS, MODES, RULES, STRATEGIES, SamplingConfig, check_threshold
+from decoding.options import (ALL_FORWARDS, CONFIDENCE_RULES, MODES, RULES, STRATEGIES, SamplingConfig, StrategyOptions,
+                              check_threshold)
 
 
 def defaults_help() -> str:
@@ -34,13 +36,9 @@ def defaults_help() -> str:
             f"you leave unset (stop: fixed depth unless --stop is given); --dtype still defaults as above.")
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m decoding.generate", description=__doc__,
-                                 epilog=defaults_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompt", required=True, help="prompt text")
-    ap.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    ap.add_argument("--target", default=None, help="target HF model dir (default: embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--draft", default=None, help="draft HF model dir (default: the shipped draft, if any)")
+def add_strategy_args(ap: argparse.ArgumentParser) -> None:
+    """One flag per StrategyOptions field (and the decider's), shared by generate and serve;
+    `strategy_options` reads them back by the fields' names."""
     ap.add_argument("--strategy", choices=STRATEGIES, default=None,
                     help="(*) ar when no draft is available")
     ap.add_argument("--gamma", type=int, default=None, help="sd: chain length (*)")
@@ -74,6 +72,16 @@ def parser() -> argparse.ArgumentParser:
                          "--depth the levels)")
     ap.add_argument("--decider-threshold", type=float, default=None,
                     help="override the threshold chosen at fit time by trace replay")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m decoding.generate", description=__doc__,
+                                 epilog=defaults_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt", required=True, help="prompt text")
+    ap.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    ap.add_argument("--target", default=None, help="target HF model dir (default: embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--draft", default=None, help="draft HF model dir (default: the shipped draft, if any)")
+    add_strategy_args(ap)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -81,11 +89,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                     help="(*) bfloat16 on CUDA, a CPU with AMX, or one with AVX512-BF16 and the packed forward; float32 elsewhere (measured faster there)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--forward", choices=FORWARDS, default=None,
+    ap.add_argument("--forward", choices=ALL_FORWARDS, default=None,
                     help="how the models compute: lean (Llama-family layers as a few fused ops over "
                          "prepacked weights, decoding.forward.lean; packed for other layers), packed "
-                         "(oneDNN-prepacked linears, decoding.forward.packed) or eager (as loaded, the "
-                         "reference); default: $SPECSTOP_FORWARD, else the fastest measured here")
+                         "(oneDNN-prepacked linears, decoding.forward.packed), eager (as loaded, the "
+                         "reference), static (eager over a preallocated KV cache in bucketed sizes) or graph "
+                         "(static, captured as CUDA graphs: CUDA only, decoding.forward.static); default: $SPECSTOP_FORWARD, else the fastest measured here")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: torch's; on a busy machine fewer threads than "
                          "cores avoids oversubscription, which can slow decoding many times over)")
@@ -94,10 +103,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def strategy_options(args) -> dict:
-    return dict(gamma=args.gamma, k_config=args.k_config, width=args.width, depth=args.depth, mode=args.mode,
-                replacement=args.replacement or None, stop=args.stop,
-                confidence_threshold=args.confidence_threshold, confidence_rule=args.confidence_rule,
-                max_nodes=args.max_nodes, grow_cost=args.grow_cost)
+    """The StrategyOptions the flags set (None: unset), by field name."""
+    opts = {f.name: getattr(args, f.name) for f in fields(StrategyOptions) if f.name != "strategy"}
+    return opts | {"replacement": args.replacement or None}  # a store_true flag: unset is None
 
 
 def check_options(args) -> None:

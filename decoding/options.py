@@ -107,10 +107,14 @@ def fork_k_config(width: int, depth: int) -> tuple[int, ...]:
 
 
 # ---- strategies ----
-FORWARDS = ("eager", "packed", "lean")
+FORWARDS = ("eager", "packed", "lean", "static")
 """How the models compute (decoding.forward.packed): eager, transformers' modules as loaded (the
 reference); packed, oneDNN-prepacked linears; lean, packed plus each Llama-family decoder layer as
-a few fused ops (decoding.forward.lean). Here so the CLI checks it before importing torch."""
+a few fused ops (decoding.forward.lean); static, the eager modules over a preallocated KV cache in
+bucketed sizes (decoding.forward.static). Here so the CLI checks it before importing torch."""
+CUDA_FORWARDS = ("graph",)
+"""Forwards that need a CUDA device: graph, the static forward captured as CUDA graphs."""
+ALL_FORWARDS = (*FORWARDS, *CUDA_FORWARDS)
 STRATEGIES = ("ar", "sd", "mcsd", "ti-mcsd")
 MODES = ("lossless", "longest-branch")
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decoding.kv_cache import CachedModel
+from decoding.forward.static import cached_model
 from decoding.decider.context import ContextIndex, Snapshot
 from decoding.sampling import SamplingConfig, draw_candidates, warp
 from decoding.stopping import DraftLevel, Frontier, StopPolicy
@@ -61,12 +61,12 @@ class TreeProposer:
         self.roots_from_target = roots_from_target
         self._layouts: dict[tuple[int, ...], TreeLayout] = {}
         self.context = ContextIndex()
-        self._snapshot: Snapshot | None = None
+        self.snapshot: Snapshot | None = None
 
     @staticmethod
     def cache_for(draft):
         """The draft's incremental cache (a feature head has its own)."""
-        return CachedModel(draft)
+        return cached_model(draft)
 
     def reset(self) -> None:
         self.model.reset()
@@ -74,12 +74,12 @@ class TreeProposer:
     def propose(self, committed, stop: StopPolicy, generator, anchor_p=None, position: int = 0,
                 hidden: bool = False) -> DraftTree:
         tree = DraftTree(TreeLayout(()), [], [])
-        grow = _Growth()
+        grow = Growth()
         self.context = self.context.sync(committed)
-        self._snapshot = Snapshot(self.context, len(committed))
+        self.snapshot = Snapshot(self.context, len(committed))
         frontier = [ANCHOR]  # nodes whose children are drafted next
         if self.roots_from_target:
-            self._fill_level(tree, grow, {ANCHOR: anchor_p}, generator)
+            self.fill_level(tree, grow, {ANCHOR: anchor_p}, generator)
             tree.from_draft_start = tree.size
             frontier = list(range(tree.size))
         while frontier and tree.layout.max_depth < self.layout.max_depth:
@@ -92,37 +92,37 @@ class TreeProposer:
             row = {n: i - len(fed) for i, n in enumerate(fed)}
             for par in frontier:
                 tree.q[par] = warp(logits[row[par]], self.sampling)
-            counts = stop.widths(self._frontier(tree, grow, frontier, h, row, position)) \
+            counts = stop.widths(self.frontier_of(tree, grow, frontier, h, row, position)) \
                 if stop.sizes_children else None
             if counts is not None:  # the policy sizes each node's children (decoding.growth)
                 frontier = [p for p, c in zip(frontier, counts) if c > 0]
                 counts = [c for c in counts if c > 0]
                 if not frontier:
                     break
-            level = self._fill_level(tree, grow, {p: tree.q[p] for p in frontier}, generator, counts)
+            level = self.fill_level(tree, grow, {p: tree.q[p] for p in frontier}, generator, counts)
             if h is not None:
                 level.parent_hidden = h[[row[p] for p in frontier]]
             level.position = position
             tree.levels.append(level)
             keep = stop.expand(level)
-            frontier = [n for n, k in zip(level.nodes, keep) if k and self._has_children(grow, n)]
+            frontier = [n for n, k in zip(level.nodes, keep) if k and self.has_children(grow, n)]
         return tree
 
-    def _has_children(self, grow: _Growth, node: int) -> bool:
+    def has_children(self, grow: Growth, node: int) -> bool:
         if grow.full[node] == FREE:
             return grow.depth[node] < self.layout.max_depth
         return bool(self.layout.children[grow.full[node] + 1])
 
-    def _frontier(self, tree: DraftTree, grow: _Growth, frontier, h, row, position) -> Frontier:
+    def frontier_of(self, tree: DraftTree, grow: Growth, frontier, h, row, position) -> Frontier:
         return Frontier(
             depth=1 if frontier == [ANCHOR] else grow.depth[frontier[0]] + 1, nodes=list(frontier),
             q=torch.stack([tree.q[p] for p in frontier]),
             path_logq=[0.0 if p == ANCHOR else grow.logq[p] for p in frontier],
             valid=[p == ANCHOR or tree.valid[p] for p in frontier], size=tree.size,
             hidden=None if h is None else h[[row[p] for p in frontier]], position=position,
-            paths=[grow.path(p) for p in frontier], context=self._snapshot)
+            paths=[grow.path(p) for p in frontier], context=self.snapshot)
 
-    def _fill_level(self, tree: DraftTree, grow: _Growth, dists: dict, generator, counts=None) -> DraftLevel:
+    def fill_level(self, tree: DraftTree, grow: Growth, dists: dict, generator, counts=None) -> DraftLevel:
         """Draw the children of every parent in `dists`: as many as the full layout gives it,
         or `counts[row]` where the stop policy sized them (those nodes are FREE of the layout)."""
         nodes, parent_of, branch = [], [], []
@@ -149,10 +149,10 @@ class TreeProposer:
             q_token=parent_q[parent_of, toks], parent_q=parent_q, parent_of=parent_of,
             parent_nodes=[grow.parents[n] for n in nodes], branch=branch,
             path_logq=torch.tensor([grow.logq[n] for n in nodes], device=parent_q.device),
-            prefixes=[grow.path(grow.parents[n]) for n in nodes], context=self._snapshot,
+            prefixes=[grow.path(grow.parents[n]) for n in nodes], context=self.snapshot,
         )
 
-    def _layout(self, grow: _Growth) -> TreeLayout:
+    def _layout(self, grow: Growth) -> TreeLayout:
         n = len(grow.full)
         depth = self.layout.depths[n - 1] if n <= self.layout.size else -1
         if not grow.free and grow.full[-1] == n - 1 and self.layout.level_ends[depth] == n:
@@ -169,7 +169,7 @@ class TreeProposer:
 
 
 @dataclass
-class _Growth:
+class Growth:
     """Book-keeping of a tree being drafted: full-layout id, parent and path log q per node."""
 
     full: list[int] = field(default_factory=list)

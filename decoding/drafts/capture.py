@@ -40,8 +40,16 @@ def capture_aux(target, layers):
 
     handles = [blocks[i].register_forward_pre_hook(lambda mod, a, k, i=i: hook(i, mod, a, k), with_kwargs=True)
                for i in cap.layers]
+    # a static / graph forward (decoding.forward.static) pads its rows and a replay runs no hook:
+    # it publishes its own taps, cut to the real rows, which replace what the hooks saw
+    target.__dict__.pop("_specstop_taps", None)
+    target._specstop_capturing = cap.layers
     try:
         yield cap
     finally:
         for h in handles:
             h.remove()
+        del target._specstop_capturing
+        taps = target.__dict__.pop("_specstop_taps", None)
+        if taps:
+            cap.states.update({i: taps[i].detach() for i in cap.layers})

@@ -24,9 +24,9 @@ from contextlib import contextmanager
 
 import torch
 
-from decoding.drafts import lean_step
 from decoding.drafts.capture import capture_aux, decoder_layers
-from decoding.drafts.feature import DraftKV, FeatureDraft
+from decoding.drafts.feature import FeatureDraft
+from decoding.drafts.head_graph import head_cache, head_step
 from decoding.models import MASKED_LOGIT
 from decoding.proposers import DraftTree, TreeProposer, empty_tree
 from decoding.sampling import SamplingConfig
@@ -41,7 +41,7 @@ class FeatureCache:
         self.reset()
 
     def reset(self) -> None:
-        self.cache = DraftKV()
+        self.cache = head_cache(self.draft)  # a DraftKV, or static buffers (head_graph)
         self.length = 0  # committed entries in the cache (positions 0 .. length-1)
         self.known = 0  # committed positions whose target features are known
         self.rows: torch.Tensor | None = None  # features of positions length .. known-1
@@ -83,7 +83,7 @@ class FeatureCache:
         pos = (n - 2 + layout.depth_ids[start:end]).to(dev)[None]
         mask = torch.cat((torch.ones(end - start, self.length, dtype=torch.bool), layout.mask[start:end, :end]), 1)
         toks = torch.tensor([list(node_tokens)], device=dev)
-        logits, h = lean_step.step(d, toks, hid, pos, self.cache, mask)
+        logits, h = head_step(d, self.cache, toks, hid, pos, mask)
         for i, node in enumerate(range(start, end)):
             self.node_h[node] = h[0, i]
         return self._out(logits[0], d.norm(h[0]) if hidden else None)
@@ -101,7 +101,7 @@ class FeatureCache:
         k = e - self.length
         toks = torch.tensor([committed[self.length + 1: e + 1]], device=dev)
         pos = torch.arange(self.length, e, device=dev)[None]
-        logits, h = lean_step.step(d, toks, d.fuse(self.rows[:k].to(dev))[None], pos, self.cache)
+        logits, h = head_step(d, self.cache, toks, d.fuse(self.rows[:k].to(dev))[None], pos)
         self.rows = self.rows[k:]
         self.length = e
         if e == n - 1:

@@ -76,7 +76,7 @@ def time_forwards(model, sizes, repeats: int = 3, context: int = 256) -> list[fl
     the cost curve is read in (`target(1 + nodes)`). Sizes are interleaved within each repeat,
     so a burst of load hits several sizes once; the first pass warms up and is dropped; the
     result is made non-decreasing in n."""
-    from decoding.kv_cache import CachedModel
+    from decoding.forward.static import cached_model
     from decoding.drafts.feature import FeatureDraft
     from decoding.tree import TreeLayout, layout_from_k_config
 
@@ -89,7 +89,7 @@ def time_forwards(model, sizes, repeats: int = 3, context: int = 256) -> list[fl
     grows = (repeats + 1) * len(sizes)  # each forward commits its pending token: the context grows by one
     context = max(2, min(context, limit - max(sizes) - grows)) if limit else context
     seq = [(10 + i) % vocab for i in range(context - 1)]
-    m = CachedModel(model)
+    m = cached_model(model)
     m.feed(seq, TreeLayout(()), [], 0, 0)  # the context once (a prompt's forward per size cost ~20 s)
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(repeats + 1):
@@ -107,19 +107,18 @@ def time_forwards(model, sizes, repeats: int = 3, context: int = 256) -> list[fl
 @torch.inference_mode()
 def _time_feature_head(head, sizes, repeats: int, context: int) -> list[float]:
     """time_forwards for a feature (EAGLE-3) head: one tree level of n nodes after `context`
-    committed entries, as FeatureCache.feed runs it (head step, lean where it runs, with the tree mask, q scattered
+    committed entries, as FeatureCache.feed runs it (head step, lean or graphed where it runs, with the tree mask, q scattered
     to the target vocabulary). The features are random: the cost does not depend on them."""
-    from decoding.drafts import lean_step
-    from decoding.drafts.feature import DraftKV
+    from decoding.drafts.head_graph import head_cache, head_step
     from decoding.models import MASKED_LOGIT
     from decoding.tree import layout_from_k_config
 
     c, dev, dt = head.config, head.fc.weight.device, head.fc.weight.dtype
     g = torch.Generator(device="cpu").manual_seed(0)
-    cache = DraftKV()
+    cache = head_cache(head)
     toks = (torch.arange(context + max(sizes)) % c.draft_vocab_size).to(dev)[None]
     aux = torch.randn(1, context, 3 * c.target_hidden_size, generator=g).to(device=dev, dtype=dt)
-    lean_step.step(head, toks[:, :context], head.fuse(aux), torch.arange(context, device=dev)[None], cache)
+    head_step(head, cache, toks[:, :context], head.fuse(aux), torch.arange(context, device=dev)[None])
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(repeats + 1):
         for n in sizes:
@@ -128,7 +127,7 @@ def _time_feature_head(head, sizes, repeats: int, context: int) -> list[float]:
             hid = torch.randn(1, n, c.hidden_size, generator=g).to(device=dev, dtype=dt)
             pos = torch.full((1, n), context, device=dev)
             t = time.perf_counter()
-            logits, _ = lean_step.step(head, toks[:, context: context + n], hid, pos, cache, mask)
+            logits, _ = head_step(head, cache, toks[:, context: context + n], hid, pos, mask)
             head.to_target(logits[0].float(), MASKED_LOGIT)
             times[n].append(1000 * (time.perf_counter() - t))
             cache.crop(context)

@@ -104,7 +104,7 @@ def _rms(x: torch.Tensor, norm) -> torch.Tensor:
     return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
 
 
-def _add_norm(x: torch.Tensor, norm, res: torch.Tensor | None = None, fused: bool = False):
+def add_norm(x: torch.Tensor, norm, res: torch.Tensor | None = None, fused: bool = False):
     """(x + res, RMSNorm of it); one pass of decoding.forward.kernels's kernel where `fused` (torch's
     rms_norm on a CPU is ~10 ops, ~12 us a row)."""
     if fused:
@@ -122,10 +122,10 @@ def _lean_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
     B, T, C = hidden_states.shape
     H, K, D = f["heads"], f["kv_heads"], a.head_dim
     if attention_mask is None and T > 1 and f["causal_rows"]:  # a prompt from an empty cache
-        attention_mask = _causal(T, hidden_states.device)
+        attention_mask = causal_mask(T, hidden_states.device)
     x = hidden_states.reshape(B * T, C)
     fused = f["fused"]
-    y = f["qkv"](_add_norm(x, self.input_layernorm, fused=fused)[1])
+    y = f["qkv"](add_norm(x, self.input_layernorm, fused=fused)[1])
     cos, sin = position_embeddings  # [B or 1, T, D]
     if fused and not f["qk_norm"]:  # one pass: split, rotate q and k, lay out [B, heads, T, D]
         q, k, v = kernels.ops.rope_qkv(y, cos.expand(B, T, D).reshape(B * T, D).contiguous(),
@@ -152,7 +152,7 @@ def _lean_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
     else:
         att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=a.scaling,
                                              enable_gqa=H != K).transpose(1, 2).reshape(B * T, H * D)
-    x, h = _add_norm(x, self.post_attention_layernorm, f["o"](att), fused)
+    x, h = add_norm(x, self.post_attention_layernorm, f["o"](att), fused)
     g = f["gate_up"](h)
     g = kernels.ops.silu_mul(g) if fused else F.silu(g[:, : f["inter"]]) * g[:, f["inter"]:]
     x = x + f["down"](g)
@@ -171,7 +171,7 @@ def _kernel_layer_forward(self, hidden_states, attention_mask=None, position_ids
     f = self._lean
     B, T, C = hidden_states.shape
     if attention_mask is None and T > 1 and f["causal_rows"]:  # a prompt from an empty cache
-        attention_mask = _causal(T, hidden_states.device)
+        attention_mask = causal_mask(T, hidden_states.device)
     if T >= f["row_attention_below"] or (attention_mask is None and T > 1):
         return _lean_layer_forward(self, hidden_states, attention_mask, position_ids, past_key_values, use_cache,
                                    position_embeddings, **kwargs)
@@ -202,7 +202,7 @@ def _kernel_layer_forward(self, hidden_states, attention_mask=None, position_ids
 _CAUSAL: dict = {}
 
 
-def _causal(T: int, device) -> torch.Tensor:
+def causal_mask(T: int, device) -> torch.Tensor:
     """[1, 1, T, T] bool, True where a row sees a key: the causal block row_attention takes."""
     key = (T, str(device))
     if key not in _CAUSAL:

@@ -28,7 +28,7 @@ import torch
 
 from decoding.forward import kernels as cpu_kernels
 from decoding.forward.lean import QUANT_ROWS, make_lean, rebind, unmake_lean
-from decoding.options import FORWARDS
+from decoding.options import ALL_FORWARDS, FORWARDS  # noqa: F401  (FORWARDS: re-exported)
 REVISION = 10
 """Bumped when what the packed forward runs changes (3: float32 below 4 rows on the eager
 kernel; 4: few rows on decoding.forward.kernels; 5: steps and verifies attend on them; 6: float32
@@ -63,9 +63,9 @@ def default_forward(dtype: torch.dtype, device) -> str:
     $SPECSTOP_FORWARD overrides."""
     asked = os.environ.get(ENV, "").strip()
     if asked:
-        if asked not in FORWARDS:
-            raise ValueError(f"{ENV} must be one of {', '.join(FORWARDS)} (got {asked!r})")
-        return asked if asked in ("eager", "lean") or packed_available(dtype, device) else "eager"
+        if asked not in ALL_FORWARDS:
+            raise ValueError(f"{ENV} must be one of {', '.join(ALL_FORWARDS)} (got {asked!r})")
+        return asked if asked != "packed" or packed_available(dtype, device) else "eager"
     return "lean" if packed_available(dtype, device) else "eager"
 
 
@@ -137,7 +137,7 @@ def unpack_linears(model: torch.nn.Module) -> None:
 
 
 def forward_kind(model: torch.nn.Module) -> str:
-    """Which forward a model runs: eager (as loaded), packed or lean."""
+    """Which forward a model runs: eager (as loaded), packed, lean, static or graph."""
     return getattr(model, "_specstop_forward", "eager")
 
 
@@ -145,12 +145,20 @@ def set_forward(model: torch.nn.Module, kind: str, kernels: bool = True) -> str:
     """Switch a model to `kind` (FORWARDS); returns the kind it runs: lean falls back to packed
     where a layer is not of a known family, packed to eager where oneDNN cannot pack. `kernels`:
     decoding.forward.kernels where they are built (off: torch's ops and oneDNN's linears only)."""
-    if kind not in FORWARDS:
-        raise ValueError(f"forward must be one of {', '.join(FORWARDS)} (got {kind!r})")
+    if kind not in ALL_FORWARDS:
+        raise ValueError(f"forward must be one of {', '.join(ALL_FORWARDS)} (got {kind!r})")
+    if kind == "graph":
+        dev = next(model.parameters()).device
+        if dev.type != "cuda":
+            raise ValueError(f"--forward graph needs a CUDA device (the model is on {dev.type}); "
+                             f"--forward static runs the same static cache without graphs")
     if kind == forward_kind(model) and kernels == getattr(model, "_specstop_kernels", True):
         return kind
     unpack_linears(model)
     model._specstop_kernels = kernels
+    if kind in ("static", "graph"):  # the eager modules over decoding.forward.static's cache
+        model._specstop_forward = kind
+        return kind
     if kind == "lean" and make_lean(model, pack_weight, EAGER_BELOW, kernel_rows(kernels)):
         model._specstop_forward = "lean"
     if kind != "eager":
