@@ -11,7 +11,8 @@ torch.set_num_threads(1)
 # The minute-long modules first: xdist hands work out in collection order, a worker holding up
 # to 3 queued tests, so long tests met at the end of the run leave the other worker idle.
 LONG_FIRST = ("test_exact_sampling.py", "test_cost_aware_growth.py", "test_decoding_with_a_head.py",
-              "test_real_target_greedy.py", "test_scheduled_retrain.py", "test_fault_table.py")
+              "test_batched_sampling.py", "test_static_cache.py", "test_real_target_greedy.py",
+              "test_scheduled_retrain.py", "test_fault_table.py")
 
 
 def pytest_collection_modifyitems(items):

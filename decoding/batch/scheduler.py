@@ -1,0 +1,204 @@
+"""Continuous batching of speculative rounds: N requests, one target forward a round.
+
+Why: decoding/engine.py runs one request's round (propose -> verify -> decide -> commit); a
+server holds many. `BatchEngine` keeps each request's own state (its target KV cache, its
+proposer with its draft cache, its stop policy, sampling config and generator) and runs rounds in
+which every active request drafts its tree (the draft runs per request), all trees are verified
+in ONE target forward (decoding.batch.forward), and each request decides and commits with the
+engine's acceptance rules. Requests join (`add`) and leave (`remove`, or when done) between
+rounds; leaving drops that request's caches and touches no other request's.
+
+Trees are sized either per request (each request's own StopPolicy, the batch-1 proposer as is) or
+by one budget across requests (`budget`: decoding.batch.budget.JointGrow).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from decoding import acceptance as acc
+from decoding.batch.budget import JointGrow
+from decoding.batch.drafting import Drafting, draft_jointly
+from decoding.batch.forward import Segment, verify_many
+from decoding.drafts.feature import FeatureDraft
+from decoding.drafts.proposer import FeatureProposer
+from decoding.forward.packed import forward_kind
+from decoding.kv_cache import CachedModel
+from decoding.proposers import DraftTree, TreeProposer, empty_tree
+from decoding.run_stats import RunStats
+from decoding.sampling import SamplingConfig, argmax_rows, warp
+from decoding.stopping import FixedDepth, StopPolicy
+from decoding.tree import TreeLayout
+
+
+@dataclass
+class Request:
+    """One request: what was asked, and its own decoding state."""
+
+    prompt: list[int]
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    seed: int = 0
+    eos: frozenset = frozenset()
+    on_tokens: Callable[[list[int]], None] | None = None
+    id: int = 0
+    out: list[int] = field(default_factory=list)
+    done: bool = False
+    stats: RunStats | None = None
+    cache: CachedModel | None = field(default=None, repr=False)
+    proposer: TreeProposer | None = field(default=None, repr=False)
+    stop: StopPolicy | None = field(default=None, repr=False)
+    gen: torch.Generator | None = field(default=None, repr=False)
+    joined_round: int = 0
+    error: BaseException | None = None
+    """What `on_tokens` raised (a client gone): the request left there, the others ran on."""
+
+    @property
+    def committed(self) -> list[int]:
+        return self.prompt + self.out
+
+
+def decide(tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig, replacement: bool,
+           gen) -> tuple[list[int], list[int]]:
+    """(accepted path, committed tokens) of one verified tree, as SpeculativeEngine._decide in its
+    lossless mode: logits[-size-1] is the anchor's row, node i's is logits[-size + i]."""
+    n = tree.size
+    if sampling.greedy:
+        w = acc.walk_greedy(tree.layout.children, tree.tokens, argmax_rows(logits[-n - 1:]))
+    else:
+        row = lambda i: logits[len(logits) - n + i] if i >= 0 else logits[len(logits) - n - 1]  # noqa: E731
+        w = acc.walk_sampling(tree.layout.children, tree.tokens, tree.valid, lambda i: warp(row(i), sampling),
+                              tree.q.__getitem__, replacement, gen)
+    return w.path, [tree.tokens[i] for i in w.path] + [w.next_token]
+
+
+class BatchEngine:
+    """Rounds of speculative decoding for several requests at once (see the module docstring).
+
+    target / draft: loaded models (draft None: plain decoding, one row per request); layout: the
+    largest tree a request may draft (its depth caps the joint budget's trees too); stop: a
+    factory of each request's own stop policy (independent trees); budget: one JointGrow for the
+    whole round instead."""
+
+    def __init__(self, target, draft=None, layout: TreeLayout | None = None,
+                 stop: Callable[[], StopPolicy] | None = None, budget: JointGrow | None = None,
+                 replacement: bool = False, name: str = "batch"):
+        if draft is not None and layout is None:
+            raise ValueError("a draft needs a tree layout (the largest tree a request drafts)")
+        kind = forward_kind(target)
+        if kind not in ("eager", "packed", "lean"):
+            raise ValueError(f"batched rounds run the eager, packed or lean forward (the target runs {kind})")
+        self.target, self.draft, self.layout = target, draft, layout
+        self.stop_factory = stop or FixedDepth
+        self.budget = budget
+        self.replacement = replacement
+        self.name = name
+        self.active: list[Request] = []
+        self.rounds = 0
+        self.verify_rows: collections.deque[int] = collections.deque(maxlen=1 << 16)
+        """Rows of each recent round's verify forward (all requests together; bounded: a server
+        runs rounds for ever)."""
+        self._ids = itertools.count()
+
+    def add(self, prompt, max_new_tokens: int = 128, sampling: SamplingConfig | None = None, seed: int = 0,
+            eos_token_id=None, on_tokens=None) -> Request:
+        """A request joining at the next round."""
+        if not prompt:
+            raise ValueError("empty prompt")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+        eos = frozenset([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+        req = Request(list(prompt), max_new_tokens, sampling or SamplingConfig(), seed, eos, on_tokens,
+                      next(self._ids), joined_round=self.rounds)
+        req.cache = CachedModel(self.target)
+        req.gen = torch.Generator(device=self.target.device).manual_seed(seed)
+        req.stats = RunStats(self.name, True)
+        if self.draft is not None:
+            req.proposer = self._proposer(req.sampling)
+            req.stop = self.stop_factory()
+        self.active.append(req)
+        return req
+
+    def _proposer(self, sampling: SamplingConfig) -> TreeProposer:
+        if isinstance(self.draft, FeatureDraft):
+            return FeatureProposer(self.draft, self.target, self.layout, sampling, self.replacement)
+        return TreeProposer(self.draft, self.layout, sampling, self.replacement)
+
+    def remove(self, req: Request) -> None:
+        """The request leaves: its caches go (no other request's cache is touched)."""
+        if req in self.active:
+            self.active.remove(req)
+        req.cache = req.proposer = req.stop = None
+
+    def step(self) -> list[Request]:
+        """One round for every active request; returns those that finished (and left)."""
+        reqs = list(self.active)
+        if not reqs:
+            return []
+        t0 = time.perf_counter()
+        trees = self._propose(reqs)
+        t1 = time.perf_counter()
+        segs = [Segment(r.cache, r.committed, t.layout, t.tokens, self._capture(r)) for r, t in zip(reqs, trees)]
+        self.verify_rows.append(sum(s.rows for s in segs))
+        logits = verify_many(self.target, segs)
+        t2 = time.perf_counter()
+        finished = []
+        for r, t, s, lg in zip(reqs, trees, segs, logits):
+            if self._commit(r, t, s, lg, t1 - t0, t2 - t1):
+                finished.append(r)
+        t3 = time.perf_counter()
+        for r in reqs:  # the shared times, split evenly, so per-request stats add up to the wall
+            r.stats.wall_s += (t3 - t0) / len(reqs)
+        for r in finished:
+            r.stats.context = len(r.committed)
+            self.remove(r)
+        self.rounds += 1
+        return finished
+
+    def run(self) -> None:
+        """Rounds until no request is active."""
+        while self.active:
+            self.step()
+
+    def _capture(self, r: Request) -> tuple[int, ...]:
+        return tuple(r.proposer.model.draft.config.aux_layers) if isinstance(r.proposer, FeatureProposer) else ()
+
+    def _propose(self, reqs: list[Request]) -> list[DraftTree]:
+        if self.draft is None:
+            return [empty_tree() for _ in reqs]
+        if self.budget is None:
+            return [r.proposer.propose(r.committed, r.stop, r.gen, None, len(r.out),
+                                       r.stop.needs_hidden) for r in reqs]
+        ds = [Drafting(r.proposer, r.committed, r.gen, len(r.out), self.budget.needs_hidden) for r in reqs]
+        self.budget.begin([len(r.committed) - r.cache.length for r in reqs], [not d.done for d in ds])
+        return draft_jointly(ds, self.budget)
+
+    def _commit(self, r: Request, tree: DraftTree, seg: Segment, logits, draft_s: float, verify_s: float) -> bool:
+        """Decide and commit one request's round; True when it is done."""
+        t = time.perf_counter()
+        path, toks = decide(tree, logits, r.sampling, self.replacement, r.gen)
+        r.cache.commit(path, tree.size)
+        if r.proposer is not None:
+            if isinstance(r.proposer, FeatureProposer):
+                r.proposer.model.captured = seg.captured
+            if tree.size:
+                r.proposer.commit(tree, path)
+            r.stop.update(tree.layout.max_depth, len(path))
+        new = toks[: r.max_new_tokens - len(r.out)]
+        hit = next((i for i, x in enumerate(new) if x in r.eos), None)
+        new = new if hit is None else new[: hit + 1]
+        r.out += new
+        r.stats.add_round(tree, path, len(new), draft_s, verify_s, time.perf_counter() - t)
+        r.done = hit is not None or len(r.out) >= r.max_new_tokens
+        if r.on_tokens and new:
+            try:
+                r.on_tokens(new)
+            except Exception as e:  # the consumer is gone: this request ends, the round goes on
+                r.error, r.done = e, True
+        return r.done
