@@ -182,14 +182,17 @@ def write_report(results: dict, out: Path) -> str:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m decoding.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=("compare", "engine", "dtype", "forward", "cli", "llama"), default="compare",
+    ap.add_argument("--suite", choices=("compare", "engine", "dtype", "forward", "cli", "llama", "gpu", "serve",
+                                        "serve-load"), default="compare",
                     help="compare (default): every strategy and peer; engine: ar vs model.generate; dtype: "
                          "ar and the default configuration in float32 and bfloat16, interleaved (the "
                          "config's pair, prompts, repeats); forward: one target forward per size, eager vs "
                          "packed, in --dtypes, interleaved, with a profile; cli: `decoding.generate` "
                          "end to end (fresh processes), defaults vs ar, --prompts per kind, --new-tokens; llama: "
                          "llama.cpp's llama-server vs our ar and defaults on the same GGUF (--target FILE.gguf, "
-                         "default the embedded one), --prompts per kind, --new-tokens, --threads")
+                         "default the embedded one), --prompts per kind, --new-tokens, --threads; gpu: see --suite gpu --help; "
+                         "serve: our server vs llama-server -np N under --clients; serve-load: the load test")
+    ap.add_argument("--clients", default="1,2,4,8", help="serve suite: concurrent clients (serve-load: the first)")
     ap.add_argument("--config", default="configs/bench.yaml", help="compare suite config (YAML)")
     ap.add_argument("--quick", action="store_true", help="CI smoke: tiny random models, a few seconds")
     ap.add_argument("--out", default=None, help="output dir (default: the config's out; engine: reports/engine)")
@@ -297,12 +300,7 @@ def _forward_main(a, command: str) -> int:
     res = forward_suite(a.dtypes.split(","), forwards=a.forwards.split(","), threads=threads, context=a.context,
                         repeats=a.repeats or 15, sizes=tuple(int(n) for n in a.sizes.split(",")))
     res["command"] = command
-    out = Path(a.out or f"reports/forward-{time.strftime('%Y-%m-%d')}")
-    write_atomic(out / "results.json", json.dumps(res, indent=2))
-    md = forward_markdown(res, command)
-    write_atomic(out / "results.md", md)
-    print(md)
-    return 0
+    return _write_suite(a, "forward", res, forward_markdown(res, command))
 
 
 def _cli_main(a, command: str) -> int:
@@ -311,12 +309,7 @@ def _cli_main(a, command: str) -> int:
     res = cli_suite(a.prompts or 4, a.new_tokens, a.repeats or 3, a.threads, progress=_log)
     res["command"] = command
     res["cpu"] = _cpu()
-    out = Path(a.out or f"reports/cli-{time.strftime('%Y-%m-%d')}")
-    write_atomic(out / "results.json", json.dumps(res, indent=2))
-    md = cli_markdown(res, command, res["cpu"])
-    write_atomic(out / "results.md", md)
-    print(md)
-    return 0
+    return _write_suite(a, "cli", res, cli_markdown(res, command, res["cpu"]))
 
 
 def _llama_main(a, command: str) -> int:
@@ -325,12 +318,21 @@ def _llama_main(a, command: str) -> int:
     res = llama_suite(a.prompts or 6, a.new_tokens, a.threads or 1, a.llama_server, a.target, a.head_gguf,
                       progress=_log)
     res["command"] = command
-    out = Path(a.out or f"reports/llama-{time.strftime('%Y-%m-%d')}")
+    return _write_suite(a, "llama", res, llama_markdown(res) + f"\nCommand: `{command}`\n")
+
+
+def _write_suite(a, name: str, res: dict, md: str) -> int:
+    out = Path(a.out or f"reports/{name}-{time.strftime('%Y-%m-%d')}")
     write_atomic(out / "results.json", json.dumps(res, indent=2))
-    md = llama_markdown(res) + f"\nCommand: `{command}`\n"
     write_atomic(out / "results.md", md)
     print(md)
     return 0
+
+
+def _serve_main(a, command: str) -> int:
+    from decoding.bench.serve_suite import main as serve_main
+
+    return serve_main(a, command, _log)
 
 
 def main(argv=None) -> int:
@@ -338,25 +340,14 @@ def main(argv=None) -> int:
     a = parser().parse_args(argv)
     command = "python -m decoding.bench " + " ".join(argv)
     try:
-        if a.suite == "engine":
-            if a.quick or a.write_defaults is not None:
-                raise ValueError("--quick and --write-defaults belong to the compare suite")
-            return _engine_main(a)
-        if a.suite == "forward":
-            if a.quick or a.write_defaults is not None:
-                raise ValueError("--quick and --write-defaults belong to the compare suite")
-            return _forward_main(a, command)
-        if a.suite == "cli":
-            if a.quick or a.write_defaults is not None:
-                raise ValueError("--quick and --write-defaults belong to the compare suite")
-            return _cli_main(a, command)
-        if a.suite == "llama":
-            if a.quick or a.write_defaults is not None:
-                raise ValueError("--quick and --write-defaults belong to the compare suite")
-            return _llama_main(a, command)
+        side = {"engine": lambda: _engine_main(a), "forward": lambda: _forward_main(a, command),
+                "cli": lambda: _cli_main(a, command), "llama": lambda: _llama_main(a, command),
+                "serve": lambda: _serve_main(a, command), "serve-load": lambda: _serve_main(a, command)}
+        if a.suite != "compare" and (a.quick or a.write_defaults is not None):
+            raise ValueError("--quick and --write-defaults belong to the compare suite")
+        if a.suite in side:
+            return side[a.suite]()
         if a.suite == "dtype":
-            if a.quick or a.write_defaults is not None:
-                raise ValueError("--quick and --write-defaults belong to the compare suite")
             from decoding.bench.dtype import dtype_main
 
             out = Path(a.out or f"reports/dtype-{time.strftime('%Y-%m-%d')}")

@@ -48,12 +48,13 @@ def _free_port() -> int:
 
 
 class LlamaServer:
-    """llama-server on a loopback port, one slot, `threads` threads; stopped on exit."""
+    """llama-server on a loopback port, `parallel` slots, `threads` threads; stopped on exit."""
 
-    def __init__(self, binary: Path, gguf: Path, threads: int, ctx: int = 4096, head: Path | None = None):
+    def __init__(self, binary: Path, gguf: Path, threads: int, ctx: int = 4096, head: Path | None = None,
+                 parallel: int = 1):
         self.port = _free_port()
         cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c", str(ctx),
-               "-np", "1", "--host", "127.0.0.1", "--port", str(self.port), "--no-webui"]
+               "-np", str(parallel), "--host", "127.0.0.1", "--port", str(self.port), "--no-webui"]
         if head is not None:
             cmd += ["-md", str(head), "--spec-type", "draft-eagle3", "--spec-draft-n-max", "3"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

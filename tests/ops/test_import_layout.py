@@ -120,3 +120,68 @@ def test_checker_sees_circles_in_function_bodies_and_upward_arrows(tmp_path):
     assert graph["decoding.d"] == {"training.t"}
     (tmp_path / "decoding/c.py").write_text("def g():\n    pass\n")
     assert find_cycle(import_graph(tmp_path)) is None
+
+
+# ---- the rooms (issue 43): what sits where, and who may import whom ----
+ROUND = {"decoding.engine", "decoding.proposers", "decoding.stopping", "decoding.growth", "decoding.acceptance",
+         "decoding.strategies", "decoding.api", "decoding.generate"}
+"""The round and its front ends: the forward room and model loading sit below them."""
+TRAINING_TOP = {"__init__", "cli", "logged", "shards", "swap", "demo", "collect", "fit", "retrain", "distill",
+                "export", "migrate_fingerprints", "convert_draft"}
+"""training/'s top level: the user's commands and the helpers every pipeline shares."""
+ENTRY_POINTS = {"collect": "training.decider.collect", "fit": "training.decider.fit",
+                "retrain": "training.decider.retrain", "distill": "training.draft.distill",
+                "export": "training.serve.export"}
+
+
+def test_decoding_top_level_holds_at_most_15_modules():
+    top = sorted(p.stem for p in (ROOT / "decoding").glob("*.py"))
+    assert len(top) <= 15, f"{len(top)} modules at decoding/'s top: {top}"
+
+
+def test_every_pipeline_has_its_room():
+    for room in ("forward", "decider", "models", "drafts", "bench"):
+        assert (ROOT / "decoding" / room / "__init__.py").is_file(), room
+    for room in ("corpus", "decider", "draft", "head", "serve"):
+        assert (ROOT / "training" / room / "__init__.py").is_file(), room
+    extra = sorted(p.stem for p in (ROOT / "training").glob("*.py") if p.stem not in TRAINING_TOP)
+    assert not extra, f"training/'s top level holds commands and shared helpers only; move {extra} into a room"
+
+
+def test_the_forward_room_and_model_loading_never_import_the_round():
+    """decoding.models.session is where a loaded pair meets its strategy, so it may."""
+    graph = import_graph(ROOT)
+    up = sorted(f"{m} -> {t}" for m, ts in graph.items() if m != "decoding.models.session"
+                and m.startswith(("decoding.forward", "decoding.models")) for t in ts if t in ROUND)
+    assert not up, "below the round, yet importing it: " + "; ".join(up)
+
+
+def test_the_commands_at_training_s_top_only_start_their_pipeline():
+    """`python -m training.fit` and the rest keep working as the README shows them; their code
+    lives in the pipeline's room (one import, one call)."""
+    for name, target in ENTRY_POINTS.items():
+        path = ROOT / "training" / f"{name}.py"
+        found = imports_of(path.read_text(), f"training.{name}", False, set(import_graph(ROOT)))
+        assert found == {target}, f"training/{name}.py imports {sorted(found)}, not just {target}"
+        assert len(path.read_text().splitlines()) <= 12, f"training/{name}.py is more than an entry point"
+
+
+def test_tests_live_in_area_folders_and_import_no_other_test_file():
+    tests = ROOT / "tests"
+    flat = sorted(p.name for p in tests.glob("test_*.py"))
+    assert not flat, f"test files outside an area folder: {flat}"
+    for path in tests.rglob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad = [n for n in names if n.split(".")[-1].startswith("test_")]
+            assert not bad, f"{path.relative_to(ROOT)} imports the test file(s) {bad}: move shared code to tests/support"
+
+
+def test_readme_layout_names_every_room():
+    layout = (ROOT / "README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    for pkg in ("decoding", "training"):
+        for room in sorted(p.parent.name for p in (ROOT / pkg).glob("*/__init__.py")):
+            assert f"{room}/" in layout, f"README's Layout does not name {pkg}/{room}/"
+    for area in sorted(p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
+        assert f"`{area}`" in layout, f"README's Layout does not name tests/{area}"

@@ -1,0 +1,288 @@
+"""The server suite: our OpenAI server against llama-server under concurrent clients
+(`python -m decoding.bench --suite serve [--clients 1,2,4,8] [--llama-server PATH --head-gguf H]`),
+and the load test (`--suite serve-load`: 8 clients x 50 requests, mixed lengths, some cancelled).
+
+Every server is a subprocess on a loopback port, driven over HTTP by client threads, each client
+sending its share of the held-out chat prompts one after another, greedy, streamed (time to first
+token, time per token after it). Rows, interleaved per repeat so a burst of load hits all alike:
+  ours, joint        decoding.serve, one grow budget across requests (the default)
+  ours, independent  decoding.serve --budget independent
+  ours, ar           decoding.serve --strategy ar (plain decoding, batched)
+  ours, one by one   decoding.serve --max-batch 1: the batch-1 engine serving requests in turn
+  llama.cpp -np N    llama-server plain, and with our head (-md HEAD --spec-type draft-eagle3)
+Throughput = completion tokens of all requests / the wall time from first send to last answer
+(tokens counted with the target's tokenizer for every server alike).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from decoding.bench.config import BenchConfig, load_prompts
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """Our server as a subprocess on a free loopback port (`cmd` gets --port appended)."""
+
+    def __init__(self, name: str, cmd: list[str], model: str, timeout: float = 300):
+        self.name, self.model, self.port = name, model, _free_port()
+        self.proc = subprocess.Popen([*cmd, "--port", str(self.port)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited: {self.proc.stderr.read()[-800:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.3)
+        self.close()
+        raise RuntimeError(f"{name} did not come up in {timeout:.0f} s")
+
+    def rss_mib(self) -> float:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            kb = next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS"))
+        return kb / 1024
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def ask(port: int, model: str, prompt: str, max_tokens: int, cancel_after: int | None = None) -> dict:
+    """One streamed chat request: its text, time to first token, end time; cancel_after=k closes
+    the connection after k events (a client that goes away)."""
+    import http.client
+
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "cache_prompt": False}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    if r.status != 200:
+        return {"error": f"HTTP {r.status}: {r.read()[:200]!r}", "t0": t0}
+    text, first, events = "", None, 0
+    while True:
+        line = r.readline()
+        if not line:
+            break
+        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+            continue
+        obj = json.loads(line[6:])
+        if "error" in obj:
+            return {"error": obj["error"].get("message", "?"), "t0": t0}
+        piece = (obj["choices"][0].get("delta") or {}).get("content") or ""
+        if piece and first is None:
+            first = time.perf_counter()
+        text += piece
+        events += 1
+        if cancel_after is not None and events >= cancel_after:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+            conn.close()
+            return {"cancelled": True, "t0": t0}
+    conn.close()
+    return {"text": text, "t0": t0, "first": first, "end": time.perf_counter()}
+
+
+def drive(port: int, prompts: list[str], clients: int, max_tokens, count, cancel_every: int = 0) -> dict:
+    """`clients` threads share `prompts` round-robin; every `cancel_every`-th request leaves early."""
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def client(c: int):
+        for i in range(c, len(prompts), clients):
+            cancel = 2 if cancel_every and i % cancel_every == cancel_every - 1 else None
+            r = ask(port, "specstop", prompts[i], max_tokens[i] if isinstance(max_tokens, list) else max_tokens,
+                    cancel)
+            with lock:
+                results.append(r)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    done = [r for r in results if "text" in r]
+    tokens = [count(r["text"]) for r in done]
+    ttft = sorted(r["first"] - r["t0"] for r in done if r["first"])
+    tpot = sorted((r["end"] - r["first"]) / (n - 1) for r, n in zip(done, tokens) if r["first"] and n > 1)
+    pct = lambda xs, q: round(1000 * xs[min(len(xs) - 1, int(q * len(xs)))], 1) if xs else None  # noqa: E731
+    return {"clients": clients, "requests": len(results), "errors": [r["error"] for r in results if "error" in r],
+            "cancelled": sum(1 for r in results if r.get("cancelled")), "tokens": sum(tokens),
+            "wall_s": round(wall, 3), "tok_s": round(sum(tokens) / wall, 2),
+            "ttft_ms": {"p50": pct(ttft, 0.5), "p90": pct(ttft, 0.9)},
+            "tpot_ms": {"p50": pct(tpot, 0.5), "p90": pct(tpot, 0.9)}}
+
+
+def _counter(target: str | None):
+    """Completion tokens of a text, by the target's tokenizer (every server's text alike)."""
+    from decoding.models import load_tokenizer, named_targets
+
+    tok = load_tokenizer(named_targets.default_target_dir() if target is None else
+                         named_targets.gguf_target_dir(Path(target)) if str(target).endswith(".gguf") else target)
+    return lambda text: len(tok.encode(text, add_special_tokens=False))
+
+
+def held_out(n: int) -> list[str]:
+    files = BenchConfig().prompt_sets
+    per = [load_prompts(f, n) for f in files.values()]
+    return [p["prompt"] for pair in zip(*per) for p in pair][:n]
+
+
+def ours(extra: list[str], threads: int | None, target: str | None) -> list[str]:
+    cmd = [sys.executable, "-m", "decoding.serve", "--model-name", "specstop", *extra]
+    return cmd + (["--threads", str(threads)] if threads else []) + (["--target", target] if target else [])
+
+
+def serve_suite(clients: list[int], prompts: int, new_tokens: int, threads: int | None, repeats: int,
+                llama_server: str | None, head_gguf: str | None, target: str | None, progress=print) -> dict:
+    count = _counter(target)
+    texts = held_out(max(prompts, max(clients)))
+    rows = {"ours, joint": ours([], threads, target), "ours, independent": ours(["--budget", "independent"], threads, target),
+            "ours, ar": ours(["--strategy", "ar"], threads, target),
+            "ours, one by one": ours(["--max-batch", "1"], threads, target)}
+    if llama_server:
+        from decoding.bench.llama import LlamaServer, find_server
+        from decoding.models import named_targets
+
+        binary, gguf = find_server(llama_server), Path(target) if target else named_targets.smollm2_gguf_path()
+        for n in clients:
+            rows[f"llama.cpp -np {n}"] = lambda n=n: LlamaServer(binary, gguf, threads or 1, 4096 * n, parallel=n)
+            if head_gguf:
+                rows[f"llama.cpp+head -np {n}"] = lambda n=n: LlamaServer(binary, gguf, threads or 1, 4096 * n,
+                                                                         Path(head_gguf), parallel=n)
+    out = {"clients": clients, "prompts": len(texts), "new_tokens": new_tokens, "threads": threads,
+           "repeats": repeats, "runs": []}
+    for name, cmd in rows.items():
+        progress(f"[serve] starting {name}")
+        srv = cmd() if callable(cmd) else Server(name, cmd, "specstop")
+        try:
+            ask(srv.port, "specstop", texts[0], 4)  # warm-up: kernels, caches, the cost curve
+            for n in clients if not name.startswith("llama") else [int(name.rsplit(" ", 1)[1])]:
+                for rep in range(repeats):
+                    r = drive(srv.port, texts, n, new_tokens, count)
+                    out["runs"].append({"row": name, "repeat": rep, **r})
+                    progress(f"[serve] {name} clients={n} rep={rep}: {r['tok_s']} tok/s, errors {len(r['errors'])}")
+        finally:
+            srv.close()
+    return out
+
+
+def load_test(clients: int, requests: int, threads: int | None, target: str | None, cancel_every: int = 10,
+              progress=print) -> dict:
+    """`clients` x `requests` mixed-length requests (8-128 tokens), every `cancel_every`-th one
+    abandoned after its second event; the server's memory before and after."""
+    count = _counter(target)
+    base = held_out(24)
+    n = clients * requests
+    prompts = [base[i % len(base)] for i in range(n)]
+    lengths = [(8, 32, 64, 128)[i % 4] for i in range(n)]
+    srv = Server("ours, joint", ours([], threads, target), "specstop")
+    try:
+        ask(srv.port, "specstop", base[0], 4)
+        rss0 = srv.rss_mib()
+        half = n // 2  # the memory after the first half and after the second: flat means no leak
+        first = drive(srv.port, prompts[:half], clients, lengths[:half], count, cancel_every)
+        rss1 = srv.rss_mib()
+        second = drive(srv.port, prompts[half:], clients, lengths[half:], count, cancel_every)
+        rss2 = srv.rss_mib()
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics") as r:
+            metrics = r.read().decode()
+    finally:
+        srv.close()
+    progress(f"[serve-load] rss {rss0:.0f} -> {rss1:.0f} -> {rss2:.0f} MiB")
+    return {"clients": clients, "requests_per_client": requests, "cancel_every": cancel_every,
+            "halves": [first, second], "rss_mib": [round(rss0, 1), round(rss1, 1), round(rss2, 1)],
+            "metrics": [ln for ln in metrics.splitlines() if ln.startswith("specstop_")],
+            "threads": threads or os.cpu_count()}
+
+
+def summary(res: dict) -> dict:
+    """Median tok/s per (row, clients) over repeats, and each row over `ours, one by one`."""
+    by: dict[tuple, list[float]] = {}
+    for r in res["runs"]:
+        by.setdefault((r["row"], r["clients"]), []).append(r["tok_s"])
+    med = {k: statistics.median(v) for k, v in by.items()}
+    return {f"{row} @ {n}": {"tok_s": v, "range": [min(by[(row, n)]), max(by[(row, n)])],
+                             "x_one_by_one": round(v / med[("ours, one by one", n)], 3)
+                             if ("ours, one by one", n) in med else None}
+            for (row, n), v in sorted(med.items(), key=lambda kv: (kv[0][1], kv[0][0]))}
+
+
+def serve_markdown(res: dict) -> str:
+    s = summary(res)
+    lines = ["# Serving: concurrent clients, our server vs llama-server", "",
+             f"{res['prompts']} held-out chat prompts shared round-robin by the clients, greedy, "
+             f"{res['new_tokens']} new tokens, {res['threads'] or 'all'} threads, {res['repeats']} repeats "
+             "(rows interleaved); tokens/s = completion tokens / wall from first send to last answer, median "
+             "[min, max] over repeats; x = over `ours, one by one` at the same clients.", "",
+             "| row @ clients | tok/s [min, max] | x one-by-one | TTFT p50 / p90 ms | per token p50 / p90 ms | errors |",
+             "|---|---|---|---|---|---|"]
+    last = {(r["row"], r["clients"]): r for r in res["runs"]}
+    for key, v in s.items():
+        row, n = key.rsplit(" @ ", 1)
+        r = last[(row, int(n))]
+        lines.append(f"| {key} | {v['tok_s']:.1f} [{v['range'][0]:.1f}, {v['range'][1]:.1f}] | "
+                     f"{v['x_one_by_one'] if v['x_one_by_one'] is not None else '-'} | "
+                     f"{r['ttft_ms']['p50']} / {r['ttft_ms']['p90']} | {r['tpot_ms']['p50']} / {r['tpot_ms']['p90']} "
+                     f"| {len(r['errors'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def load_markdown(res: dict) -> str:
+    lines = ["# Server load test", "",
+             f"{res['clients']} clients x {res['requests_per_client']} requests (8 / 32 / 64 / 128 new tokens in "
+             f"turn), every {res['cancel_every']}th abandoned after its second event; two halves.", "",
+             "| half | requests | cancelled | errors | tokens | tok/s | TTFT p50 / p90 ms |", "|---|---|---|---|---|---|---|"]
+    for i, h in enumerate(res["halves"]):
+        lines.append(f"| {i + 1} | {h['requests']} | {h['cancelled']} | {len(h['errors'])} | {h['tokens']} | "
+                     f"{h['tok_s']} | {h['ttft_ms']['p50']} / {h['ttft_ms']['p90']} |")
+    r = res["rss_mib"]
+    lines += ["", f"Server memory (RSS): {r[0]} MiB after warm-up, {r[1]} after the first half, {r[2]} after the "
+              "second.", "", "Server metrics at the end:", "", "```", *res["metrics"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(a, command: str, progress=print) -> int:
+    """`--suite serve` / `--suite serve-load` of python -m decoding.bench (its parsed args)."""
+    import time
+
+    from decoding.bench.report import write_atomic
+
+    clients = [int(c) for c in a.clients.split(",")]
+    if a.suite == "serve":
+        res = serve_suite(clients, a.prompts or 16, a.new_tokens, a.threads, a.repeats or 2, a.llama_server,
+                          a.head_gguf, a.target, progress)
+        md, name = serve_markdown(res), "serve"
+    else:
+        res = load_test(clients[0], a.prompts or 50, a.threads, a.target, progress=progress)
+        md, name = load_markdown(res), "serve-load"
+    res["command"] = command
+    out = Path(a.out or f"reports/{name}-{time.strftime('%Y-%m-%d')}")
+    write_atomic(out / "results.json", json.dumps(res, indent=2))
+    write_atomic(out / "results.md", md + f"\nCommand: `{command}`\n")
+    print(md)
+    return 0

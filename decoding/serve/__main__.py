@@ -1,0 +1,118 @@
+"""`python -m decoding.serve`: an OpenAI-compatible server over continuous batching of
+speculative rounds (decoding.batch). The models load once; every round drafts each active
+request's tree and verifies all of them in one target forward.
+
+    python -m decoding.serve --port 8000 [--target ... --draft ... --decider ...] [--budget joint]
+    curl localhost:8000/v1/completions -d '{"model": "specstop", "prompt": "Hi", "max_tokens": 32}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+
+from decoding.generate import add_strategy_args, check_options, strategy_options
+from decoding.options import ALL_FORWARDS
+
+BUDGETS = ("joint", "independent")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m decoding.serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--model-name", default="specstop", help="the `model` clients name (and /v1/models lists)")
+    ap.add_argument("--target", default=None, help="target HF model dir or GGUF (default: embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--draft", default=None, help="draft dir (default: the shipped head)")
+    add_strategy_args(ap)
+    ap.add_argument("--budget", choices=BUDGETS, default="joint",
+                    help="joint: one grow budget spends each round's rows across the requests "
+                         "(decoding.batch.budget); independent: each request sizes its own tree")
+    ap.add_argument("--max-batch", type=int, default=8, help="most requests in one round")
+    ap.add_argument("--max-queue", type=int, default=64, help="most requests waiting (more: 503)")
+    ap.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--forward", choices=ALL_FORWARDS, default=None)
+    ap.add_argument("--threads", type=int, default=None)
+    # generate's checks read these
+    ap.set_defaults(temperature=0.0, top_p=1.0, max_new_tokens=1)
+    return ap
+
+
+def batch_engine(decoder, budget: str = "joint"):
+    """The BatchEngine of a loaded Decoder: its pair, its largest tree, and either one grow budget
+    across requests (over q or the decider's scores, with the decider's or this machine's cost
+    curve) or each request's own copy of the decoder's stop policy."""
+    from decoding.batch.budget import JointGrow
+    from decoding.batch.scheduler import BatchEngine
+    from decoding.growth import GrowPolicy
+    from decoding.stopping import make_stop_policy
+    from decoding.tree import layout_from_k_config
+
+    s, cfg = decoder.session, decoder.config
+    if cfg.strategy == "ar" or s.draft is None:
+        return BatchEngine(s.target, None)
+    layout = layout_from_k_config(cfg.k_levels)
+    stop = decoder._stop
+    if budget == "joint":
+        grow = stop if isinstance(stop, GrowPolicy) else s.grow_policy(cfg, scorer=None)
+        return BatchEngine(s.target, s.draft, layout, budget=JointGrow(
+            grow.scorer, grow.cost, max_width=grow.max_width, max_nodes=grow.max_nodes,
+            label=grow.label, needs_hidden=grow.needs_hidden))
+    own = (lambda: copy.deepcopy(stop)) if stop is not None else \
+        (lambda: make_stop_policy(cfg.stop, cfg.confidence_threshold, cfg.confidence_rule))
+    return BatchEngine(s.target, s.draft, layout, stop=own)
+
+
+def serve(decoder, args) -> None:
+    import uvicorn
+
+    from decoding.serve.app import Served, create_app
+    from decoding.serve.worker import EngineWorker
+
+    s = decoder.session
+    eos = s.eos_token_id
+    limit = getattr(s.target.config, "max_position_embeddings", None) or 1 << 20
+    worker = EngineWorker(batch_engine(decoder, args.budget), args.max_batch, args.max_queue).start()
+    served = Served(args.model_name, s.tokenizer, limit - len(decoder.config.k_levels) - 1,
+                    tuple([eos] if isinstance(eos, int) else eos or ()), args.default_max_tokens)
+    print(f"serving {args.model_name} ({decoder.config.name}, budget {args.budget}) on "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr)
+    try:
+        uvicorn.run(create_app(served, worker), host=args.host, port=args.port, log_level="warning")
+    finally:
+        worker.close()
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        check_options(args)
+        if args.max_batch < 1 or args.max_queue < 0:
+            raise ValueError("--max-batch must be >= 1 and --max-queue >= 0")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import torch
+
+    from decoding.api import Decoder
+    from decoding.models import ModelError
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        decoder = Decoder.load(args.target, args.draft, args.decider, dtype=args.dtype, device=args.device,
+                               forward=args.forward, strategy=args.strategy, decider_rule=args.decider_rule,
+                               decider_threshold=args.decider_threshold, **strategy_options(args))
+        serve(decoder, args)
+    except (ModelError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""The HTTP side: OpenAI-compatible routes over one EngineWorker (FastAPI + uvicorn).
+
+/v1/completions and /v1/chat/completions (streamed as server-sent events with `stream: true`),
+/v1/models, /health and Prometheus /metrics. Every bad request gets one OpenAI-style error body
+and the server goes on; a client that disconnects mid-stream is cancelled at the next seam
+between rounds (its caches go with it)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from decoding.sampling import SamplingConfig
+from decoding.serve import protocol as P
+from decoding.serve.worker import Busy, EngineWorker, Job
+
+
+@dataclass
+class Served:
+    """What the routes need besides the worker."""
+
+    model: str
+    """The name clients pass as `model` (also listed by /v1/models)."""
+    tokenizer: object
+    max_context: int
+    """Prompt + completion tokens a request may reach (the target's positions)."""
+    eos: tuple[int, ...] = ()
+    default_max_tokens: int = 256
+
+
+def create_app(served: Served, worker: EngineWorker) -> FastAPI:
+    app = FastAPI(title="specstop", docs_url=None, redoc_url=None)
+    registry = CollectorRegistry()
+    registry.register(_Metrics(worker))
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(_, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        msg = first.get("msg", "invalid request")
+        return JSONResponse(P.error(f"{where}: {msg}" if where else msg), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        if not worker.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok", "active": worker.active, "waiting": worker.queue_depth}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served.model, "object": "model", "owned_by": "specstop"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: P.CompletionRequest, request: Request):
+        ids = body.prompt if isinstance(body.prompt, list) else served.tokenizer.encode(body.prompt)
+        return await _answer(served, worker, body, ids, chat=False, request=request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: P.ChatRequest, request: Request):
+        msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            ids = served.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # a template that refuses the roles given
+            return JSONResponse(P.error(f"messages: {e}"), status_code=400)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return await _answer(served, worker, body, ids, chat=True, request=request)
+
+    return app
+
+
+async def _answer(served: Served, worker: EngineWorker, body, ids: list[int], chat: bool, request: Request):
+    if body.model != served.model:
+        return JSONResponse(P.error(f"model {body.model!r} is not served here (try {served.model!r})",
+                                    code="model_not_found"), status_code=404)
+    vocab = len(served.tokenizer)
+    if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+        return JSONResponse(P.error(f"prompt token ids must be in [0, {vocab})"), status_code=400)
+    budget = body.budget(served.default_max_tokens)
+    if len(ids) + budget > served.max_context:
+        return JSONResponse(P.error(f"prompt ({len(ids)} tokens) + max_tokens ({budget}) exceeds the "
+                                    f"context of {served.max_context} tokens", code="context_length_exceeded"),
+                            status_code=400)
+    job = Job(ids, budget, SamplingConfig(body.temperature, body.top_p), body.seed or 0, served.eos,
+              asyncio.get_running_loop(), asyncio.Queue())
+    try:
+        worker.submit(job)
+    except Busy as e:
+        return JSONResponse(P.error(f"server busy: {e}", kind="server_error"), status_code=503)
+    if body.stream:
+        return StreamingResponse(_events(served, worker, job, chat, body.model), media_type="text/event-stream")
+    try:
+        text, finish = await _collect(served, job)
+    except asyncio.CancelledError:  # the client went away before the answer
+        worker.cancel(job)
+        raise
+    if finish is None:
+        return JSONResponse(P.error(text, kind="server_error"), status_code=500)
+    make = P.chat_completion if chat else P.completion
+    return make(body.model, text, finish, len(ids), job.generated)
+
+
+async def _collect(served: Served, job: Job) -> tuple[str, str | None]:
+    out: list[int] = []
+    while True:
+        kind, value = await job.queue.get()
+        if kind == "tokens":
+            out += value
+        elif kind == "done":
+            return served.tokenizer.decode(_strip(out, served.eos), skip_special_tokens=True), value
+        else:
+            return value, None
+
+
+async def _events(served: Served, worker: EngineWorker, job: Job, chat: bool, model: str):
+    chunks, out, sent = P.Chunks(chat, model), [], ""
+    try:
+        if chat:
+            yield _sse(chunks.piece("", first=True))
+        while True:
+            kind, value = await job.queue.get()
+            if kind == "tokens":
+                out += value
+                text = served.tokenizer.decode(_strip(out, served.eos), skip_special_tokens=True)
+                if text.endswith("\ufffd"):  # a character cut between tokens: wait for the rest
+                    continue
+                if text[len(sent):]:
+                    yield _sse(chunks.piece(text[len(sent):]))
+                    sent = text
+            elif kind == "done":
+                yield _sse(chunks.piece("", finish=value))
+                break
+            else:
+                yield _sse(P.error(value, kind="server_error"))
+                break
+        yield "data: [DONE]\n\n"
+    finally:  # normal end, error, or the client disconnected (the generator is closed)
+        worker.cancel(job)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _strip(ids: list[int], eos: tuple[int, ...]) -> list[int]:
+    return ids[:-1] if ids and ids[-1] in eos else ids
+
+
+class _Metrics:
+    """Prometheus collector read at scrape time from the worker's counters."""
+
+    def __init__(self, worker: EngineWorker):
+        self.worker = worker
+
+    def collect(self):
+        c, w = self.worker.counters, self.worker
+        req = CounterMetricFamily("specstop_requests", "Finished requests by outcome", labels=["outcome"])
+        for outcome in ("length", "stop", "cancelled", "error"):
+            req.add_metric([outcome], c.requests[outcome])
+        yield req
+        yield CounterMetricFamily("specstop_generated_tokens", "Tokens generated", value=c.generated)
+        yield CounterMetricFamily("specstop_prompt_tokens", "Prompt tokens admitted", value=c.prompt_tokens)
+        yield CounterMetricFamily("specstop_rounds", "Speculative rounds (one target verify each)", value=c.rounds)
+        yield CounterMetricFamily("specstop_verify_rows", "Rows verified, all requests together", value=c.verify_rows)
+        yield GaugeMetricFamily("specstop_tokens_per_round", "Tokens committed per request per round (acceptance)",
+                                value=c.generated / c.round_requests if c.round_requests else 0.0)
+        yield GaugeMetricFamily("specstop_tokens_per_second", "Tokens generated per second, last 10 s",
+                                value=c.tokens_per_s())
+        yield GaugeMetricFamily("specstop_queue_depth", "Requests waiting for a slot", value=w.queue_depth)
+        yield GaugeMetricFamily("specstop_active_requests", "Requests in the running batch", value=w.active)
+        ttft = sorted(c.ttft_s[-1024:])
+        yield GaugeMetricFamily("specstop_ttft_p50_seconds", "Median time to first token, last 1024",
+                                value=ttft[len(ttft) // 2] if ttft else 0.0)

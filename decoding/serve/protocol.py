@@ -1,0 +1,108 @@
+"""The OpenAI-compatible request bodies (pydantic, as FastAPI validates them) and response shapes.
+
+Only what a speculative decoder can honour is accepted; fields OpenAI clients send by default
+(`n`=1, `logprobs` off, ...) are checked rather than silently ignored where they would change
+the answer."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # clients send user, presence_penalty, ...
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stream: bool = False
+    n: int = 1
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, v):
+        if v != 1:
+            raise ValueError("only n=1 is served")
+        return v
+
+    def budget(self, default: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or default
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+
+    @field_validator("prompt")
+    @classmethod
+    def _nonempty(cls, v):
+        if not v:
+            raise ValueError("prompt is empty")
+        return v
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # [{"type": "text", "text": ...}, ...]
+            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        return self.content or ""
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message]
+
+    @field_validator("messages")
+    @classmethod
+    def _nonempty(cls, v):
+        if not v:
+            raise ValueError("messages is empty")
+        return v
+
+
+def error(message: str, kind: str = "invalid_request_error", code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def _head(kind: str, model: str) -> dict:
+    prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
+    return {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "object": kind, "created": int(time.time()), "model": model}
+
+
+def completion(model: str, text: str, finish: str, prompt_tokens: int, tokens: int) -> dict:
+    return {**_head("text_completion", model),
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "usage": usage(prompt_tokens, tokens)}
+
+
+def chat_completion(model: str, text: str, finish: str, prompt_tokens: int, tokens: int) -> dict:
+    return {**_head("chat.completion", model),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish}],
+            "usage": usage(prompt_tokens, tokens)}
+
+
+def usage(prompt_tokens: int, tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens}
+
+
+class Chunks:
+    """The server-sent events of one streamed answer (same id and creation time throughout)."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat = chat
+        self.head = _head("chat.completion.chunk" if chat else "text_completion", model)
+
+    def piece(self, text: str, finish: str | None = None, first: bool = False) -> dict:
+        if self.chat:
+            delta = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
+            return {**self.head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        return {**self.head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}

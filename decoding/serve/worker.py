@@ -1,0 +1,194 @@
+"""The engine's thread: admits requests between rounds, runs rounds, streams tokens back.
+
+Why a thread: a round is one blocking target forward (torch releases the GIL inside it), and the
+HTTP side must keep accepting, streaming and noticing disconnects meanwhile. The worker owns the
+BatchEngine (not thread-safe); the HTTP side only talks to it through `submit` and `cancel`, and
+hears back through each job's asyncio queue (`loop.call_soon_threadsafe`). Requests join and
+leave only between rounds, so a cancelled request's caches are dropped at the next seam and no
+other request is touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from decoding.sampling import SamplingConfig
+
+
+class Busy(Exception):
+    """The waiting queue is full: the caller should answer 503 and let the client retry."""
+
+
+@dataclass
+class Job:
+    """One request as the worker sees it."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingConfig
+    seed: int = 0
+    eos: tuple[int, ...] = ()
+    loop: asyncio.AbstractEventLoop | None = None
+    queue: asyncio.Queue | None = None
+    """Receives ("tokens", ids), then ("done", reason) or ("error", message)."""
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    generated: int = 0
+    cancelled: bool = False
+    req: object | None = field(default=None, repr=False)
+
+    def push(self, kind: str, value) -> None:
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+
+
+@dataclass
+class Counters:
+    """What /metrics reports (read by the HTTP thread; ints and floats only)."""
+
+    requests: collections.Counter = field(default_factory=collections.Counter)
+    """finished requests by outcome: length | stop | cancelled | error."""
+    generated: int = 0
+    prompt_tokens: int = 0
+    rounds: int = 0
+    verify_rows: int = 0
+    round_requests: int = 0
+    """Sum over rounds of the requests in the round (tokens per request-round = acceptance)."""
+    ttft_s: list[float] = field(default_factory=list)
+    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
+    """(time, tokens) of recent commits, for tokens/s over the last window."""
+
+    def tokens_per_s(self, window: float = 10.0) -> float:
+        now = time.perf_counter()
+        n = sum(k for t, k in list(self.recent) if now - t <= window)
+        return n / window
+
+
+class EngineWorker:
+    """Runs `engine` (a decoding.batch.BatchEngine) in a thread; at most `max_active` requests
+    in a round, at most `max_queue` waiting."""
+
+    def __init__(self, engine, max_active: int = 8, max_queue: int = 64):
+        self.engine, self.max_active, self.max_queue = engine, max_active, max_queue
+        self.counters = Counters()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: list[Job] = []
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="specstop-engine", daemon=True)
+
+    # ---- called from the HTTP side ----
+    def start(self) -> EngineWorker:
+        self._thread.start()
+        return self
+
+    def close(self, timeout: float = 30.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if len(self._waiting) >= self.max_queue:
+                raise Busy(f"{len(self._waiting)} requests are waiting already")
+            self._waiting.append(job)
+            self._cv.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: the job leaves at the next seam between rounds."""
+        with self._cv:
+            job.cancelled = True
+            self._cv.notify()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        return len(self._running)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- the engine's thread ----
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._waiting and not self._running:
+                    self._cv.wait()
+                if self._stop:
+                    break
+                self._drop_cancelled()
+                while self._waiting and len(self._running) < self.max_active:
+                    self._admit(self._waiting.popleft())
+            if self._running:
+                self._round()
+        for job in [*self._running, *self._waiting]:
+            self._finish(job, "error", "the server is shutting down")
+
+    def _drop_cancelled(self) -> None:
+        for job in [j for j in self._waiting if j.cancelled]:
+            self._waiting.remove(job)
+            self.counters.requests["cancelled"] += 1
+        for job in [j for j in self._running if j.cancelled]:
+            self.engine.remove(job.req)
+            self._running.remove(job)
+            self.counters.requests["cancelled"] += 1
+
+    def _admit(self, job: Job) -> None:
+        if job.cancelled:
+            self.counters.requests["cancelled"] += 1
+            return
+        try:
+            job.req = self.engine.add(job.prompt, job.max_new_tokens, job.sampling, job.seed,
+                                      eos_token_id=list(job.eos), on_tokens=lambda ids, j=job: self._tokens(j, ids))
+        except ValueError as e:
+            self._finish(job, "error", str(e))
+            return
+        self.counters.prompt_tokens += len(job.prompt)
+        self._running.append(job)
+
+    def _tokens(self, job: Job, ids: list[int]) -> None:
+        now = time.perf_counter()
+        if job.first_token is None:
+            job.first_token = now
+            self.counters.ttft_s.append(now - job.submitted)
+            del self.counters.ttft_s[:-4096]
+        job.generated += len(ids)
+        self.counters.generated += len(ids)
+        self.counters.recent.append((now, len(ids)))
+        job.push("tokens", list(ids))
+
+    def _round(self) -> None:
+        jobs = list(self._running)
+        try:
+            finished = self.engine.step()
+        except Exception as e:  # one bad round fails its requests, never the server
+            traceback.print_exc()
+            for job in jobs:
+                self.engine.remove(job.req)
+                self._finish(job, "error", f"{type(e).__name__}: {e}")
+            self._running.clear()
+            return
+        self.counters.rounds += 1
+        self.counters.round_requests += len(jobs)
+        if getattr(self.engine, "verify_rows", None):
+            self.counters.verify_rows += self.engine.verify_rows[-1]
+        done = {id(r) for r in finished}
+        for job in [j for j in jobs if id(j.req) in done]:
+            self._running.remove(job)
+            out = job.req.out
+            self._finish(job, "done", "stop" if out and out[-1] in job.eos else "length")
+
+    def _finish(self, job: Job, kind: str, value: str) -> None:
+        self.counters.requests[value if kind == "done" else "error"] += 1
+        job.req = None
+        job.push(kind, value)

@@ -1,0 +1,149 @@
+"""decoding.serve through the real `openai` client on tiny models: answers equal the batch-1
+engine's, concurrent requests each keep their own answer, streaming adds up, and bad input,
+disconnects and cancellations get one error each while the server goes on serving."""
+
+import http.client
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import uvicorn
+from support.models import WORDS, noisy_copy, save_tiny, tiny_llama
+
+from decoding import Decoder
+from decoding.models import load_tokenizer
+from decoding.serve.__main__ import batch_engine
+from decoding.serve.app import Served, create_app
+from decoding.serve.worker import EngineWorker
+
+pytestmark = pytest.mark.xdist_group("server")  # one server per module, on one worker
+PROMPTS = ["w1 w2 w3", "w4 w5", "w6 w1 w2 w7 w3", "w2"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served")
+    target = tiny_llama(0, vocab=len(WORDS), scale=6, max_pos=64)
+    t = save_tiny(root / "target", WORDS, target)
+    d = save_tiny(root / "draft", WORDS, noisy_copy(target, 0.03))
+    tok = load_tokenizer(t)  # a plain template, so the chat route has one to apply
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tok.save_pretrained(t)
+    return t, d
+
+
+@pytest.fixture(scope="module", params=["joint", "independent"])
+def server(pair, request):
+    t, d = pair
+    dec = Decoder.load(t, d, strategy="ti-mcsd", width=2, depth=3, stop="confidence", confidence_rule="grow",
+                       grow_cost="measure")
+    worker = EngineWorker(batch_engine(dec, request.param), max_active=4, max_queue=16).start()
+    eos = dec.session.eos_token_id
+    served = Served("tiny", dec.session.tokenizer, 60, (eos,) if isinstance(eos, int) else (), 8)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(create_app(served, worker), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.01)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    yield dec, worker, client, port
+    srv.should_exit = True
+    thread.join(10)
+    worker.close()
+
+
+def alone(dec, prompt, n):
+    return dec.generate(prompt, n).text
+
+
+def test_greedy_answers_equal_the_batch_1_engine(server):
+    dec, _, client, _ = server
+    for p in PROMPTS:
+        got = client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0)
+        assert got.choices[0].text == alone(dec, p, 8)
+        assert got.usage.completion_tokens >= 1 and got.choices[0].finish_reason in ("length", "stop")
+
+
+def test_concurrent_clients_each_get_their_own_answer(server):
+    dec, worker, client, _ = server
+    jobs = PROMPTS * 3
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=10,
+                                                                 temperature=0).choices[0].text, jobs))
+    assert got == [alone(dec, p, 10) for p in jobs]
+    assert worker.counters.rounds > 0 and worker.counters.round_requests > worker.counters.rounds  # batched
+    assert worker.engine.active == []
+
+
+def test_a_stream_adds_up_to_the_answer(server):
+    dec, _, client, _ = server
+    msgs = [{"role": "user", "content": "w1 w2"}]
+    whole = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_models_health_and_metrics(server):
+    _, _, client, port = server
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    conn = http.client.HTTPConnection("127.0.0.1", port)
+    conn.request("GET", "/health")
+    assert json.loads(conn.getresponse().read())["status"] == "ok"
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    for name in ("specstop_generated_tokens_total", "specstop_tokens_per_round", "specstop_queue_depth",
+                 "specstop_tokens_per_second", 'specstop_requests_total{outcome="length"}'):
+        assert name in text, name
+
+
+def post(port, body: bytes):
+    conn = http.client.HTTPConnection("127.0.0.1", port)
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    return r.status, json.loads(r.read())
+
+
+def test_bad_input_gets_one_error_and_the_server_goes_on(server):
+    dec, worker, client, port = server
+    status, body = post(port, b'{"model": "tiny", "prompt": ')
+    assert status == 400 and "error" in body and "\n" not in body["error"]["message"]
+    status, body = post(port, b'{"model": "tiny", "prompt": "w1", "max_tokens": 0}')
+    assert status == 400 and "max_tokens" in body["error"]["message"]
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.completions.create(model="gpt-4", prompt="w1", max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="exceeds the context"):
+        client.completions.create(model="tiny", prompt=" ".join(["w1"] * 58), max_tokens=8)
+    with pytest.raises(openai.BadRequestError, match="token ids"):
+        client.completions.create(model="tiny", prompt=[1, 10_000], max_tokens=4)
+    assert client.completions.create(model="tiny", prompt="w1 w2 w3", max_tokens=8,
+                                     temperature=0).choices[0].text == alone(dec, "w1 w2 w3", 8)
+
+
+def test_a_client_that_leaves_mid_stream_is_cancelled_and_nothing_leaks(server):
+    dec, worker, client, port = server
+    before = worker.counters.requests["cancelled"]
+    conn = http.client.HTTPConnection("127.0.0.1", port)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "w1 w2", "max_tokens": 50,
+                                                        "stream": True, "temperature": 0.7}),
+                 {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.read(6) == b"data: "  # the first event arrived
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.time() + 20
+    while (worker.counters.requests["cancelled"] == before or worker.active) and time.time() < deadline:
+        time.sleep(0.05)
+    assert worker.counters.requests["cancelled"] > before and worker.active == 0
+    assert worker.engine.active == []  # its caches left with it
+    assert client.completions.create(model="tiny", prompt="w4 w5", max_tokens=8,
+                                     temperature=0).choices[0].text == alone(dec, "w4 w5", 8)
