@@ -178,8 +178,7 @@ def test_quantized_ar_tracks_the_dequantized_model(monkeypatch):
         assert (a - b).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("name,cfg,sampling,act", [
-    ("mcsd-without-replacement", StrategyConfig(strategy="mcsd", k_config="2,2"), SamplingConfig(temperature=1.0), "q8"),
+@pytest.mark.parametrize("name,cfg,sampling,act", [  # q8 on both ISA paths, and f32
     ("ti-mcsd+confidence-top-p", StrategyConfig(strategy="ti-mcsd", width=2, depth=2, stop="confidence",
                                                 confidence_threshold=0.2), SamplingConfig(temperature=0.8, top_p=0.9), "q8"),
     ("mcsd-without-replacement", StrategyConfig(strategy="mcsd", k_config="2,2"), SamplingConfig(temperature=1.0), "f32"),
