@@ -37,6 +37,7 @@ class Served:
 
 def create_app(served: Served, worker: EngineWorker) -> FastAPI:
     app = FastAPI(title="specstop", docs_url=None, redoc_url=None)
+    app.add_middleware(_JsonBodies)
     registry = CollectorRegistry()
     registry.register(_Metrics(worker))
 
@@ -154,6 +155,20 @@ def _sse(obj: dict) -> str:
 
 def _strip(ids: list[int], eos: tuple[int, ...]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in eos else ids
+
+
+class _JsonBodies:
+    """Reads every POST body as JSON, whatever its Content-Type says (as llama-server does): a
+    plain `curl -d '{...}'` sends application/x-www-form-urlencoded."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
 
 
 class _Metrics:
