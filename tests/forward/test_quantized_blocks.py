@@ -14,7 +14,7 @@ import torch
 
 from support.gguf import write_gguf
 from support.models import noisy_copy, tiny_llama
-from decoding.forward import kernels
+from decoding.forward import cpu, kernels
 from decoding.forward import quant
 from decoding.models.errors import ModelError
 from decoding.forward.packed import set_forward
@@ -23,7 +23,7 @@ from decoding.strategies import StrategyConfig, build_engine
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason=f"quantized kernel: {quant.why_not()}")
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
-AVX512 = "avx512_vnni" in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else False
+AVX512 = "avx512_vnni" in cpu.flags()
 ISAS = [1, 2] if AVX512 else [1]
 
 
