@@ -120,6 +120,19 @@ def check_options(args) -> None:
     dflt.strategy_config(d, args.strategy, strategy_options(args))
 
 
+def load_decoder(args):
+    """The Decoder the parsed flags name (generate and serve): threads set, models loaded once."""
+    import torch
+
+    from decoding.api import Decoder
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return Decoder.load(args.target, args.draft, args.decider, dtype=args.dtype, device=args.device,
+                        forward=args.forward, strategy=args.strategy, decider_rule=args.decider_rule,
+                        decider_threshold=args.decider_threshold, **strategy_options(args))
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -127,17 +140,10 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import torch
-
-    from decoding.api import Decoder
     from decoding.models import ModelError
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     try:
-        dec = Decoder.load(args.target, args.draft, args.decider, dtype=args.dtype, device=args.device,
-                           forward=args.forward, strategy=args.strategy, decider_rule=args.decider_rule,
-                           decider_threshold=args.decider_threshold, **strategy_options(args))
+        dec = load_decoder(args)
         on_text = None if args.json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
         res = dec.generate(args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,
                            chat=args.chat, on_text=on_text)

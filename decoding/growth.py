@@ -84,10 +84,8 @@ def pooled(values: list[float]) -> list[float]:
     return [s / c for s, c in blocks for _ in range(int(c))]
 
 
-def candidate_order(values: list[float], parent_of: list[int], branch: list[int]) -> list[int]:
-    """Candidates in the order the level considers them: by pooled value, so the first k of
-    the order always take a prefix of every parent's draws (what the engine can draw); those
-    worth nothing are left out."""
+def pooled_keys(values: list[float], parent_of: list[int]) -> list[float]:
+    """Each candidate's pooled value (`pooled` per parent, draw order kept)."""
     by_parent: dict[int, list[int]] = {}
     for i, r in enumerate(parent_of):
         by_parent.setdefault(r, []).append(i)
@@ -95,6 +93,14 @@ def candidate_order(values: list[float], parent_of: list[int], branch: list[int]
     for rows in by_parent.values():
         for i, v in zip(rows, pooled([values[i] for i in rows])):
             key[i] = v
+    return key
+
+
+def candidate_order(values: list[float], parent_of: list[int], branch: list[int]) -> list[int]:
+    """Candidates in the order the level considers them: by pooled value, so the first k of
+    the order always take a prefix of every parent's draws (what the engine can draw); those
+    worth nothing are left out."""
+    key = pooled_keys(values, parent_of)
     return sorted((i for i in range(len(values)) if key[i] > 0.0), key=lambda i: (-key[i], branch[i], parent_of[i]))
 
 

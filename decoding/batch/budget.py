@@ -26,21 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from decoding.forward.cost import NODES, CostCurve
-from decoding.growth import best_count, candidate_level, child_values, pooled, worth_a_level
+from decoding.growth import best_count, candidate_level, child_values, pooled_keys, worth_a_level
 from decoding.stopping import DraftLevel, Frontier
 from decoding.tree import MAX_TREE_NODES
-
-
-def pooled_keys(values: list[float], parent_of: list[int]) -> list[float]:
-    """Each candidate's pooled value (growth.pooled per parent, draw order kept)."""
-    by_parent: dict[int, list[int]] = {}
-    for i, r in enumerate(parent_of):
-        by_parent.setdefault(r, []).append(i)
-    key = [0.0] * len(values)
-    for rows in by_parent.values():
-        for i, v in zip(rows, pooled([values[i] for i in rows])):
-            key[i] = v
-    return key
 
 
 def merged_order(keys: list[list[float]], branch: list[list[int]], parent_of: list[list[int]],

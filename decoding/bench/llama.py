@@ -41,27 +41,22 @@ def find_server(path: str | None) -> Path:
     return p
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-class LlamaServer:
-    """llama-server on a loopback port, `parallel` slots, `threads` threads; stopped on exit."""
+class ServerProcess:
+    """A server subprocess on a loopback port, up once its /health answers 200; stopped on close."""
 
-    def __init__(self, binary: Path, gguf: Path, threads: int, ctx: int = 4096, head: Path | None = None,
-                 parallel: int = 1):
-        self.port = _free_port()
-        cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c", str(ctx),
-               "-np", str(parallel), "--host", "127.0.0.1", "--port", str(self.port), "--no-webui"]
-        if head is not None:
-            cmd += ["-md", str(head), "--spec-type", "draft-eagle3", "--spec-draft-n-max", "3"]
+    def __init__(self, cmd: list[str], port: int, name: str, timeout: float = 120):
+        self.port, self.name = port, name
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 120
+        deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited: {self.proc.stderr.read()[-500:]}")
+                raise RuntimeError(f"{name} exited: {self.proc.stderr.read()[-800:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
                     if r.status == 200:
@@ -69,7 +64,33 @@ class LlamaServer:
             except OSError:
                 time.sleep(0.3)
         self.close()
-        raise RuntimeError("llama-server did not come up in 120 s")
+        raise RuntimeError(f"{name} did not come up in {timeout:.0f} s")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class LlamaServer(ServerProcess):
+    """llama-server on a loopback port, `parallel` slots, `threads` threads; stopped on exit."""
+
+    def __init__(self, binary: Path, gguf: Path, threads: int, ctx: int = 4096, head: Path | None = None,
+                 parallel: int = 1):
+        port = free_port()
+        cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c", str(ctx),
+               "-np", str(parallel), "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+        if head is not None:
+            cmd += ["-md", str(head), "--spec-type", "draft-eagle3", "--spec-draft-n-max", "3"]
+        super().__init__(cmd, port, "llama-server")
 
     def chat(self, prompt: str, max_tokens: int) -> dict:
         body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
@@ -85,18 +106,6 @@ class LlamaServer:
             r.update(draft_n=t["draft_n"], draft_accepted=t["draft_n_accepted"])
         return r
 
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def llama_suite(prompts: int = 6, new_tokens: int = 96, threads: int = 1, server: str | None = None,

@@ -20,7 +20,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -28,45 +27,20 @@ import urllib.request
 from pathlib import Path
 
 from decoding.bench.config import BenchConfig, load_prompts
+from decoding.bench.llama import ServerProcess, free_port
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
+class Server(ServerProcess):
     """Our server as a subprocess on a free loopback port (`cmd` gets --port appended)."""
 
-    def __init__(self, name: str, cmd: list[str], model: str, timeout: float = 300):
-        self.name, self.model, self.port = name, model, _free_port()
-        self.proc = subprocess.Popen([*cmd, "--port", str(self.port)], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited: {self.proc.stderr.read()[-800:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.3)
-        self.close()
-        raise RuntimeError(f"{name} did not come up in {timeout:.0f} s")
+    def __init__(self, name: str, cmd: list[str], timeout: float = 300):
+        port = free_port()
+        super().__init__([*cmd, "--port", str(port)], port, name, timeout)
 
     def rss_mib(self) -> float:
         with open(f"/proc/{self.proc.pid}/status") as f:
             kb = next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS"))
         return kb / 1024
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def ask(port: int, model: str, prompt: str, max_tokens: int, cancel_after: int | None = None) -> dict:
@@ -178,7 +152,7 @@ def serve_suite(clients: list[int], prompts: int, new_tokens: int, threads: int 
            "repeats": repeats, "runs": []}
     for name, cmd in rows.items():
         progress(f"[serve] starting {name}")
-        srv = cmd() if callable(cmd) else Server(name, cmd, "specstop")
+        srv = cmd() if callable(cmd) else Server(name, cmd)
         try:
             ask(srv.port, "specstop", texts[0], 4)  # warm-up: kernels, caches, the cost curve
             for n in clients if not name.startswith("llama") else [int(name.rsplit(" ", 1)[1])]:
@@ -200,7 +174,7 @@ def load_test(clients: int, requests: int, threads: int | None, target: str | No
     n = clients * requests
     prompts = [base[i % len(base)] for i in range(n)]
     lengths = [(8, 32, 64, 128)[i % 4] for i in range(n)]
-    srv = Server("ours, joint", ours([], threads, target), "specstop")
+    srv = Server("ours, joint", ours([], threads, target))
     try:
         ask(srv.port, "specstop", base[0], 4)
         rss0 = srv.rss_mib()

@@ -12,7 +12,7 @@ import argparse
 import copy
 import sys
 
-from decoding.generate import add_strategy_args, check_options, strategy_options
+from decoding.generate import add_strategy_args, check_options, load_decoder
 from decoding.options import ALL_FORWARDS
 
 BUDGETS = ("joint", "independent")
@@ -96,18 +96,10 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import torch
-
-    from decoding.api import Decoder
     from decoding.models import ModelError
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     try:
-        decoder = Decoder.load(args.target, args.draft, args.decider, dtype=args.dtype, device=args.device,
-                               forward=args.forward, strategy=args.strategy, decider_rule=args.decider_rule,
-                               decider_threshold=args.decider_threshold, **strategy_options(args))
-        serve(decoder, args)
+        serve(load_decoder(args), args)
     except (ModelError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
