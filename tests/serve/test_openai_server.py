@@ -147,3 +147,13 @@ def test_a_client_that_leaves_mid_stream_is_cancelled_and_nothing_leaks(server):
     assert worker.engine.active == []  # its caches left with it
     assert client.completions.create(model="tiny", prompt="w4 w5", max_tokens=8,
                                      temperature=0).choices[0].text == alone(dec, "w4 w5", 8)
+
+
+def test_the_command_refuses_bad_options_in_one_line(tmp_path, capsys):
+    from decoding.serve.__main__ import main
+
+    assert main(["--max-batch", "0"]) == 2
+    assert main(["--strategy", "sd", "--gamma", "0"]) == 2
+    assert main(["--target", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("error: ") for line in err)
