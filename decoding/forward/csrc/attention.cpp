@@ -1,4 +1,4 @@
-// Attention for a decoding step or a verified tree (decoding/cpu_kernels.py), batch-invariant:
+// Attention for a decoding step or a verified tree (decoding/forward/kernels.py), batch-invariant:
 // a query row's result depends only on the keys its mask lets it see, not on how many rows or
 // masked keys the call carries.
 //

@@ -3,7 +3,7 @@
 // Why: a decode step multiplies 1-16 rows by each weight matrix, so its cost is streaming the
 // weights. oneDNN's kernels reach ~9-10 GB/s on one core over a layer's small cold matrices;
 // this loop reaches the core's streaming rate by prefetching PF bytes ahead of the rows it
-// reads (the hardware prefetcher stops at 4 KiB page boundaries). See decoding/cpu_kernels.py.
+// reads (the hardware prefetcher stops at 4 KiB page boundaries). See decoding/forward/kernels.py.
 //
 // Two kernels, both batch-invariant (a row's result does not depend on the other rows of the call
 // or on the thread count):
@@ -11,7 +11,7 @@
 //   vector lane; good for 1-3 bf16 rows (then out of arithmetic), 1-6 fp32 rows.
 // - amx_linear: AMX tiles (bf16) over a weight packed once by amx_pack into the tiles' layout
 //   (VNNI pairs, 32 columns by 32 rows of K per 2 KiB step), prefetched the same way; memory-bound
-//   up to ~16-32 rows, so a 1-token step and a verify share one kernel (up to cpu_kernels.AMX_ROWS).
+//   up to ~16-32 rows, so a 1-token step and a verify share one kernel (up to kernels.AMX_ROWS).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -1,6 +1,6 @@
 // One Llama-family decoder layer of a step or a verify, on the kernels, in one call.
 //
-// The lean layer (decoding/lean_forward.py) calls eleven kernels a layer from Python; between
+// The lean layer (decoding/forward/lean.py) calls eleven kernels a layer from Python; between
 // them the interpreter and the dispatcher cost ~25-40 us a layer (a 30-layer step of tiny
 // matrices takes ~2 ms), during which the weight stream stands still. Here the same kernels run
 // in the same order on the same inputs, so the result is the lean layer's bit for bit:
@@ -15,7 +15,7 @@
 
 namespace {
 
-// A GGUF target's linear (uint8 panels, decoding/quant.py): its op in the specstop_quant extension,
+// A GGUF target's linear (uint8 panels, decoding/forward/quant.py): its op in the specstop_quant extension,
 // through the dispatcher (built apart: it needs no AVX512). q: ggml kind, activations (1: q8), isa.
 struct Quant {
   int64_t kind = 0, q8 = 0, isa = 0;
@@ -43,7 +43,7 @@ namespace specstop {
 // [start, start + n) along cap, the T new ones written after them; mask [1 or B, 1, T, >= n + T]
 // or none (a 1-token step); w: norm1, qkv, o, norm2, gate_up, down (the linears packed for their
 // kernel); dims: B, H, KV, and the four linears' output widths (for GGUF blocks then their four
-// ggml kinds, the activations' form (1: q8) and the instruction set: decoding/quant.py).
+// ggml kinds, the activations' form (1: q8) and the instruction set: decoding/forward/quant.py).
 at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kbuf,
                          const at::Tensor& vbuf, int64_t start, int64_t n, const c10::optional<at::Tensor>& mask,
                          at::TensorList w, const c10::optional<at::Tensor>& qkv_bias, at::IntArrayRef dims,

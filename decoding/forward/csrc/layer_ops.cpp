@@ -1,4 +1,4 @@
-// The row-wise arithmetic of a decoder layer around its GEMMs, one pass each (decoding/cpu_kernels.py).
+// The row-wise arithmetic of a decoder layer around its GEMMs, one pass each (decoding/forward/kernels.py).
 //
 // torch runs each of these as several ops (~10 for a CPU rms_norm, ~5 for the rotary embedding),
 // and in bf16 rounds after each; here each is one loop with fp32 math and one rounding per output.

@@ -1,5 +1,5 @@
 // y = x @ w.T (+ bias) in float32 for 1-32 rows of x, over a weight packed once into panels of 48
-// output columns (decoding/cpu_kernels.py).
+// output columns (decoding/forward/kernels.py).
 //
 // Why: the row-major fp32 kernel (gemm.cpp, small_linear) reduces along K, one dot product per
 // output, and runs out of arithmetic above ~6 rows; oneDNN then streams the weights at ~9 GB/s.

@@ -1,4 +1,4 @@
-// y = x @ w.T (+ bias) over GGUF-quantized weights kept as their blocks (decoding/quant.py):
+// y = x @ w.T (+ bias) over GGUF-quantized weights kept as their blocks (decoding/forward/quant.py):
 // Q4_0, Q4_1 and Q8_0, 32 weights a block. The f32 form: weights only are quantized, x and y are
 // float32 (quant_q8.cpp: the activations too).
 //
@@ -15,7 +15,7 @@
 // Batch-invariant: output n of row r is one FMA chain of x[r][k] * w[n][k] over k in order from
 // zero (+ bias), whatever the number of rows, the path or the thread (threads split the outputs).
 // So a row of a verify equals a 1-token step bit for bit; AVX2 and AVX512 compute the same chain,
-// and so do decoding.cpu_kernels's fp32 panels over the dequantized weights (tested).
+// and so do decoding.forward.kernels's fp32 panels over the dequantized weights (tested).
 //
 // Compiled without -m flags: each path carries its own target attribute, so the extension builds
 // and loads on any x86-64 CPU and picks AVX512 only where the CPU has it (isa argument).
@@ -82,7 +82,7 @@ AVX512 inline __m512 weights512(const uint8_t* q, int k, const Scales512& s) {
 }
 
 // rows [0, R) x outputs of V panels over blocks [b0, b1); acc[r][v] carries over calls in
-// `carry`. Each output is ONE FMA chain over k in order from zero, as decoding.cpu_kernels's fp32
+// `carry`. Each output is ONE FMA chain over k in order from zero, as decoding.forward.kernels's fp32
 // panels compute it: over the same (dequantized) weights the two kernels agree bit for bit.
 template <int64_t kind, int R, int V, bool BUF>
 AVX512 inline void pass512(const float* x, int64_t ldx, const uint8_t* const* pan, int64_t pbb,

@@ -96,7 +96,7 @@ inline bool has_avx512() {
   return ok;
 }
 
-// isa: 0 auto, 1 AVX2, 2 AVX512 (with VNNI) (decoding/quant.py: $SPECSTOP_QUANT_ISA)
+// isa: 0 auto, 1 AVX2, 2 AVX512 (with VNNI) (decoding/forward/quant.py: $SPECSTOP_QUANT_ISA)
 inline int64_t resolve_isa(int64_t isa) {
   if (isa == 0) return has_avx512() ? 2 : 1;
   TORCH_CHECK(isa == 1 || isa == 2, "quant: isa must be 0 (auto), 1 (avx2) or 2 (avx512)");

@@ -1,5 +1,5 @@
-// Attention of a step, a verify or a prompt where decoding.cpu_kernels does not build (CPUs
-// without AVX512-BF16), for a GGUF target's lean layers (decoding/quant.py): float32, AVX2.
+// Attention of a step, a verify or a prompt where decoding.forward.kernels does not build (CPUs
+// without AVX512-BF16), for a GGUF target's lean layers (decoding/forward/quant.py): float32, AVX2.
 //
 // Why: torch's attention is not batch-invariant (a row's blocking over keys follows how many keys
 // and rows the call has), so a verify row and the step that would produce the same token differ in

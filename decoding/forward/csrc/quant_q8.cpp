@@ -1,5 +1,5 @@
 // y = x @ w.T (+ bias) over GGUF blocks with the activations quantized too, as llama.cpp's dot
-// products do (decoding/quant.py, ACT "q8"): each row of x, per block of 32, becomes int8 with one
+// products do (decoding/forward/quant.py, ACT "q8"): each row of x, per block of 32, becomes int8 with one
 // fp32 scale (dx = max|x| / 127, q = round-to-even(x / dx)); a block's dot product is an exact
 // integer sum (AVX512-VNNI vpdpbusd, or AVX2 maddubs + madd), then y += (d dx) * isum (+ m dx sum(q)
 // for Q4_1) in float, block after block in order.
