@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
@@ -61,7 +62,9 @@ def steps(a, out: Path) -> list:
 def rows(base, decider: str) -> list:
     """(label, Decoder) for the table; all share base's loaded models."""
     tree = dict(strategy="ti-mcsd", width=4, depth=6, mode="lossless")
-    d = base.defaults
+    # the entry's options, in the dtype the target really runs (a GGUF target runs float32 even
+    # where the entry for this CPU names bfloat16)
+    d = replace(base.defaults, dtype=str(base.session.target.dtype).removeprefix("torch."))
     return [
         ("ar (plain decoding)", base),
         (f"default: {d.describe()}", base.default_variant(decider="latest")),
