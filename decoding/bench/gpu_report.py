@@ -19,11 +19,12 @@ def markdown(res: dict) -> str:
              f"{len(m['prompts'])} held-out prompts (chat template where the tokenizer has one, greedy); ratios: median with a 95% "
              f"bootstrap interval over prompts. The suite ran {m.get('elapsed_s', 0):.0f} s.", ""]
     for n, cond in res["conditions"].items():
-        lines += [f"## {n} new tokens", "", "| row | tok/s | over HF generate | over our ar | equal to HF generate |",
-                  "|---|---|---|---|---|"]
+        lines += [f"## {n} new tokens", "", "| row | tok/s | over HF generate | over our ar | equal to HF generate "
+                  "| tokens / round | ms / round |", "|---|---|---|---|---|---|---|"]
         for name, r in cond.items():
+            per = (f"{r['tokens_per_round']:.2f} | {r['ms_per_round']:.2f}" if "tokens_per_round" in r else "- | -")
             lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {_ratio(r.get('over_hf_generate'))} | "
-                         f"{_ratio(r.get('over_ar'))} | {r['equal_to_hf_generate']}/{r['prompts']} |")
+                         f"{_ratio(r.get('over_ar'))} | {r['equal_to_hf_generate']}/{r['prompts']} | {per} |")
         lines.append("")
     for name, why in res.get("failed_rows", {}).items():
         lines += [f"Row {name} failed and was dropped: {why}", ""]

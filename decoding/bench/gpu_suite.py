@@ -115,8 +115,9 @@ def load_rows(cfg: GpuSuiteConfig):
         def run(ids, n):
             _sync(cfg.device)
             t = time.perf_counter()
-            out, _ = engine.generate(ids, n, eos)
+            out, st = engine.generate(ids, n, eos)
             _sync(cfg.device)
+            run.last_rounds = st.rounds
             return out, time.perf_counter() - t
         run.engine = engine
         return run
@@ -207,7 +208,7 @@ def timed_runs(rows: dict, prompts: list[dict], cfg: GpuSuiteConfig, clock: Cloc
                     failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                     clock.say(f"{name} failed: {failed[name]}")
                     continue
-                got[name].append((len(out), sec, out))
+                got[name].append((len(out), sec, out, getattr(rows[name], "last_rounds", None)))
             clock.say(f"{n} tokens, prompt {i + 1}/{len(prompts)}: " + ", ".join(
                 f"{k} {got[k][-1][0] / got[k][-1][1]:.0f} tok/s" for k in names if k not in failed))
         got = {k: v for k, v in got.items() if k not in failed}
@@ -221,13 +222,13 @@ def timed_runs(rows: dict, prompts: list[dict], cfg: GpuSuiteConfig, clock: Cloc
 
 def _per_prompt(got: dict, res: dict, n: int) -> float:
     """Seconds one more prompt of every row should take at length n."""
-    done = [sum(s for _, s, _ in v) / len(v) for v in got.values() if v]
+    done = [sum(r[1] for r in v) / len(v) for v in got.values() if v]
     if done:
         return sum(done)
     if not res:
         return 0.0
     m = max(res)
-    return sum(sum(s for _, s, _ in v) / len(v) for v in res[m].values()) * n / m
+    return sum(sum(r[1] for r in v) / len(v) for v in res[m].values()) * n / m
 
 
 def summarize(runs: dict, rows: dict) -> dict:
@@ -240,13 +241,17 @@ def summarize(runs: dict, rows: dict) -> dict:
         base, ar = got["hf-generate"], got.get("ar")
         cond = {}
         for name, r in got.items():
-            tok, wall = [[t for t, _, _ in r]], [[s for _, s, _ in r]]
+            tok, wall = [[x[0] for x in r]], [[x[1] for x in r]]
             row = {"tokens_per_s": sum(tok[0]) / sum(wall[0]), "tokens": tok[0], "wall_s": wall[0],
                    "equal_to_hf_generate": sum(a[2] == b[2] for a, b in zip(r, base)), "prompts": len(r),
                    "spec": getattr(rows[name], "spec", None)}
+            rounds = [x[3] for x in r]
+            if all(isinstance(x, int) and x > 0 for x in rounds):  # our rows: what one round buys and costs
+                row["tokens_per_round"] = sum(tok[0]) / sum(rounds)
+                row["ms_per_round"] = 1000 * sum(wall[0]) / sum(rounds)
             for ref, key in ((base, "over_hf_generate"), (ar, "over_ar")):
                 if ref is not None and ref is not r:
-                    p, lo, hi = speedup_ci(tok, wall, [[t for t, _, _ in ref]], [[s for _, s, _ in ref]])
+                    p, lo, hi = speedup_ci(tok, wall, [[x[0] for x in ref]], [[x[1] for x in ref]])
                     row[key] = {"median": p, "ci95": [lo, hi]}
             cond[name] = row
         out[str(n)] = cond

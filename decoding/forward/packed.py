@@ -59,13 +59,16 @@ def packed_available(dtype: torch.dtype, device) -> bool:
 def default_forward(dtype: torch.dtype, device) -> str:
     """lean where oneDNN packs (its layers fall back to packed outside the Llama family): on a
     2-core AMX Xeon, 1 thread, bf16 lean costs 0.87x packed at 1 token and 0.83-0.87x at 2-16,
-    fp32 lean 0.95x / 0.82-0.90x packed (reports/forward-2026-11-26-lean); else eager.
-    $SPECSTOP_FORWARD overrides."""
+    fp32 lean 0.95x / 0.82-0.90x packed (reports/forward-2026-11-26-lean); on CUDA graph: on an
+    H100 one bf16 forward of the embedded target costs 3.2 ms captured against 65 ms eager
+    (reports/gpu-2026-11-27); else eager. $SPECSTOP_FORWARD overrides."""
     asked = os.environ.get(ENV, "").strip()
     if asked:
         if asked not in ALL_FORWARDS:
             raise ValueError(f"{ENV} must be one of {', '.join(ALL_FORWARDS)} (got {asked!r})")
         return asked if asked != "packed" or packed_available(dtype, device) else "eager"
+    if torch.device(device).type == "cuda":
+        return "graph"
     return "lean" if packed_available(dtype, device) else "eager"
 
 

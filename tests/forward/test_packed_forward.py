@@ -93,7 +93,7 @@ def test_the_default_forward_and_its_override(monkeypatch):
     monkeypatch.delenv(ff.ENV, raising=False)
     assert ff.default_forward(torch.float32, "cpu") == "lean"
     assert ff.default_forward(torch.float16, "cpu") == "eager"  # no packed fp16 linear here
-    assert ff.default_forward(torch.float32, "cuda") == "eager"
+    assert ff.default_forward(torch.float32, "cuda") == "graph"  # measured: reports/gpu-2026-11-27
     monkeypatch.setenv(ff.ENV, "eager")
     assert ff.default_forward(torch.float32, "cpu") == "eager"
     monkeypatch.setenv(ff.ENV, "packed")

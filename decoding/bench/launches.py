@@ -1,0 +1,159 @@
+"""What a round dispatches outside the captured forwards, by phase: the GPU's per-round overhead,
+counted on any device.
+
+On a GPU under `--forward graph` a target or head forward is one graph replay; every other torch
+op of a round (building the tree, the head's top-k, the masks, the acceptance, the KV rollback)
+is its own dispatch and, on a CUDA tensor, its own kernel launch; a `.item()` / `.tolist()` is a
+sync that stalls the launch queue. On the H100 of reports/gpu-2026-11-27 a forward costs 3.2 ms
+captured and 65 ms eager, i.e. tens of microseconds per eager op: at hundreds of ops a round,
+that overhead is what makes the speculative rows lose to graph-captured `ar` there. This counts
+those ops (aten calls, from a TorchDispatchMode) per round and per phase (propose, verify,
+decide, commit and the rest), with the forwards a graph would replay left out, so a change can be
+judged on a CPU before a device run times it:
+
+    python -m decoding.bench.launches                     # the embedded target + head, static forward
+    python -m decoding.bench.launches --dtype float32 --prompts 1 --new-tokens 32
+"""
+
+from __future__ import annotations
+
+import collections
+from contextlib import contextmanager
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SYNCS = ("_local_scalar_dense", "item")
+"""aten ops that wait for the device (a `.item()`; `.tolist()` of a device tensor copies to the
+host, counted under `_to_copy` / `copy_`)."""
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.inside, self.phase = 0, "other"
+        self.ops = collections.defaultdict(collections.Counter)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.inside:
+            self.ops[self.phase][func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _wrap(owner, name: str, enter):
+    orig = getattr(owner, name)
+
+    def wrapped(*a, **k):
+        with enter():
+            return orig(*a, **k)
+    setattr(owner, name, wrapped)
+    return orig
+
+
+@contextmanager
+def counting():
+    """Count the aten ops dispatched inside the block: yields {phase: Counter(op -> calls)}. The
+    static caches' forwards (what a graph replays) are left out; patches are undone on exit."""
+    from decoding import engine
+    from decoding.drafts import head_graph
+    from decoding.forward import static
+
+    c = _Counter()
+
+    @contextmanager
+    def replayed():
+        c.inside += 1
+        try:
+            yield
+        finally:
+            c.inside -= 1
+
+    def phase(name):
+        @contextmanager
+        def enter():
+            old, c.phase = c.phase, name
+            try:
+                yield
+            finally:
+                c.phase = old
+        return enter
+
+    E = engine.SpeculativeEngine
+    patches = [(static.StaticCachedModel, "_run", replayed), (head_graph.HeadGraphs, "_run", replayed),
+               (E, "_propose", phase("propose")), (E, "_decide", phase("decide")),
+               (static.StaticCachedModel, "feed", phase("verify")), (static.StaticCachedModel, "commit", phase("commit"))]
+    saved = [(owner, name, _wrap(owner, name, enter)) for owner, name, enter in patches]
+    try:
+        with c:
+            yield c.ops
+    finally:
+        for owner, name, orig in saved:
+            setattr(owner, name, orig)
+
+
+def per_round(engine, prompts: list[list[int]], new_tokens: int, eos=None) -> dict:
+    """{"rounds", "tokens_per_round", "ops_per_round", "syncs_per_round", "by_phase": {phase: ops per
+    round}, "top": {phase: [(op, per round)]}} over `prompts` (token ids)."""
+    rounds = tokens = 0
+    with counting() as ops:
+        for ids in prompts:
+            _, st = engine.generate(ids, new_tokens, eos)
+            rounds, tokens = rounds + st.rounds, tokens + st.new_tokens
+    r = max(1, rounds)
+    return {"rounds": rounds, "tokens_per_round": tokens / r,
+            "ops_per_round": sum(sum(v.values()) for v in ops.values()) / r,
+            "syncs_per_round": sum(v[s] for v in ops.values() for s in SYNCS) / r,
+            "by_phase": {p: sum(v.values()) / r for p, v in sorted(ops.items())},
+            "top": {p: [(k, n / r) for k, n in v.most_common(6)] for p, v in sorted(ops.items())}}
+
+
+ROWS = {"ar": ("ar", {}), "sd[g=3]": ("sd", {"gamma": 3}), "ti-mcsd[W=4,D=6]": ("ti-mcsd", {"width": 4, "depth": 6}),
+        "ti-mcsd[W=4,D=8]+confidence(grow)<=64": ("ti-mcsd", {"width": 4, "depth": 8, "stop": "confidence",
+                                                          "confidence_rule": "grow", "max_nodes": 64})}
+"""The GPU suite's rows (decoding.bench.gpu_suite), by the names its report gives them."""
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    from decoding.bench.config import load_prompts
+    from decoding.defaults import DEFAULT_DRAFT, defaults_for, strategy_config
+    from decoding.models import ModelError
+    from decoding.models.session import Session
+    from decoding.sampling import SamplingConfig
+
+    ap = argparse.ArgumentParser(prog="python -m decoding.bench.launches", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=None, help="default: the embedded target (its shipped head drafts)")
+    ap.add_argument("--head", default=None, help="default: the shipped head")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="bfloat16", help="bfloat16 (the GPU suite's) or float32")
+    ap.add_argument("--forward", default=None, help="static (default on a CPU) or graph (CUDA)")
+    ap.add_argument("--prompts", type=int, default=2, help="per held-out set (general, code)")
+    ap.add_argument("--new-tokens", type=int, default=96)
+    a = ap.parse_args(argv)
+    forward = a.forward or ("graph" if a.device.startswith("cuda") else "static")
+    try:
+        sess = Session.open(a.target, a.head or DEFAULT_DRAFT, dtype=a.dtype, device=a.device, forward=forward)
+        prompts = [sess.encode(p["prompt"], chat=True) for f in ("heldout_general", "heldout_code")
+                   for p in load_prompts(f"data/prompts/{f}.jsonl", a.prompts)]
+    except (ModelError, ValueError, FileNotFoundError) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    entry = defaults_for(a.device)
+    print(f"{a.device} {a.dtype}, {forward} forward, {len(prompts)} prompts x {a.new_tokens} tokens; "
+          f"ops a round dispatches outside the captured forwards")
+    for name, (strategy, opts) in ROWS.items():
+        eng = sess.engine(strategy_config(entry, strategy, opts), SamplingConfig())
+        eng.generate(prompts[0], 8, sess.eos_token_id)  # warm: first-call allocations are not a round's
+        r = per_round(eng, prompts, a.new_tokens, sess.eos_token_id)
+        phases = ", ".join(f"{p} {n:.0f}" for p, n in r["by_phase"].items())
+        print(f"{name:40s} tokens/round {r['tokens_per_round']:.2f}  ops/round {r['ops_per_round']:.0f} "
+              f"(syncs {r['syncs_per_round']:.1f}; {phases})")
+        for p, top in r["top"].items():
+            print(f"    {p:8s} " + ", ".join(f"{k} {n:.1f}" for k, n in top))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
