@@ -42,9 +42,10 @@ def candidate_level(fr: Frontier, width: int, features: bool = True) -> DraftLev
     parent_of = [r for r in range(P) for _ in range(w)]
     q_tok = top.values[:, :w].reshape(-1)
     base = torch.tensor(fr.path_logq, dtype=torch.float32, device=q_tok.device)[parent_of]
+    has_mass = (q_tok > 0).tolist()  # one host read a level, not one a node (each is a sync on a GPU)
     return DraftLevel(
         depth=fr.depth, nodes=list(range(P * w)), tokens=top.indices[:, :w].reshape(-1).tolist(),
-        valid=[fr.valid[r] and bool(q_tok[i] > 0) for i, r in enumerate(parent_of)],
+        valid=[fr.valid[r] and has_mass[i] for i, r in enumerate(parent_of)],
         q_token=q_tok, parent_q=fr.q, parent_of=parent_of,
         parent_nodes=[fr.nodes[r] for r in parent_of], branch=[b for _ in range(P) for b in range(w)],
         path_logq=base + torch.log(q_tok.float().clamp_min(1e-30)),
@@ -61,6 +62,7 @@ def child_values(parent_value: list[float], parent_of: list[int], valid: list[bo
     siblings capped in draw order so their sum never exceeds the parent's (at most one sibling
     is accepted). `parent_of[i]` indexes `parent_value`; nodes come in draw order per parent."""
     out, used = [], {}
+    scores = scores.tolist() if isinstance(scores, torch.Tensor) else scores
     for i, (r, ok) in enumerate(zip(parent_of, valid)):
         pv = parent_value[r]
         v = max(min(pv * float(scores[i]), pv - used.get(r, 0.0)), 0.0) if ok else 0.0
@@ -197,7 +199,7 @@ class GrowPolicy(StopPolicy):
                             level.valid, scores)
         st["value"].update(zip(level.nodes, vals))
         st["E"] += sum(vals)
-        guess = sorted((v * float(s) for v, s in zip(vals, scores)), reverse=True)
+        guess = sorted((v * float(s) for v, s in zip(vals, scores.tolist())), reverse=True)
         next_feeds = st["feeds"] + self.cost.draft(max(len(level.nodes), 1))
         go = worth_a_level(guess, st["E"], st["N"], st["feeds"], next_feeds, self.cost, self.max_nodes - st["N"])
         if go:  # the round pays that forward: every later rate counts it

@@ -125,7 +125,7 @@ class TreeProposer:
     def fill_level(self, tree: DraftTree, grow: Growth, dists: dict, generator, counts=None) -> DraftLevel:
         """Draw the children of every parent in `dists`: as many as the full layout gives it,
         or `counts[row]` where the stop policy sized them (those nodes are FREE of the layout)."""
-        nodes, parent_of, branch = [], [], []
+        nodes, parent_of, branch, kids_of = [], [], [], []
         for row, (par, q) in enumerate(dists.items()):
             if counts is not None:
                 kids = [FREE] * counts[row]
@@ -137,16 +137,19 @@ class TreeProposer:
                 nodes.append(len(tree.tokens))
                 tree.tokens.append(t)
                 tree.valid.append(v and parent_ok)
-                grow.add(kid, par, (0.0 if par == ANCHOR else grow.logq[par]) + float(torch.log(q[t].clamp_min(1e-30))),
-                         1 if par == ANCHOR else grow.depth[par] + 1, t)
+                kids_of.append((kid, par, t))
                 parent_of.append(row)
                 branch.append(b)
-        tree.layout = self._layout(grow)
         parent_q = torch.stack(list(dists.values()))
         toks = [tree.tokens[n] for n in nodes]
+        q_token = parent_q[parent_of, toks]
+        # the path log q of the whole level in one host read (a read per node is a sync each on a GPU)
+        for (kid, par, t), lq in zip(kids_of, torch.log(q_token.clamp_min(1e-30)).tolist()):
+            grow.add(kid, par, (0.0 if par == ANCHOR else grow.logq[par]) + lq, 1 if par == ANCHOR else grow.depth[par] + 1, t)
+        tree.layout = self._layout(grow)
         return DraftLevel(
             depth=tree.layout.max_depth, nodes=nodes, tokens=toks, valid=[tree.valid[n] for n in nodes],
-            q_token=parent_q[parent_of, toks], parent_q=parent_q, parent_of=parent_of,
+            q_token=q_token, parent_q=parent_q, parent_of=parent_of,
             parent_nodes=[grow.parents[n] for n in nodes], branch=branch,
             path_logq=torch.tensor([grow.logq[n] for n in nodes], device=parent_q.device),
             prefixes=[grow.path(grow.parents[n]) for n in nodes], context=self.snapshot,

@@ -142,6 +142,7 @@ class StaticCachedModel(CachedModel):
         self.graphs: dict[tuple, _Graph] = {}
         self.inputs: dict[int, _Inputs] = {}
         self.pool = None
+        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
         self.tap_hooks: list = []
         self.taps: dict[int, torch.Tensor] = {}
         super().__init__(model)
@@ -190,6 +191,7 @@ class StaticCachedModel(CachedModel):
             logits, h = self._bucketed(b, pending + list(node_tokens), qpos, base, masks, hidden)
         if not self.checked:  # every layer wrote into the cache it was given
             self._check(rows)
+            self._stack()
         self.length = self.where.length = len(committed)
         self.nodes = end
         keep = slice(rows - n_new - (1 if p else 0), rows)  # the last pending token and the nodes
@@ -214,6 +216,25 @@ class StaticCachedModel(CachedModel):
         for layer in self.cache.layers:
             if layer.buf_k is not None:
                 layer.allocate(layer.buf_k, cap)
+        if self.stacked is not None:
+            self.stacked = None
+            self._stack()
+
+    def _stack(self) -> None:
+        """One buffer for every layer's keys and one for their values (each layer's a view),
+        where their shapes agree: a rollback is then one gather and one copy per buffer instead of
+        two per layer, each a kernel launch on a GPU. Graphs captured before read the old buffers:
+        dropped."""
+        layers = self.cache.layers
+        if self.stacked is not None or len(layers) < 2 or any(x.buf_k is None for x in layers):
+            return
+        if len({(x.buf_k.shape, x.buf_v.shape, x.buf_k.dtype) for x in layers}) > 1:
+            return
+        k, v = torch.stack([x.buf_k for x in layers]), torch.stack([x.buf_v for x in layers])
+        for i, x in enumerate(layers):
+            x.buf_k = x.keys = k[i]
+            x.buf_v = x.values = v[i]
+        self.stacked, self.graphs = (k, v), {}
 
     def _run(self, ids, pos, slots, cols, masks, hidden):
         self.where.slots, self.where.cols = slots, cols
@@ -283,6 +304,7 @@ class StaticCachedModel(CachedModel):
             for _ in range(2):
                 self._run(x.ids, x.pos, x.slots, cols, x.masks, hidden)
         torch.cuda.current_stream().wait_stream(s)
+        self._stack()  # the warm-up allocated every layer: stack before any graph holds their addresses
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -346,9 +368,8 @@ class StaticCachedModel(CachedModel):
         if kept:
             s = self.length
             idx = torch.tensor(kept, device=self.model.device) + s
-            for layer in self.cache.layers:
-                if layer.buf_k is not None:  # advanced indexing copies first: no aliasing
-                    layer.buf_k[:, :, s:s + len(kept)] = layer.buf_k[:, :, idx]
-                    layer.buf_v[:, :, s:s + len(kept)] = layer.buf_v[:, :, idx]
+            # advanced indexing copies first: no aliasing
+            for buf in self.stacked or [b for x in self.cache.layers if x.buf_k is not None for b in (x.buf_k, x.buf_v)]:
+                buf[..., s:s + len(kept), :] = buf[..., idx, :]
         self.length = self.where.length = self.length + len(kept)
         self.nodes = 0

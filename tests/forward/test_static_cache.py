@@ -64,6 +64,24 @@ def test_logits_equal_the_dynamic_cache(arch):
         torch.testing.assert_close(hg, hw, rtol=0, atol=2e-5)
 
 
+def test_one_stacked_buffer_rolls_back_as_the_per_layer_ones(monkeypatch):
+    """Every layer's keys (values) are views of one buffer, so a commit is one gather per buffer;
+    its logits equal the per-layer rollback's bit for bit, growth past the capacity included."""
+    target = models("llama")[0]
+    (st,) = static_copy(target)
+    monkeypatch.setattr(static, "START_CAPACITY", 16)  # the rounds outgrow it: a doubling restacks
+    m = static.cached_model(st)
+    got = rounds(m, (3, 2, 2), rounds=40)
+    assert m.stacked is not None and m.capacity == 256  # 128 at the prompt, doubled since
+    k, _ = m.stacked
+    assert all(x.buf_k.data_ptr() == k[i].data_ptr() for i, x in enumerate(m.cache.layers))
+    monkeypatch.setattr(static.StaticCachedModel, "_stack", lambda self: None)
+    (st2,) = static_copy(target)
+    m2 = static.cached_model(st2)
+    for (a, _), (b, _) in zip(got, rounds(m2, (3, 2, 2), rounds=40), strict=True):
+        assert m2.stacked is None and torch.equal(a, b)
+
+
 def test_buckets_and_columns():
     assert [static.bucket(r) for r in (1, 2, 3, 5, 33, 64, 65)] == [1, 2, 4, 8, 64, 64, None]
     assert static.columns(10, 1024) == 128 and static.columns(300, 1024) == 512
