@@ -22,9 +22,9 @@ from contextlib import contextmanager
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-SYNCS = ("_local_scalar_dense", "item")
-"""aten ops that wait for the device (a `.item()`; `.tolist()` of a device tensor copies to the
-host, counted under `_to_copy` / `copy_`)."""
+ITEM_READS = ("_local_scalar_dense", "item")
+"""aten ops of a `.item()` / `float(t)`: each waits for the device. (A `.tolist()` waits too but
+dispatches no aten op: it is not counted.)"""
 
 
 class _Counter(TorchDispatchMode):
@@ -91,7 +91,7 @@ def counting():
 
 
 def per_round(engine, prompts: list[list[int]], new_tokens: int, eos=None) -> dict:
-    """{"rounds", "tokens_per_round", "ops_per_round", "syncs_per_round", "by_phase": {phase: ops per
+    """{"rounds", "tokens_per_round", "ops_per_round", "item_reads_per_round", "by_phase": {phase: ops per
     round}, "top": {phase: [(op, per round)]}} over `prompts` (token ids)."""
     rounds = tokens = 0
     with counting() as ops:
@@ -101,7 +101,7 @@ def per_round(engine, prompts: list[list[int]], new_tokens: int, eos=None) -> di
     r = max(1, rounds)
     return {"rounds": rounds, "tokens_per_round": tokens / r,
             "ops_per_round": sum(sum(v.values()) for v in ops.values()) / r,
-            "syncs_per_round": sum(v[s] for v in ops.values() for s in SYNCS) / r,
+            "item_reads_per_round": sum(v[s] for v in ops.values() for s in ITEM_READS) / r,
             "by_phase": {p: sum(v.values()) / r for p, v in sorted(ops.items())},
             "top": {p: [(k, n / r) for k, n in v.most_common(6)] for p, v in sorted(ops.items())}}
 
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
         r = per_round(eng, prompts, a.new_tokens, sess.eos_token_id)
         phases = ", ".join(f"{p} {n:.0f}" for p, n in r["by_phase"].items())
         print(f"{name:40s} tokens/round {r['tokens_per_round']:.2f}  ops/round {r['ops_per_round']:.0f} "
-              f"(syncs {r['syncs_per_round']:.1f}; {phases})")
+              f"(.item() reads {r['item_reads_per_round']:.1f}; {phases})")
         for p, top in r["top"].items():
             print(f"    {p:8s} " + ", ".join(f"{k} {n:.1f}" for k, n in top))
     return 0

@@ -71,8 +71,8 @@ def _load() -> str | None:
     try:
         from torch.utils.cpp_extension import load
 
-        load(f"specstop_quant_{revision()}", [str(p) for p in SOURCES], extra_cflags=["-O3", "-ffp-contract=off"],
-             is_python_module=False)
+        load(f"specstop_quant_{revision()}", [str(p) for p in SOURCES], extra_cflags=CFLAGS,
+             extra_ldflags=["-fopenmp"], is_python_module=False)
         ops.isa(_isa_arg())  # the CPU has what the asked path needs
     except Exception as e:  # no compiler, an old CPU: the dequantized linears still work
         lines = str(e).splitlines() or [""]
@@ -100,10 +100,16 @@ def available() -> bool:
     return why_not() is None
 
 
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+"""-fopenmp: without it at::parallel_for compiles to a serial loop (until 2026-11-27 a second thread
+did nothing in these kernels)."""
+
+
 def revision() -> str:
-    """The kernel's source hash: a cost curve timed on another kernel is a miss (decoding.forward.cost_cache)."""
+    """The kernel's source and flags hash: a cost curve timed on another kernel is a miss
+    (decoding.forward.cost_cache)."""
     files = [*SOURCES, CSRC / "quant.h"]  # torch's loader rebuilds on a changed source, not a header
-    return hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()[:12]
+    return hashlib.sha256(b"".join(p.read_bytes() for p in files) + " ".join(CFLAGS).encode()).hexdigest()[:12]
 
 
 def act() -> str:

@@ -192,13 +192,15 @@ AVX2 void rows256(const Job& j, int64_t t0, const uint8_t* pan) {
 
 constexpr int RG512 = 4, RG256 = 2;  // rows a pass (the rest of a verify re-reads the panels from L1 / L2)
 
-// a weight under this many bytes runs on one thread: splitting a layer's small matrices costs
-// more in fork and join than the second core gives (2 threads were slower than 1 at every step)
-constexpr int64_t SPLIT_BYTES = 1 << 20;
+// work (weight bytes x rows) under this runs on one thread. Measured on a 2-core AVX512 EPYC (the
+// embedded target at 2 threads, one forward of 1 / 8 / 16 rows): 256 KiB 4.6 / 8.9 / 13.8 ms,
+// 1 MiB 4.9 / 9.3 / 14.8, always split 4.9 / 9.7 / 15.6, within ~5% noise of each other; without
+// -fopenmp (before 2026-11-27) the split was a serial loop: 5.6 / 12.3 / 19.6 at any threshold
+constexpr int64_t SPLIT_WORK = 256 << 10;
 
 template <int64_t kind>
 void run(const Job& j, int64_t panels, int64_t isa) {
-  const int64_t pstride = j.K / QK * j.pbb, whole = panels * pstride < SPLIT_BYTES;
+  const int64_t pstride = j.K / QK * j.pbb, whole = panels * pstride * j.T < SPLIT_WORK;
   if (isa == 2) {
     const int64_t units = (panels + 1) / 2;
     at::parallel_for(0, units, whole ? units : 1, [&](int64_t a, int64_t e) {
