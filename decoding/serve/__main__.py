@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import signal
 import sys
+import threading
 
 from decoding.generate import add_strategy_args, check_options, load_decoder
 from decoding.options import ALL_FORWARDS
@@ -76,15 +78,33 @@ def serve(decoder, args) -> None:
     s = decoder.session
     eos = s.eos_token_id
     limit = getattr(s.target.config, "max_position_embeddings", None) or 1 << 20
-    worker = EngineWorker(batch_engine(decoder, args.budget), args.max_batch, args.max_queue).start()
+    worker = EngineWorker(batch_engine(decoder, args.budget), args.max_batch, args.max_queue)
     served = Served(args.model_name, s.tokenizer, limit - len(decoder.config.k_levels) - 1,
                     tuple([eos] if isinstance(eos, int) else eos or ()), args.default_max_tokens)
+    server = uvicorn.Server(uvicorn.Config(create_app(served, worker), host=args.host, port=args.port,
+                                           log_level="warning"))
+
+    def http() -> None:
+        try:
+            server.run()
+        finally:
+            worker.stop()  # the HTTP side ended (or never started): so does the engine
+
+    def shut(*_) -> None:
+        server.should_exit = True
+        worker.stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, shut)
+    front = threading.Thread(target=http, name="specstop-http", daemon=True)
+    front.start()
     print(f"serving {args.model_name} ({decoder.config.name}, budget {args.budget}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
-    try:
-        uvicorn.run(create_app(served, worker), host=args.host, port=args.port, log_level="warning")
-    finally:
-        worker.close()
+    worker.run()  # on this thread, the one that loaded the model (decoding.serve.worker says why)
+    server.should_exit = True
+    front.join(30)
+    if not server.started:
+        raise ValueError(f"could not serve on {args.host}:{args.port} (uvicorn's message above)")
 
 
 def main(argv=None) -> int:

@@ -157,3 +157,45 @@ def test_the_command_refuses_bad_options_in_one_line(tmp_path, capsys):
     assert main(["--target", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(line.startswith("error: ") for line in err)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_command_serves_on_its_main_thread_and_stops_on_sigterm(pair):
+    """`python -m decoding.serve`: the engine's loop on the main thread, HTTP beside it; SIGTERM
+    ends both (exit 0); a port already taken is one error line and exit 2."""
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    t, d = pair
+    port = _free_port()
+    cmd = [sys.executable, "-m", "decoding.serve", "--target", str(t), "--draft", str(d), "--strategy", "sd",
+           "--gamma", "2", "--host", "127.0.0.1", "--model-name", "tiny"]
+    proc = subprocess.Popen(cmd + ["--port", str(port)], stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read()
+                time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        text = client.completions.create(model="tiny", prompt="w4 w5", max_tokens=6, temperature=0).choices[0].text
+        assert text == alone(Decoder.load(t, d, strategy="sd", gamma=2), "w4 w5", 6)
+        with socket.socket() as busy:  # a second server on a taken port
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            taken = busy.getsockname()[1]
+            other = subprocess.run(cmd + ["--port", str(taken)], capture_output=True, text=True, timeout=300)
+        assert other.returncode == 2 and other.stderr.strip().splitlines()[-1].startswith("error: could not serve")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
