@@ -107,6 +107,17 @@ def serve(decoder, args) -> None:
         raise ValueError(f"could not serve on {args.host}:{args.port} (uvicorn's message above)")
 
 
+def check_port(host: str, port: int) -> None:
+    """ValueError unless `host:port` can be listened on now."""
+    import socket
+
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as e:
+        raise ValueError(f"could not serve on {host}:{port} ({e.strerror or e})") from None
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -119,6 +130,7 @@ def main(argv=None) -> int:
     from decoding.models import ModelError
 
     try:
+        check_port(args.host, args.port)  # before the models load: a taken port should not cost that wait
         serve(load_decoder(args), args)
     except (ModelError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
