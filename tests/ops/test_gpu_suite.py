@@ -35,7 +35,7 @@ def test_gpu_suite_runs_end_to_end_on_the_cpu(tmp_path, capsys):
     res = json.loads((out / "results.json").read_text())
     assert res["meta"]["forward"] == "static" and set(res["conditions"]) == {"8", "16"}
     rows = res["conditions"]["16"]
-    assert {"hf-generate", "ar", "default", "hf-assisted"} <= set(rows) and len(rows) == 7
+    assert {"hf-generate", "ar", "default", "hf-assisted"} <= set(rows) and len(rows) == 8
     for name in ("ar", "default"):  # greedy fp32: our rows are HF generate's text
         assert rows[name]["equal_to_hf_generate"] == rows[name]["prompts"] == 2
         assert rows[name]["over_hf_generate"]["median"] > 0
@@ -69,3 +69,14 @@ def test_a_failing_row_is_dropped_not_the_report(tmp_path, monkeypatch):
     assert res["failed_rows"] == {"broken": "RuntimeError: CUDA error: out of memory"}
     assert "broken" not in res["conditions"]["8"] and "hf-assisted" not in res["conditions"]["8"]
     assert "Row broken failed" in (out / "README.md").read_text()
+
+
+def test_an_ar_entry_runs_no_separate_default_row(tmp_path, monkeypatch):
+    """Once the `cuda` entry is `ar` (picked on the H100), the ar row is the default: not run twice."""
+    from decoding import defaults
+
+    target, head = tiny_dirs(tmp_path)
+    monkeypatch.setattr(defaults, "defaults_for", lambda device="cpu", **kw: defaults.Defaults(strategy="ar"))
+    _, rows = gpu_suite.load_rows(gpu_suite.GpuSuiteConfig(target=str(target), head=str(head), draft=None,
+                                                           device="cpu", dtype="float32"))
+    assert "default" not in rows and {"hf-generate", "ar", "sd[g=2]", "sd[g=3]"} <= set(rows) and len(rows) == 6
