@@ -89,6 +89,7 @@ class EngineWorker:
 
     # ---- called from the HTTP side ----
     def start(self) -> EngineWorker:
+        self._looping = True  # alive from here: /health must not race the thread's first line
         self._thread.start()
         return self
 
