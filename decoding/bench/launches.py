@@ -27,15 +27,25 @@ ITEM_READS = ("_local_scalar_dense", "item")
 dispatches no aten op: it is not counted.)"""
 
 
+def launches(name: str, is_view: bool) -> bool:
+    """Whether an op is work on a device (a kernel, or a host tensor copied over): views only
+    re-describe memory; `lift_fresh` is a `torch.tensor(...)` of host data, a copy on a GPU."""
+    return not is_view or name == "lift_fresh"
+
+
 class _Counter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.inside, self.phase = 0, "other"
         self.ops = collections.defaultdict(collections.Counter)
+        self.views: set[str] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.inside:
-            self.ops[self.phase][func.overloadpacket.__name__] += 1
+            name = func.overloadpacket.__name__
+            self.ops[self.phase][name] += 1
+            if func.is_view:
+                self.views.add(name)
         return func(*args, **(kwargs or {}))
 
 
@@ -85,25 +95,30 @@ def counting():
     try:
         with c:
             yield c.ops
+        c.ops["_views"] = collections.Counter({v: 0 for v in c.views})  # names only: which ops are views
     finally:
         for owner, name, orig in saved:
             setattr(owner, name, orig)
 
 
 def per_round(engine, prompts: list[list[int]], new_tokens: int, eos=None) -> dict:
-    """{"rounds", "tokens_per_round", "ops_per_round", "item_reads_per_round", "by_phase": {phase: ops per
-    round}, "top": {phase: [(op, per round)]}} over `prompts` (token ids)."""
+    """{"rounds", "tokens_per_round", "ops_per_round", "kernels_per_round" (ops that are not views:
+    launches on a GPU), "item_reads_per_round", "by_phase": {phase: kernels per round}, "top":
+    {phase: [(op, kernels per round)]}} over `prompts` (token ids)."""
     rounds = tokens = 0
     with counting() as ops:
         for ids in prompts:
             _, st = engine.generate(ids, new_tokens, eos)
             rounds, tokens = rounds + st.rounds, tokens + st.new_tokens
     r = max(1, rounds)
+    views = set(ops.pop("_views", {}))
+    work = {p: collections.Counter({k: n for k, n in v.items() if launches(k, k in views)}) for p, v in ops.items()}
     return {"rounds": rounds, "tokens_per_round": tokens / r,
             "ops_per_round": sum(sum(v.values()) for v in ops.values()) / r,
+            "kernels_per_round": sum(sum(v.values()) for v in work.values()) / r,
             "item_reads_per_round": sum(v[s] for v in ops.values() for s in ITEM_READS) / r,
-            "by_phase": {p: sum(v.values()) / r for p, v in sorted(ops.items())},
-            "top": {p: [(k, n / r) for k, n in v.most_common(6)] for p, v in sorted(ops.items())}}
+            "by_phase": {p: sum(v.values()) / r for p, v in sorted(work.items())},
+            "top": {p: [(k, n / r) for k, n in v.most_common(6)] for p, v in sorted(work.items())}}
 
 
 ROWS = {"ar": ("ar", {}), "sd[g=3]": ("sd", {"gamma": 3}), "ti-mcsd[W=4,D=6]": ("ti-mcsd", {"width": 4, "depth": 6}),
@@ -148,8 +163,8 @@ def main(argv=None) -> int:
         eng.generate(prompts[0], 8, sess.eos_token_id)  # warm: first-call allocations are not a round's
         r = per_round(eng, prompts, a.new_tokens, sess.eos_token_id)
         phases = ", ".join(f"{p} {n:.0f}" for p, n in r["by_phase"].items())
-        print(f"{name:40s} tokens/round {r['tokens_per_round']:.2f}  ops/round {r['ops_per_round']:.0f} "
-              f"(.item() reads {r['item_reads_per_round']:.1f}; {phases})")
+        print(f"{name:40s} tokens/round {r['tokens_per_round']:.2f}  ops/round {r['ops_per_round']:.0f}, of which "
+              f"kernels {r['kernels_per_round']:.0f} ({phases}); .item() reads {r['item_reads_per_round']:.1f}")
         for p, top in r["top"].items():
             print(f"    {p:8s} " + ", ".join(f"{k} {n:.1f}" for k, n in top))
     return 0

@@ -30,7 +30,7 @@ def test_rounds_are_counted_by_phase_without_the_forwards():
                                            SamplingConfig()), prompts, 12)
     assert ar["rounds"] == 24 and ar["tokens_per_round"] == 1.0 and "propose" not in ar["by_phase"]
     assert {"propose", "verify", "decide", "commit"} <= set(spec["by_phase"])
-    assert spec["tokens_per_round"] > 1.0
+    assert spec["tokens_per_round"] > 1.0 and 0 < spec["kernels_per_round"] < spec["ops_per_round"]
     # a 3-layer forward alone dispatches far more than ar's whole round outside it
     class Count(TorchDispatchMode):
         n = 0
