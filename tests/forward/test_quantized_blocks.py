@@ -88,6 +88,26 @@ def test_a_row_does_not_depend_on_the_others(kind, isa, act):
     assert torch.equal(torch.cat([qw(x[i:i + 1], b) for i in range(37)]), full)
 
 
+@pytest.mark.parametrize("act", quant.ACTS)
+@pytest.mark.parametrize("isa", ISAS)
+def test_threads_split_outputs_not_sums(isa, act):
+    """The kernels run their output panels on OpenMP threads (a weight's bytes x rows past a
+    threshold): the bits are those of one thread, at every row count, split or not."""
+    qw = _weight("Q4_1", n=512, act=act)
+    qw.isa = isa
+    x, b = torch.randn(17, 576), torch.randn(512)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [qw(x[:t], b) for t in (1, 2, 5, 17)]
+        torch.set_num_threads(2)
+        two = [qw(x[:t], b) for t in (1, 2, 5, 17)]
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, c) for a, c in zip(one, two))
+    assert all(torch.equal(a, one[-1][:a.shape[0]]) for a in one)
+
+
 @pytest.mark.skipif(not AVX512, reason="needs an AVX512 CPU to compare both paths")
 @pytest.mark.parametrize("act", quant.ACTS)
 @pytest.mark.parametrize("kind", KINDS)
