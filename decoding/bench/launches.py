@@ -61,8 +61,9 @@ def _wrap(owner, name: str, enter):
 
 @contextmanager
 def counting():
-    """Count the aten ops dispatched inside the block: yields {phase: Counter(op -> calls)}. The
-    static caches' forwards (what a graph replays) are left out; patches are undone on exit."""
+    """Count the aten ops dispatched inside the block: yields the counter (`.ops`: {phase:
+    Counter(op -> calls)}, `.views`: the op names that were views). The static caches' forwards
+    (what a graph replays) are left out; patches are undone on exit."""
     from decoding import engine
     from decoding.drafts import head_graph
     from decoding.forward import static
@@ -94,8 +95,7 @@ def counting():
     saved = [(owner, name, _wrap(owner, name, enter)) for owner, name, enter in patches]
     try:
         with c:
-            yield c.ops
-        c.ops["_views"] = collections.Counter({v: 0 for v in c.views})  # names only: which ops are views
+            yield c
     finally:
         for owner, name, orig in saved:
             setattr(owner, name, orig)
@@ -106,13 +106,13 @@ def per_round(engine, prompts: list[list[int]], new_tokens: int, eos=None) -> di
     launches on a GPU), "item_reads_per_round", "by_phase": {phase: kernels per round}, "top":
     {phase: [(op, kernels per round)]}} over `prompts` (token ids)."""
     rounds = tokens = 0
-    with counting() as ops:
+    with counting() as c:
         for ids in prompts:
             _, st = engine.generate(ids, new_tokens, eos)
             rounds, tokens = rounds + st.rounds, tokens + st.new_tokens
     r = max(1, rounds)
-    views = set(ops.pop("_views", {}))
-    work = {p: collections.Counter({k: n for k, n in v.items() if launches(k, k in views)}) for p, v in ops.items()}
+    ops = c.ops
+    work = {p: collections.Counter({k: n for k, n in v.items() if launches(k, k in c.views)}) for p, v in ops.items()}
     return {"rounds": rounds, "tokens_per_round": tokens / r,
             "ops_per_round": sum(sum(v.values()) for v in ops.values()) / r,
             "kernels_per_round": sum(sum(v.values()) for v in work.values()) / r,
