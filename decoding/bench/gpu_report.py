@@ -31,6 +31,14 @@ def markdown(res: dict) -> str:
     skipped = [n for n in m["config"]["new_tokens"] if str(n) not in res["conditions"]]
     if skipped:
         lines += [f"Skipped for the time budget: {', '.join(map(str, skipped))} new tokens.", ""]
+    counts = {k: v for k, v in res.get("launches", {}).items() if isinstance(v, dict)}
+    if counts:
+        lines += ["## A round's eager work besides the graph replays (`decoding.bench.launches`, untimed)", "",
+                  "| row | tokens / round | kernels / round | of which on the device | `.item()` reads / round |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {k} | {v['tokens_per_round']:.2f} | {v['kernels_per_round']:.0f} | "
+                  f"{v['device_kernels_per_round']:.0f} | {v['item_reads_per_round']:.1f} |" for k, v in counts.items()]
+        lines.append("")
     c = {k: v for k, v in res["cost"].items() if k != "failed"}
     lines += ["## Cost of one target forward by tokens fed (ms)", "", "![cost](cost.png)", "",
               "| tokens | " + " | ".join(k for k in c if k not in ("sizes", "cpu")) + " |",

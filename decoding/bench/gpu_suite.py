@@ -54,9 +54,8 @@ class GpuSuiteConfig:
         {"strategy": "ti-mcsd", "width": 4, "depth": 8, "stop": "confidence", "confidence_rule": "grow",
          "max_nodes": 32, "grow_cost": "measure"},
     )
-    """Further lossless rows the `cuda` entry may be picked from (the defaults row runs too unless
-    it is `ar`). On the H100 (reports/gpu-2026-11-27) sd γ=3 came closest to `ar` (0.78x / 0.91x),
-    the trees 0.54-0.74x and the full W4 D6 tree 0.59-0.61x: shallow, cheap rounds first."""
+    """Further lossless rows for the `cuda` entry (and the defaults row unless it is `ar`). On the
+    H100 (reports/gpu-2026-11-27) sd γ=3 came closest to `ar`, the trees lost more: shallow first."""
     prompt_sets: dict = field(default_factory=lambda: {"general": "data/prompts/heldout_general.jsonl",
                                                        "code": "data/prompts/heldout_code.jsonl"})
 
@@ -295,6 +294,7 @@ def gpu_suite(cfg: GpuSuiteConfig, out: Path, progress=print) -> dict:
 
     from decoding.bench.config import load_prompts
     from decoding.bench.gpu_report import cost_plot, markdown
+    from decoding.bench.launches import for_rows
     from decoding.bench.pick_defaults import write_defaults
     from decoding.defaults import DEFAULTS_PATH
 
@@ -319,6 +319,11 @@ def gpu_suite(cfg: GpuSuiteConfig, out: Path, progress=print) -> dict:
     except Exception as e:  # the runs still go ahead
         res["cost"] = {"sizes": [], "failed": f"{type(e).__name__}: {e}"}
         clock.say(f"cost curve failed: {res['cost']['failed']}")
+    try:  # what a round launches besides the replays (decoding.bench.launches): untimed, ~20 s
+        ours = {k: r.engine for k, r in rows.items() if hasattr(r, "engine") and k not in failed}
+        res["launches"] = for_rows(ours, [p["ids"] for p in prompts[::cfg.prompts]], 64, sess.eos_token_id, clock.left)
+    except Exception as e:  # the report goes ahead without them
+        res["launches"] = {"failed": f"{type(e).__name__}: {e}"}
     write_json(out / "results.json", res)  # kept up to date: a run cut short leaves what it measured
 
     def save(runs):
@@ -383,11 +388,10 @@ def main(argv=None) -> int:
     if a.budget:
         cfg.budget_s = a.budget
     try:
-        if cfg.device.startswith("cuda"):
-            import torch
+        import torch
 
-            if not torch.cuda.is_available():
-                raise ValueError("--suite gpu needs a CUDA device (or --device cpu with tiny models)")
+        if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("--suite gpu needs a CUDA device (or --device cpu with tiny models)")
         gpu_suite(cfg, Path(a.out), progress=lambda s: print(s, flush=True))
     except (ModelError, ValueError, FileNotFoundError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)

@@ -20,7 +20,9 @@ from __future__ import annotations
 import collections
 from contextlib import contextmanager
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 ITEM_READS = ("_local_scalar_dense", "item")
 """aten ops of a `.item()` / `float(t)`: each waits for the device. (A `.tolist()` waits too but
@@ -33,12 +35,21 @@ def launches(name: str, is_view: bool) -> bool:
     return not is_view or name == "lift_fresh"
 
 
+def _off_cpu(a) -> bool:
+    """A tensor, or a factory's `device=`, off the CPU."""
+    if isinstance(a, torch.Tensor):
+        return a.device.type != "cpu"
+    return isinstance(a, torch.device) and a.type != "cpu"
+
+
 class _Counter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.inside, self.phase = 0, "other"
         self.ops = collections.defaultdict(collections.Counter)
         self.views: set[str] = set()
+        self.on_device = 0
+        """Non-view ops with a tensor off the CPU: the launches themselves (0 on a CPU run)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.inside:
@@ -46,6 +57,8 @@ class _Counter(TorchDispatchMode):
             self.ops[self.phase][name] += 1
             if func.is_view:
                 self.views.add(name)
+            elif any(_off_cpu(a) for a in tree_leaves((args, kwargs))):
+                self.on_device += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -103,8 +116,10 @@ def counting():
 
 def per_round(engine, prompts: list[list[int]], new_tokens: int, eos=None) -> dict:
     """{"rounds", "tokens_per_round", "ops_per_round", "kernels_per_round" (ops that are not views:
-    launches on a GPU), "item_reads_per_round", "by_phase": {phase: kernels per round}, "top":
-    {phase: [(op, kernels per round)]}} over `prompts` (token ids)."""
+    launches on a GPU where their tensors live there), "device_kernels_per_round" (those that
+    touched a tensor off the CPU: on a GPU run, the launches counted), "item_reads_per_round",
+    "by_phase": {phase: kernels per round}, "top": {phase: [(op, kernels per round)]}} over
+    `prompts` (token ids)."""
     rounds = tokens = 0
     with counting() as c:
         for ids in prompts:
@@ -116,9 +131,25 @@ def per_round(engine, prompts: list[list[int]], new_tokens: int, eos=None) -> di
     return {"rounds": rounds, "tokens_per_round": tokens / r,
             "ops_per_round": sum(sum(v.values()) for v in ops.values()) / r,
             "kernels_per_round": sum(sum(v.values()) for v in work.values()) / r,
+            "device_kernels_per_round": c.on_device / r,
             "item_reads_per_round": sum(v[s] for v in ops.values() for s in ITEM_READS) / r,
             "by_phase": {p: sum(v.values()) / r for p, v in sorted(work.items())},
             "top": {p: [(k, n / r) for k, n in v.most_common(6)] for p, v in sorted(work.items())}}
+
+
+SUMMARY = ("tokens_per_round", "kernels_per_round", "device_kernels_per_round", "item_reads_per_round", "by_phase")
+
+
+def for_rows(engines: dict, prompts: list[list[int]], new_tokens: int, eos, left) -> dict:
+    """per_round (its SUMMARY keys) for each named engine while `left()` (seconds) stays above 20:
+    the GPU suite's part after its timed runs (counting slows every op, so it is never timed)."""
+    out = {}
+    for name, eng in engines.items():
+        if left() < 20:
+            break
+        r = per_round(eng, prompts, new_tokens, eos)
+        out[name] = {k: r[k] for k in SUMMARY}
+    return out
 
 
 ROWS = {"ar": ("ar", {}), "sd[g=3]": ("sd", {"gamma": 3}), "ti-mcsd[W=4,D=6]": ("ti-mcsd", {"width": 4, "depth": 6}),

@@ -31,6 +31,7 @@ def test_rounds_are_counted_by_phase_without_the_forwards():
     assert ar["rounds"] == 24 and ar["tokens_per_round"] == 1.0 and "propose" not in ar["by_phase"]
     assert {"propose", "verify", "decide", "commit"} <= set(spec["by_phase"])
     assert spec["tokens_per_round"] > 1.0 and 0 < spec["kernels_per_round"] < spec["ops_per_round"]
+    assert spec["device_kernels_per_round"] == 0  # a CPU run: nothing is off the CPU
     # a 3-layer forward alone dispatches far more than ar's whole round outside it
     class Count(TorchDispatchMode):
         n = 0
@@ -48,5 +49,6 @@ def test_counting_leaves_no_patch_behind():
     before = (static.StaticCachedModel._run, static.StaticCachedModel.feed, static.StaticCachedModel.commit)
     with launches.counting() as c:
         torch.zeros(3)[:2] + 1
-    assert sum(c.ops["other"].values()) == 3 and c.views == {"slice"}
+        torch.zeros(3, device="meta") + 1  # off the CPU: what a GPU run counts as launches
+    assert sum(c.ops["other"].values()) == 5 and c.views == {"slice"} and c.on_device == 2
     assert (static.StaticCachedModel._run, static.StaticCachedModel.feed, static.StaticCachedModel.commit) == before

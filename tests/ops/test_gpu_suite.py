@@ -43,6 +43,10 @@ def test_gpu_suite_runs_end_to_end_on_the_cpu(tmp_path, capsys):
     entry = yaml.safe_load((out / "defaults.yaml").read_text())["cuda"]
     assert entry == res["cuda_defaults"] and entry["source"].startswith("python -m decoding.bench --suite gpu")
     assert (out / "cost.png").stat().st_size > 0 and "## 16 new tokens" in (out / "README.md").read_text()
+    counts = res["launches"]  # untimed, after the runs: on a CPU nothing is off the CPU
+    assert set(counts) == {k for k in rows if not k.startswith("hf-")}
+    assert all(v["kernels_per_round"] > 0 and v["device_kernels_per_round"] == 0 for v in counts.values())
+    assert "eager work besides the graph replays" in (out / "README.md").read_text()
     assert "report in" in capsys.readouterr().out
 
 
