@@ -2,9 +2,10 @@
 
 A CPU user's target is a GGUF of 4.5 bits a weight (SmolLM2-135M-Instruct Q4_1: 98 MB). The
 dequantized fp32 model streams ~540 MB a step; the kernels here stream the blocks (re-laid once
-into panels of 16 outputs). Supported blocks: Q4_0, Q4_1 and Q8_0 (the embedded target's linears
-are Q4_1, its tied embedding / output layer Q8_0); a K-quant (Q4_K, Q6_K) keeps the dequantized
-fp32 linear.
+into panels of 16 outputs). Blocks: Q4_0, Q4_1 and Q8_0 as they are (the embedded target's linears
+are Q4_1, its tied embedding / output layer Q8_0); Q5_0, Q4_K and Q6_K (a Q4_K_M file's) re-laid
+once into blocks of 32 with the same weights (decoding.forward.kquants). Another type keeps the
+dequantized fp32 linear.
 
 What is quantized ($SPECSTOP_QUANT_ACT, ACT_ENV below):
 - q8 (default): the activations too, int8 per block of 32 as llama.cpp's dot products do, with
@@ -30,14 +31,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from decoding.forward import kquants
+
 ENV = "SPECSTOP_QUANT"
 """0: a GGUF target runs its dequantized fp32 linears (the reference) instead of its blocks."""
 ISA_ENV = "SPECSTOP_QUANT_ISA"
 """auto (default: AVX512 where the CPU has it), avx2 or avx512."""
 ISAS = {"auto": 0, "avx2": 1, "avx512": 2}
-KINDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
-"""ggml block types the kernel multiplies by, to their ggml ids."""
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+KINDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": kquants.KQ4, "Q6_K": kquants.KQ6}
+"""ggml block types the kernel multiplies by, to their ggml ids (Q4_K / Q6_K re-laid; a Q5_0
+tensor becomes Q8_0 blocks)."""
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34, kquants.KQ4: kquants.KQ4_BYTES, kquants.KQ6: kquants.KQ6_BYTES}
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("quant*.cpp"))
 ops = torch.ops.specstop_quant
@@ -205,11 +209,19 @@ def load_blocks(path: str | os.PathLike, config, cache_dir: Path | None = None) 
     """read_gguf, kept once as safetensors in `cache_dir` (the target's converted directory):
     parsing a GGUF (its 49k-token vocabulary) took 2.6 s a load; the kept blocks load in ~0.1 s.
     The file records the GGUF's size and time: another file is read anew (atomic write)."""
+    st = Path(path).stat()
+    return kept_blocks(lambda: read_gguf(path, config), f"{st.st_size}:{st.st_mtime_ns}", cache_dir)
+
+
+READER = 2
+"""What read_gguf keeps (2: + Q5_0 / Q4_K / Q6_K re-laid): a kept file of another version is read anew."""
+
+
+def kept_blocks(read, stamp: str, cache_dir: Path | None) -> dict[str, QuantWeight]:
+    """`read()`'s blocks, kept in `cache_dir` under `stamp` (what identifies their source): a kept
+    file of another stamp, unreadable or absent is read anew (atomic write)."""
     from safetensors.torch import load_file, save_file
 
-    src = Path(path)
-    st = src.stat()
-    stamp = f"{st.st_size}:{st.st_mtime_ns}"
     kept = cache_dir / "gguf_blocks.safetensors" if cache_dir is not None else None
     if kept is not None and kept.is_file():
         from safetensors import safe_open
@@ -217,17 +229,17 @@ def load_blocks(path: str | os.PathLike, config, cache_dir: Path | None = None) 
         try:
             with safe_open(str(kept), "pt") as f:
                 meta = f.metadata() or {}
-            if meta.get("source") == stamp:
+            if meta.get("source") == stamp and meta.get("reader") == str(READER):
                 kinds = json.loads(meta["kinds"])
                 return {n: QuantWeight(t, kinds[n][0], kinds[n][1]) for n, t in load_file(str(kept)).items()}
         except (OSError, ValueError, KeyError):  # unreadable or from another version: read the GGUF again
             pass
-    out = read_gguf(src, config)
+    out = read()
     if kept is not None:
         tmp = kept.with_name(f".{kept.name}.{os.getpid()}.tmp")
         try:
             save_file({n: w.w for n, w in out.items()}, str(tmp), metadata={
-                "source": stamp, "kinds": json.dumps({n: [w.kind, w.k] for n, w in out.items()})})
+                "source": stamp, "reader": str(READER), "kinds": json.dumps({n: [w.kind, w.k] for n, w in out.items()})})
             os.replace(tmp, kept)
         except OSError:  # a read-only cache: read the GGUF each time
             tmp.unlink(missing_ok=True)
@@ -235,16 +247,17 @@ def load_blocks(path: str | os.PathLike, config, cache_dir: Path | None = None) 
 
 
 def read_gguf(path: str | os.PathLike, config) -> dict[str, QuantWeight]:
-    """The quantized linears of a Llama-family GGUF, by transformers parameter name (weights
-    of an unsupported block type are left out: they stay dequantized)."""
+    """The quantized linears of a Llama-family (or Gemma 3) GGUF, by transformers parameter name
+    (weights of an unsupported block type are left out: they stay dequantized)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
     heads, kv = config.num_attention_heads, config.num_key_value_heads
+    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else "llama"
     out = {}
     for t in reader.tensors:
-        kind = KINDS.get(t.tensor_type.name)
-        if kind is None or len(t.shape) != 2:
+        kind = t.tensor_type.name
+        if kind not in KINDS and kind not in kquants.RELAID or len(t.shape) != 2:
             continue
         parts = t.name.split(".")
         if parts[0] == "blk" and parts[2] in LAYER_NAMES:
@@ -255,12 +268,16 @@ def read_gguf(path: str | os.PathLike, config) -> dict[str, QuantWeight]:
             name = "model.embed_tokens.weight"
         else:
             continue
-        rows = np.asarray(t.data)
-        if parts[-2:-1] == ["attn_q"]:
+        k, rows, kid = int(t.shape[0]), np.asarray(t.data), KINDS.get(kind)
+        if kind in kquants.RELAID:
+            if kind != "Q5_0" and k % kquants.SUPER:
+                continue
+            rows, kid = kquants.relay(rows, kind, k)
+        if arch == "llama" and parts[-2:-1] == ["attn_q"]:  # only llama's converter permutes them
             rows = _unpermute_rows(rows, heads)
-        elif parts[-2:-1] == ["attn_k"]:
+        elif arch == "llama" and parts[-2:-1] == ["attn_k"]:
             rows = _unpermute_rows(rows, kv)
-        out[name] = QuantWeight(torch.from_numpy(np.array(rows, copy=True)), kind, int(t.shape[0]))  # off the mmap
+        out[name] = QuantWeight(torch.from_numpy(np.array(rows, copy=True)), kid, k)  # off the mmap
     return out
 
 
@@ -328,17 +345,20 @@ def quantize_head(draft: torch.nn.Module, kind: str = HEAD_KIND) -> int:
 
 
 def quantize(w: torch.Tensor, kind: str) -> QuantWeight:
-    """A float weight [N, K] quantized to `kind` blocks by the gguf package (tests, small models)."""
-    from gguf import GGMLQuantizationType, quantize as gq
-
-    blocks = gq(w.detach().float().numpy(), GGMLQuantizationType[kind])
-    return QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), KINDS[kind], w.shape[1])
+    """A float weight [N, K] quantized to `kind` blocks by the gguf package, or decoding.forward.kquants
+    for the K-quants (tests, small models); Q5_0 gives its Q8_0 blocks, as a GGUF's is read."""
+    blocks, kid = kquants.quantize_raw(w.detach().float().numpy(), kind), KINDS.get(kind)
+    if kind in kquants.RELAID:
+        blocks, kid = kquants.relay(blocks, kind, w.shape[1])
+    return QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), kid, w.shape[1])
 
 
 def quantize_model(model: torch.nn.Module, kind: str = "Q4_1") -> int:
     """Quantize every linear of a float32 model whose shape allows it (K % 32, N % 16), as a GGUF
-    of that type would hold it, and attach the blocks (tests and small models)."""
-    weights = {f"{name}.weight": quantize(mod.weight, kind) for name, mod in model.named_modules()
+    of that type would hold it, and attach the blocks (tests and small models). A K-quant takes
+    the linears of whole super-blocks (K % 256) and Q5_0 the others, as llama.cpp's quantizer does."""
+    weights = {f"{name}.weight": quantize(mod.weight, kquants.fitting(kind, mod.weight.shape[1]))
+               for name, mod in model.named_modules()
                if type(mod) is torch.nn.Linear and mod.weight.shape[1] % 32 == 0 and mod.weight.shape[0] % 16 == 0}
     with torch.no_grad():  # the dense weights become the blocks' values first (attach checks them)
         for name, mod in model.named_modules():

@@ -19,7 +19,7 @@ from transformers.utils import logging as hf_logging
 from decoding.defaults import DEFAULT_TARGET  # noqa: F401 (re-exported)
 from decoding.models.errors import ModelError  # noqa: F401  (re-exported: callers import it from here)
 from decoding.models.named_targets import (  # noqa: F401  (re-exported)
-    CACHE_ENV, NAMED, cache_root, convert_gguf, default_target_dir, gguf_target_dir, named_target_dir,
+    CACHE_ENV, NAMED, cache_root, convert_gguf, default_target_dir, gguf_target_dir, named_blocks, named_target_dir,
     smollm2_gguf_path,
 )
 
@@ -123,7 +123,11 @@ def gguf_runs_quantized(path: str | os.PathLike | None, device: str = "cpu") -> 
     quantized kernel built): `dtype: auto` and the defaults then load it in float32."""
     from decoding.forward import quant
 
-    return str(device).startswith("cpu") and gguf_source(path) is not None and quant.available()
+    return str(device).startswith("cpu") and _from_gguf(path) and quant.available()
+
+
+def _from_gguf(path) -> bool:
+    return gguf_source(path) is not None or str(path) in NAMED
 
 
 def attach_gguf(model, path: str | os.PathLike | None) -> int:
@@ -132,9 +136,11 @@ def attach_gguf(model, path: str | os.PathLike | None) -> int:
     dequantized linears, e.g. bf16, a K-quant, $SPECSTOP_QUANT=0)."""
     from decoding.forward import quant
 
-    src = gguf_source(path)
-    if src is None or model.dtype != torch.float32 or model.device.type != "cpu" or not quant.available():
+    if not _from_gguf(path) or model.dtype != torch.float32 or model.device.type != "cpu" or not quant.available():
         return 0
+    src = gguf_source(path)
+    if src is None:  # a named target: its GGUF lives in its packages
+        return quant.attach(model, named_blocks(str(path), model.config))
     return quant.attach(model, quant.load_blocks(src, model.config, resolve_model_dir(path)))
 
 

@@ -128,6 +128,31 @@ def named_target_dir(name: str) -> Path:
     return out
 
 
+def named_blocks(name: str, config) -> dict:
+    """A named target's GGUF blocks (decoding.forward.quant), kept beside its converted weights;
+    the first call assembles the GGUF again for them (sha256-checked, ~250 MB, deleted after).
+    Empty (the dequantized linears) when its packages are gone."""
+    import warnings
+    from importlib.metadata import PackageNotFoundError, version
+
+    from decoding.forward import quant
+
+    module, package = NAMED[name]
+    out = cache_root() / name
+
+    def read() -> dict:
+        mod = importlib.import_module(module)
+        mod.verify_chunks()
+        with tempfile.TemporaryDirectory(dir=out.parent, prefix=".gguf-") as tmp:
+            return quant.read_gguf(mod.assemble(output_path=Path(tmp) / mod.MODEL_NAME), config)
+
+    try:
+        return quant.kept_blocks(read, f"{package}=={version(package)}", out)
+    except (ImportError, OSError, PackageNotFoundError) as e:
+        warnings.warn(f"{name}: its GGUF packages are gone ({type(e).__name__}), so it runs dequantized", stacklevel=2)
+        return {}
+
+
 def main() -> int:
     """`python -m decoding.models.named_targets NAME`: convert now (what `make gemma3` runs)."""
     import sys

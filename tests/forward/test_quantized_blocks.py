@@ -15,19 +15,21 @@ import torch
 from support.gguf import write_gguf
 from support.models import noisy_copy, tiny_llama
 from decoding.forward import cpu, kernels
-from decoding.forward import quant
+from decoding.forward import kquants, quant
 from decoding.models.errors import ModelError
 from decoding.forward.packed import set_forward
 from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason=f"quantized kernel: {quant.why_not()}")
-KINDS = ("Q4_0", "Q4_1", "Q8_0")
+KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K")  # the last three re-laid (decoding.forward.kquants)
 AVX512 = "avx512_vnni" in cpu.flags()
 ISAS = [1, 2] if AVX512 else [1]
 
 
-def _weight(kind, n=80, k=576, seed=0, act="f32"):
+def _weight(kind, n=80, k=None, seed=0, act="f32"):
+    """K = 576 (SmolLM2's hidden size), 768 for a K-quant (whole super-blocks of 256)."""
+    k = k or (768 if kind in kquants.QUANTIZERS else 576)
     torch.manual_seed(seed)
     w = quant.quantize(torch.randn(n, k), kind)
     w.act = act
@@ -47,20 +49,35 @@ def q8_emulation(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_dequantized_weights_are_gguf_s_own(kind):
+    """The kernels' weights are exactly gguf's dequantization of the file's blocks, re-laid or not."""
     import gguf
 
-    qw = _weight(kind)
-    ref = gguf.quants.dequantize(qw.w.numpy(), gguf.GGMLQuantizationType[kind]).astype(np.float32)
-    assert torch.equal(qw.dequant(), torch.from_numpy(ref))
+    torch.manual_seed(0)
+    w = torch.randn(48, 768) * torch.rand(48, 1) * 3  # rows of other scales
+    if kind in kquants.QUANTIZERS:
+        raw = kquants.QUANTIZERS[kind](w.numpy())
+    else:
+        raw = gguf.quantize(w.numpy(), gguf.GGMLQuantizationType[kind])
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).astype(np.float32))
+    qw = quant.quantize(w, kind)
+    assert torch.equal(qw.dequant(), ref)
+    assert (ref - w).abs().max() < {"Q8_0": 0.02, "Q6_K": 0.1}.get(kind, 0.4) * w.abs().max()  # a real quantization
+    if kind in kquants.RELAID:  # a Q5_0 / K-quant tensor costs the re-laid block sizes
+        assert qw.w.shape[1] == 768 // 32 * quant.BLOCK_BYTES[qw.kind]
+
+
+def test_k_quant_needs_whole_super_blocks():
+    with pytest.raises(ValueError, match="super-blocks of 256"):
+        kquants.relay(np.zeros((16, 576 // 256 * 144), np.uint8), "Q4_K", 576)
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_kernel_is_the_dequantized_product(kind, isa):
-    """Up to fp32 summation error (K = 576, unit-scale inputs), on both code paths."""
+    """Up to fp32 summation error (K = 576 / 768, unit-scale inputs), on both code paths."""
     qw = _weight(kind)
     qw.isa = isa
-    x, b = torch.randn(40, 576), torch.randn(80)
+    x, b = torch.randn(40, qw.k), torch.randn(80)
     ref = x.double() @ qw.dequant().double().T + b.double()
     assert (qw(x, b).double() - ref).abs().max() < 1e-3
 
@@ -70,7 +87,7 @@ def test_kernel_is_the_dequantized_product(kind, isa):
 def test_q8_kernel_is_the_quantized_activation_law(kind, isa):
     qw = _weight(kind, act="q8")
     qw.isa = isa
-    x, b = torch.randn(13, 576), torch.randn(80)
+    x, b = torch.randn(13, qw.k), torch.randn(80)
     assert (qw(x, b).double() - q8_emulation(x, qw.dequant()) - b.double()).abs().max() < 1e-3
 
 
@@ -82,7 +99,7 @@ def test_a_row_does_not_depend_on_the_others(kind, isa, act):
     time give the same bits: a verify row equals a 1-token step."""
     qw = _weight(kind, n=48, act=act)
     qw.isa = isa
-    x, b = torch.randn(37, 576), torch.randn(48)
+    x, b = torch.randn(37, qw.k), torch.randn(48)
     full = qw(x, b)
     assert all(torch.equal(qw(x[:t], b), full[:t]) for t in range(1, 37))
     assert torch.equal(torch.cat([qw(x[i:i + 1], b) for i in range(37)]), full)
@@ -113,7 +130,7 @@ def test_threads_split_outputs_not_sums(isa, act):
 @pytest.mark.parametrize("kind", KINDS)
 def test_avx2_and_avx512_agree_bit_for_bit(kind, act):
     qw = _weight(kind, act=act)
-    x = torch.randn(9, 576)
+    x = torch.randn(9, qw.k)
     qw.isa = 1
     a = qw(x)
     qw.isa = 2
@@ -143,9 +160,10 @@ def test_isa_and_act_envs(monkeypatch):
 
 
 def quantized_pair(kind="Q4_1", scale=6, vocab=32):
-    """A tiny target whose linears fit the kernel (hidden 32, MLP 64), quantized; its draft a
-    noisy dense copy of the quantized target."""
-    target = tiny_llama(0, vocab=vocab, hidden=32, scale=scale)
+    """A tiny target whose linears fit the kernel (hidden 32, MLP 64; a K-quant: hidden 128, MLP
+    256, so the down projection takes the K-quant and the rest Q5_0, as in a Q4_K_M file),
+    quantized; its draft a noisy dense copy of the quantized target."""
+    target = tiny_llama(0, vocab=vocab, hidden=128 if kind in kquants.QUANTIZERS else 32, scale=scale)
     assert quant.quantize_model(target, kind) >= 14  # 2 layers x 7 (+ the output layer at vocab 32)
     draft = noisy_copy(target, 0.03)
     for m in draft.modules():
@@ -198,23 +216,25 @@ def test_quantized_ar_tracks_the_dequantized_model(monkeypatch):
         assert (a - b).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("name,cfg,sampling,act", [  # q8 on both ISA paths, and f32
+@pytest.mark.parametrize("name,cfg,sampling,act,kind", [  # q8 on both ISA paths, and f32
     ("ti-mcsd+confidence-top-p", StrategyConfig(strategy="ti-mcsd", width=2, depth=2, stop="confidence",
-                                                confidence_threshold=0.2), SamplingConfig(temperature=0.8, top_p=0.9), "q8"),
-    ("mcsd-without-replacement", StrategyConfig(strategy="mcsd", k_config="2,2"), SamplingConfig(temperature=1.0), "f32"),
+                                                confidence_threshold=0.2), SamplingConfig(temperature=0.8, top_p=0.9), "q8", "Q4_1"),
+    ("mcsd-without-replacement", StrategyConfig(strategy="mcsd", k_config="2,2"), SamplingConfig(temperature=1.0), "f32", "Q4_1"),
     ("mcsd-without-replacement-no-avx512-kernels", StrategyConfig(strategy="mcsd", k_config="2,2"),
-     SamplingConfig(temperature=1.0), "q8"),
+     SamplingConfig(temperature=1.0), "q8", "Q4_1"),
+    ("sd-on-k-quants", StrategyConfig(strategy="sd", gamma=3), SamplingConfig(temperature=1.0), "q8", "Q4_K"),
 ])
-def test_sampling_follows_the_quantized_target(name, cfg, sampling, act, monkeypatch):
+def test_sampling_follows_the_quantized_target(name, cfg, sampling, act, kind, monkeypatch):
     """Exact sampling on the quantized lean forward: short continuations against the target's
     law enumerated over a 6-token vocabulary (the output layer stays dense: 6 < 16 outputs), the
     law computed by the quantized forward itself (one batched forward: rows are independent)."""
     from support.exact import LENGTH, SAMPLES, chi2_pvalue, exact_distribution, speculative_counts
 
     monkeypatch.setenv(quant.ACT_ENV, act)
-    target = tiny_llama(0, vocab=6, layers=1, hidden=32, scale=3)
-    draft = tiny_llama(1, vocab=6, layers=1, hidden=32, scale=3)
-    assert quant.quantize_model(target, "Q4_1") == 7
+    hidden = 256 if kind in kquants.QUANTIZERS else 32  # K-quants take whole super-blocks
+    target = tiny_llama(0, vocab=6, layers=1, hidden=hidden, scale=3)
+    draft = tiny_llama(1, vocab=6, layers=1, hidden=hidden, scale=3)
+    assert quant.quantize_model(target, kind) == 7
     kernels = not name.endswith("no-avx512-kernels")  # as on an AVX2-only CPU: the AVX2 row attention
     set_forward(target, "lean", kernels=kernels)
     set_forward(draft, "lean", kernels=kernels)
@@ -241,6 +261,33 @@ def test_gguf_blocks_land_on_their_modules(tmp_path):
     other = tiny_llama(5, vocab=32, hidden=32)
     with pytest.raises(ModelError, match="is not this model's"):
         quant.attach(other, blocks)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_quant_gguf_is_read_at_its_own_precision(kind, arch):
+    """A K-quant file (its K % 256 tensors in the K-quant, the others Q5_0, as a Q4_K_M holds
+    them) lands re-laid on every linear, q / k rows unpermuted only where llama.cpp's converter
+    permuted them (llama, not gemma3); the model on those blocks runs greedy as on its dense copy."""
+    import tempfile
+
+    model = tiny_llama(0, vocab=32, hidden=128)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_gguf(model, f"{tmp}/m.gguf", kind=kind, arch=arch)
+        blocks = quant.read_gguf(f"{tmp}/m.gguf", model.config)
+    assert {w.kind for w in blocks.values()} == {quant.KINDS["Q8_0"], quant.KINDS[kind]}  # Q5_0 as Q8_0
+    for name, mod in model.named_modules():
+        if type(mod) is torch.nn.Linear:
+            qw = blocks[f"{name}.weight"]
+            assert qw.kind == quant.KINDS[kind] if mod.weight.shape[1] % 256 == 0 else qw.kind == 8, name
+            with torch.no_grad():
+                mod.weight.copy_(qw.dequant())
+    dense = copy.deepcopy(model)
+    assert quant.attach(model, blocks) == 15
+    set_forward(model, "lean")
+    prompt = torch.tensor([[1, 5, 7, 3]])
+    with torch.no_grad():
+        assert (model(prompt).logits - dense(prompt).logits).abs().max() < 0.05  # q8 activations
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the one-call layer needs decoding.forward.kernels")

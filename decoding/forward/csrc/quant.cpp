@@ -1,6 +1,6 @@
 // y = x @ w.T (+ bias) over GGUF-quantized weights kept as their blocks (decoding/forward/quant.py):
-// Q4_0, Q4_1 and Q8_0, 32 weights a block. The f32 form: weights only are quantized, x and y are
-// float32 (quant_q8.cpp: the activations too).
+// Q4_0, Q4_1, Q8_0 and the re-laid K-quants KQ4 / KQ6 (decoding/forward/kquants.py), 32 weights a
+// block. The f32 form: weights only are quantized, x and y are float32 (quant_q8.cpp: the activations too).
 //
 // Why: a CPU user's GGUF is 4.5 bits a weight; dequantized to fp32 a step streams ~5x the bytes.
 // The blocks are re-laid once into panels of 16 outputs (quant_pack), so one k's weights for 16
@@ -8,7 +8,8 @@
 // to 4 (AVX512) / 2 (AVX2) rows straight from the quants; more rows dequantize a chunk into L1
 // once and share it. Every row reads each weight from memory once.
 //
-// Exactness: q * d is exact in fp32 (q has at most 8 bits, d is fp16), so each dequantized
+// Exactness: q * d is exact in fp32 (q has at most 8 bits, d is fp16; KQ4 / KQ6: d has at most
+// 17 / 18 bits, q 4 / 6), and q d + m rounds once as gguf's d q - dm does, so each dequantized
 // weight is exactly the fp32 number the reference dequantizer gives (gguf's numpy code): this
 // kernel differs from x @ dequant(w).T only in summation order.
 //
@@ -38,21 +39,27 @@ using namespace specstop_quant;
 
 constexpr int64_t CB = 4;       // blocks per chunk of the buffered path (128 k x 32 outputs: 16 KiB of L1)
 
-// a block of 32 k for the 16 outputs of a panel: the 16 scales d (fp16), the 16 offsets m (Q4_1),
+// a block of 32 k for the 16 outputs of a panel: the 16 scales d, the 16 offsets m (quant.h),
 // then the quants k-major: Q4 two k a byte (k even low, k odd high) 16 bytes a k pair; Q8 one a byte
 
 // one block -> 32 floats at dst (the reference; scalar, exact as the vector paths)
 void dequant_block_ref(const uint8_t* b, int64_t kind, float* dst) {
-  const float d = half_at(b);
-  if (kind == Q8_0) {
-    for (int i = 0; i < 32; ++i) dst[i] = (float)(int8_t)b[2 + i] * d;
+  float d, m = 0.0f;
+  if (f32_scales(kind)) {
+    std::memcpy(&d, b, 4);
+    std::memcpy(&m, b + 4, 4);  // KQ6: the second half's scale
+  } else {
+    d = half_at(b);
+    if (kind == Q4_1) m = half_at(b + 2);
+  }
+  if (byte_quants(kind)) {
+    for (int i = 0; i < 32; ++i) dst[i] = (float)gguf_quant(b, kind, i) * (kind == KQ6 && i >= 16 ? m : d);
     return;
   }
-  const float m = kind == Q4_1 ? half_at(b + 2) : 0.0f;
-  const uint8_t* qs = b + (kind == Q4_1 ? 4 : 2);
+  const uint8_t* qs = b + quants_at(kind);
   for (int i = 0; i < 16; ++i) {
     const int lo = qs[i] & 15, hi = qs[i] >> 4;
-    if (kind == Q4_1) {
+    if (has_min(kind)) {
       dst[i] = std::fma((float)lo, d, m);
       dst[i + 16] = std::fma((float)hi, d, m);
     } else {
@@ -63,9 +70,10 @@ void dequant_block_ref(const uint8_t* b, int64_t kind, float* dst) {
 }
 
 // ---- AVX512: a panel's 16 outputs are one vector ----
-struct Scales512 { __m512 d, m; };
+struct Scales512 { __m512 d, m; };  // KQ6: m is the second half's d
 template <int64_t kind>
 AVX512 inline Scales512 scales512(const uint8_t* bp) {
+  if (f32_scales(kind)) return {_mm512_loadu_ps((const float*)bp), _mm512_loadu_ps((const float*)(bp + 64))};
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)bp));
   if (kind == Q4_1) return {d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(bp + 32)))};
   return {d, kind == Q4_0 ? _mm512_mul_ps(d, _mm512_set1_ps(-8.0f)) : _mm512_setzero_ps()};  // (q - 8) d = q d - 8 d exactly
@@ -73,8 +81,9 @@ AVX512 inline Scales512 scales512(const uint8_t* bp) {
 // weights of k (0..31 in the block) for the panel's 16 outputs
 template <int64_t kind>
 AVX512 inline __m512 weights512(const uint8_t* q, int k, const Scales512& s) {
-  if (kind == Q8_0)
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k * 16)))), s.d);
+  if (byte_quants(kind))
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k * 16)))),
+                         kind == KQ6 && k >= 16 ? s.m : s.d);
   __m128i raw = _mm_loadu_si128((const __m128i*)(q + (k >> 1) * 16));
   if (k & 1) raw = _mm_srli_epi16(raw, 4);
   const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, _mm_set1_epi8(15))));
@@ -133,6 +142,11 @@ template <int64_t kind>
 AVX2 inline Scales256 scales256(const uint8_t* bp) {
   Scales256 s;
   for (int h = 0; h < 2; ++h) {
+    if (f32_scales(kind)) {
+      s.d[h] = _mm256_loadu_ps((const float*)(bp + 32 * h));
+      s.m[h] = _mm256_loadu_ps((const float*)(bp + 64 + 32 * h));
+      continue;
+    }
     s.d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(bp + 16 * h)));
     s.m[h] = kind == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(bp + 32 + 16 * h)))
              : kind == Q4_0 ? _mm256_mul_ps(s.d[h], _mm256_set1_ps(-8.0f)) : _mm256_setzero_ps();
@@ -142,10 +156,11 @@ AVX2 inline Scales256 scales256(const uint8_t* bp) {
 template <int64_t kind>
 AVX2 inline void weights256(const uint8_t* q, int k, const Scales256& s, __m256* w) {
   __m128i raw;
-  if (kind == Q8_0) {
+  if (byte_quants(kind)) {
+    const __m256* d = kind == KQ6 && k >= 16 ? s.m : s.d;
     raw = _mm_loadu_si128((const __m128i*)(q + k * 16));
-    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), s.d[0]);
-    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8))), s.d[1]);
+    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d[0]);
+    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8))), d[1]);
     return;
   }
   raw = _mm_loadu_si128((const __m128i*)(q + (k >> 1) * 16));
@@ -304,10 +319,10 @@ AVX2 void unit256(const Job& j, int64_t first, float* carry) {
   }
 }
 
-// GGUF blocks -> this file's panels: Q4 two k a byte (k even low), Q8 one a byte, k-major
+// blocks -> this file's panels: Q4 two k a byte (k even low), Q8 / KQ6 one a byte, k-major
 at::Tensor quant_pack(const at::Tensor& w, int64_t kind, int64_t K) {
   return pack_panels(w, kind, K, [kind](uint8_t* q, int64_t o, int k, int v) {
-    if (kind == Q8_0) q[k * 16 + o] = (uint8_t)v;
+    if (byte_quants(kind)) q[k * 16 + o] = (uint8_t)v;
     else q[(k >> 1) * 16 + o] |= (uint8_t)(v << (4 * (k & 1)));
   });
 }
@@ -359,6 +374,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, 
   switch (kind) {
     case Q4_0: run<Q4_0>(j, panels, isa); break;
     case Q4_1: run<Q4_1>(j, panels, isa); break;
+    case KQ4: run<KQ4>(j, panels, isa); break;
+    case KQ6: run<KQ6>(j, panels, isa); break;
     default: run<Q8_0>(j, panels, isa); break;
   }
   return y;

@@ -17,8 +17,10 @@
 
 namespace specstop_quant {
 
-// ggml type ids
-constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8;
+// ggml type ids; KQ4 / KQ6: Q4_K / Q6_K re-laid into blocks of 32 with fp32 scales
+// (decoding/forward/kquants.py): KQ4 d, m (f32), 16 nibble bytes as Q4_1's; KQ6 the scales of its
+// two halves (f32), 32 int8 q
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, KQ4 = 12, KQ6 = 14;
 constexpr int64_t QK = 32;    // weights per block
 constexpr int64_t P = 16;     // outputs per panel
 constexpr int64_t PF = 8192;  // bytes of lookahead in a panel stream (the hardware prefetcher stops at pages)
@@ -28,13 +30,20 @@ inline int64_t block_bytes(int64_t kind) {
     case Q4_0: return 18;
     case Q4_1: return 20;
     case Q8_0: return 34;
+    case KQ4: return 24;
+    case KQ6: return 40;
   }
-  TORCH_CHECK(false, "quant: unsupported block kind ", kind, " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+  TORCH_CHECK(false, "quant: unsupported block kind ", kind, " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, KQ4 = 12, KQ6 = 14)");
 }
 
-// a panel block: the 16 outputs' scales d (fp16), their offsets m (fp16, Q4_1), then the quants
-inline int64_t scale_bytes(int64_t kind) { return kind == Q4_1 ? 64 : 32; }
-inline int64_t panel_block_bytes(int64_t kind) { return scale_bytes(kind) + (kind == Q8_0 ? 512 : 256); }
+constexpr bool has_min(int64_t kind) { return kind == Q4_1 || kind == KQ4; }     // w = d q + m
+constexpr bool f32_scales(int64_t kind) { return kind == KQ4 || kind == KQ6; }
+constexpr bool byte_quants(int64_t kind) { return kind == Q8_0 || kind == KQ6; }  // else 4 bits
+
+// a panel block: the 16 outputs' scales d (fp16, or f32 for the re-laid kinds), their offsets m
+// (Q4_1, KQ4) or second-half scales (KQ6) after them, then the quants
+inline int64_t scale_bytes(int64_t kind) { return f32_scales(kind) ? 128 : has_min(kind) ? 64 : 32; }
+inline int64_t panel_block_bytes(int64_t kind) { return scale_bytes(kind) + (byte_quants(kind) ? 512 : 256); }
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;
@@ -42,10 +51,13 @@ inline float half_at(const uint8_t* p) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
 }
 
-// quant k (0..31) of a GGUF block: Q4 0..15 (weights k < 16 in the low nibbles), Q8 -128..127
+// where a block's quants start
+inline int64_t quants_at(int64_t kind) { return f32_scales(kind) ? 8 : kind == Q4_1 ? 4 : 2; }
+
+// quant k (0..31) of a block: Q4 0..15 (weights k < 16 in the low nibbles), Q8 -128..127, KQ6 -32..31
 inline int gguf_quant(const uint8_t* b, int64_t kind, int k) {
-  if (kind == Q8_0) return (int8_t)b[2 + k];
-  const uint8_t* qs = b + (kind == Q4_1 ? 4 : 2);
+  if (byte_quants(kind)) return (int8_t)b[quants_at(kind) + k];
+  const uint8_t* qs = b + quants_at(kind);
   return k < 16 ? qs[k] & 15 : qs[k - 16] >> 4;
 }
 
@@ -68,8 +80,13 @@ at::Tensor pack_panels(const at::Tensor& w, int64_t kind, int64_t K, Place place
         uint8_t* dst = O + pi * nb * pbb + b * pbb;
         for (int64_t o = 0; o < P; ++o) {
           const uint8_t* src = W + (pi * P + o) * nb * bb + b * bb;
-          std::memcpy(dst + 2 * o, src, 2);                           // d
-          if (kind == Q4_1) std::memcpy(dst + 32 + 2 * o, src + 2, 2);  // m
+          if (f32_scales(kind)) {
+            std::memcpy(dst + 4 * o, src, 4);            // d (KQ6: first half's)
+            std::memcpy(dst + 64 + 4 * o, src + 4, 4);   // m (KQ6: second half's d)
+          } else {
+            std::memcpy(dst + 2 * o, src, 2);                           // d
+            if (kind == Q4_1) std::memcpy(dst + 32 + 2 * o, src + 2, 2);  // m
+          }
           for (int k = 0; k < 32; ++k) place(dst + so, o, k, gguf_quant(src, kind, k));
         }
       }

@@ -2,7 +2,8 @@
 // products do (decoding/forward/quant.py, ACT "q8"): each row of x, per block of 32, becomes int8 with one
 // fp32 scale (dx = max|x| / 127, q = round-to-even(x / dx)); a block's dot product is an exact
 // integer sum (AVX512-VNNI vpdpbusd, or AVX2 maddubs + madd), then y += (d dx) * isum (+ m dx sum(q)
-// for Q4_1) in float, block after block in order.
+// for Q4_1 and KQ4) in float, block after block in order; KQ6 (two scales a block) sums each half of
+// 16 apart and adds the first half's term, then the second's.
 //
 // Why: with float activations a step spends its time unpacking nibbles into floats (~6 uops for
 // 16 multiply-adds); here 4 k of 16 outputs are one 64-byte vector and one instruction does 64.
@@ -30,12 +31,13 @@ using namespace specstop_quant;
 // panel block layout (same size as quant.cpp's): scales, then 8 groups of 4 k; a group holds the
 // 16 outputs x 4 k quants as 64 bytes in output-major order (lane o = bytes 4o..4o+3): Q8 as
 // q + 128 (u8), Q4 packed in 32 bytes (byte i: value i low, value i + 32 high)
-int64_t group_bytes(int64_t kind) { return kind == Q8_0 ? 64 : 32; }
+// (KQ6 as q + 32, 0..63)
+int64_t group_bytes(int64_t kind) { return byte_quants(kind) ? 64 : 32; }
 
-struct Rows {  // x quantized: int8 [T, K], dx [T, K / 32], sum of q [T, K / 32]
+struct Rows {  // x quantized: int8 [T, K], dx [T, K / 32], sum of q [T, K / 32] and of its first 16
   std::vector<int8_t> q;
   std::vector<float> dx;
-  std::vector<int32_t> sq;
+  std::vector<int32_t> sq, sq16;
 };
 
 // into `r` (reused across calls: a step makes ~120 of them)
@@ -43,6 +45,7 @@ void quantize_rows(const float* X, int64_t T, int64_t K, Rows& r) {
   r.q.resize(T * K);
   r.dx.resize(T * K / QK);
   r.sq.resize(T * K / QK);
+  r.sq16.resize(T * K / QK);
   for (int64_t i = 0; i < T * K / QK; ++i) {
     const float* x = X + i * QK;
     float amax = 0.0f;
@@ -53,6 +56,7 @@ void quantize_rows(const float* X, int64_t T, int64_t K, Rows& r) {
       const int v = std::min(127, std::max(-127, (int)std::nearbyint(x[k] * inv)));
       r.q[i * QK + k] = (int8_t)v;
       s += v;
+      if (k == 15) r.sq16[i] = s;
     }
     r.dx[i] = dx;
     r.sq[i] = s;
@@ -67,14 +71,23 @@ struct Job {
   int64_t T, K, N, kind, pbb;
 };
 
-// the integer offset of a block's sum: Q4_0 stores q + 8, Q8_0 (in AVX512's bytes) q + 128
+// the integer offset of a block's (or KQ6 half's) sum: Q4_0 stores q + 8, KQ6 q + 32, Q8_0 (in
+// AVX512's bytes only) q + 128
 template <int64_t kind>
-inline int32_t offset_times(int32_t sq) { return kind == Q4_0 ? 8 * sq : 0; }
+inline int32_t offset_times(int32_t sq, bool avx512) {
+  return kind == Q4_0 ? 8 * sq : kind == KQ6 ? 32 * sq : kind == Q8_0 && avx512 ? 128 * sq : 0;
+}
+// the sum of x's quants a scale multiplies: KQ6 the half's, else the block's
+template <int64_t kind>
+inline int32_t part_sum(const Rows& x, int64_t i, int part) {
+  return kind != KQ6 ? x.sq[i] : part == 0 ? x.sq16[i] : x.sq[i] - x.sq16[i];
+}
+constexpr int parts(int64_t kind) { return kind == KQ6 ? 2 : 1; }  // scales a block
 
 // ---- AVX512 + VNNI: a panel's 16 outputs are one vector of int32 lanes, 4 k a lane ----
 template <int64_t kind>
 AVX512 inline __m512i group512(const uint8_t* g) {
-  if (kind == Q8_0) return _mm512_loadu_si512(g);  // q + 128
+  if (byte_quants(kind)) return _mm512_loadu_si512(g);  // q + 128 (KQ6 q + 32)
   const __m256i p = _mm256_loadu_si256((const __m256i*)g), m = _mm256_set1_epi8(15);
   const __m256i lo = _mm256_and_si256(p, m), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m);
   return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
@@ -87,33 +100,37 @@ AVX512 void rows512(const Job& j, int64_t t0, const uint8_t* const* pan) {
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) y[r][v] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i acc[R][V];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_si512();
     for (int v = 0; v < V; ++v)
       for (int64_t l = 0; l < j.pbb; l += 64) _mm_prefetch((const char*)pan[v] + b * j.pbb + PF + l, _MM_HINT_T0);
+#pragma GCC unroll 2
+    for (int part = 0; part < parts(kind); ++part) {
+      __m512i acc[R][V];
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-    for (int g = 0; g < 8; ++g) {
-      __m512i w[V];
-      for (int v = 0; v < V; ++v) w[v] = group512<kind>(pan[v] + b * j.pbb + so + g * gb);
-      for (int r = 0; r < R; ++r) {
-        int32_t x4;
-        std::memcpy(&x4, j.x->q.data() + (t0 + r) * j.K + b * QK + 4 * g, 4);
-        const __m512i xv = _mm512_set1_epi32(x4);
-        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], w[v], xv);
+      for (int g = part * 8 / parts(kind); g < (part + 1) * 8 / parts(kind); ++g) {
+        __m512i w[V];
+        for (int v = 0; v < V; ++v) w[v] = group512<kind>(pan[v] + b * j.pbb + so + g * gb);
+        for (int r = 0; r < R; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, j.x->q.data() + (t0 + r) * j.K + b * QK + 4 * g, 4);
+          const __m512i xv = _mm512_set1_epi32(x4);
+          for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], w[v], xv);
+        }
       }
-    }
-    for (int v = 0; v < V; ++v) {
-      const uint8_t* sc = pan[v] + b * j.pbb;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sc));
-      const __m512 m = kind == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + 32))) : d;
-      for (int r = 0; r < R; ++r) {
-        const int64_t i = (t0 + r) * nb + b;
-        const int32_t sq = j.x->sq[i];
-        const int32_t off = kind == Q8_0 ? 128 * sq : offset_times<kind>(sq);
-        const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], _mm512_set1_epi32(off)));
-        y[r][v] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(j.x->dx[i])), y[r][v]);
-        if (kind == Q4_1) y[r][v] = _mm512_fmadd_ps(m, _mm512_set1_ps(j.x->dx[i] * (float)sq), y[r][v]);
+      for (int v = 0; v < V; ++v) {
+        const uint8_t* sc = pan[v] + b * j.pbb;
+        const __m512 d = f32_scales(kind) ? _mm512_loadu_ps((const float*)(sc + 64 * part))
+                                          : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sc));
+        const __m512 m = kind == KQ4 ? _mm512_loadu_ps((const float*)(sc + 64))
+                         : kind == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + 32))) : d;
+        for (int r = 0; r < R; ++r) {
+          const int64_t i = (t0 + r) * nb + b;
+          const int32_t sq = part_sum<kind>(*j.x, i, part);
+          const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], _mm512_set1_epi32(offset_times<kind>(sq, true))));
+          y[r][v] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(j.x->dx[i])), y[r][v]);
+          if (has_min(kind)) y[r][v] = _mm512_fmadd_ps(m, _mm512_set1_ps(j.x->dx[i] * (float)sq), y[r][v]);
+        }
       }
     }
   }
@@ -129,6 +146,11 @@ AVX512 void rows512(const Job& j, int64_t t0, const uint8_t* const* pan) {
 // ---- AVX2: a panel is two vectors (outputs 0-7, 8-15); maddubs + madd make the int32 sums ----
 template <int64_t kind>
 AVX2 inline void group256(const uint8_t* g, __m256i* w) {
+  if (kind == KQ6) {  // q + 32 <= 63: unsigned as the nibbles
+    w[0] = _mm256_loadu_si256((const __m256i*)g);
+    w[1] = _mm256_loadu_si256((const __m256i*)(g + 32));
+    return;
+  }
   if (kind == Q8_0) {  // back to signed q: maddubs takes |q| and moves the sign onto x
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     w[0] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)g), flip);
@@ -145,7 +167,7 @@ AVX2 inline __m256i dot256(__m256i w, __m256i xv) {
   const __m256i ones = _mm256_set1_epi16(1);
   if (kind == Q8_0)  // |q| <= 128, |x| <= 127: a pair sums to at most 32512, no int16 saturation
     return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), ones);
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);  // q <= 15: pairs <= 3810
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);  // q <= 63: pairs <= 16002
 }
 
 template <int64_t kind, int R>
@@ -154,30 +176,35 @@ AVX2 void rows256(const Job& j, int64_t t0, const uint8_t* pan) {
   __m256 y[R][2];
   for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     for (int64_t l = 0; l < j.pbb; l += 64) _mm_prefetch((const char*)pan + b * j.pbb + PF + l, _MM_HINT_T0);
+#pragma GCC unroll 2
+    for (int part = 0; part < parts(kind); ++part) {
+      __m256i acc[R][2];
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-    for (int g = 0; g < 8; ++g) {
-      __m256i w[2];
-      group256<kind>(pan + b * j.pbb + so + g * gb, w);
-      for (int r = 0; r < R; ++r) {
-        int32_t x4;
-        std::memcpy(&x4, j.x->q.data() + (t0 + r) * j.K + b * QK + 4 * g, 4);
-        const __m256i xv = _mm256_set1_epi32(x4);
-        for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_add_epi32(acc[r][h], dot256<kind>(w[h], xv));
+      for (int g = part * 8 / parts(kind); g < (part + 1) * 8 / parts(kind); ++g) {
+        __m256i w[2];
+        group256<kind>(pan + b * j.pbb + so + g * gb, w);
+        for (int r = 0; r < R; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, j.x->q.data() + (t0 + r) * j.K + b * QK + 4 * g, 4);
+          const __m256i xv = _mm256_set1_epi32(x4);
+          for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_add_epi32(acc[r][h], dot256<kind>(w[h], xv));
+        }
       }
-    }
-    const uint8_t* sc = pan + b * j.pbb;
-    for (int h = 0; h < 2; ++h) {
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 16 * h)));
-      const __m256 m = kind == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 32 + 16 * h))) : d;
-      for (int r = 0; r < R; ++r) {
-        const int64_t i = (t0 + r) * nb + b;
-        const int32_t sq = j.x->sq[i];
-        const __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][h], _mm256_set1_epi32(offset_times<kind>(sq))));
-        y[r][h] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_set1_ps(j.x->dx[i])), y[r][h]);
-        if (kind == Q4_1) y[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(j.x->dx[i] * (float)sq), y[r][h]);
+      const uint8_t* sc = pan + b * j.pbb;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = f32_scales(kind) ? _mm256_loadu_ps((const float*)(sc + 64 * part + 32 * h))
+                                          : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 16 * h)));
+        const __m256 m = kind == KQ4 ? _mm256_loadu_ps((const float*)(sc + 64 + 32 * h))
+                         : kind == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 32 + 16 * h))) : d;
+        for (int r = 0; r < R; ++r) {
+          const int64_t i = (t0 + r) * nb + b;
+          const int32_t sq = part_sum<kind>(*j.x, i, part);
+          const __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][h], _mm256_set1_epi32(offset_times<kind>(sq, false))));
+          y[r][h] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_set1_ps(j.x->dx[i])), y[r][h]);
+          if (has_min(kind)) y[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(j.x->dx[i] * (float)sq), y[r][h]);
+        }
       }
     }
   }
@@ -232,7 +259,7 @@ at::Tensor pack_q8(const at::Tensor& w, int64_t kind, int64_t K) {
   return pack_panels(w, kind, K, [kind, gb](uint8_t* q, int64_t o, int k, int v) {
     const int64_t i = o * 4 + (k & 3);  // value index inside group k / 4
     uint8_t* g = q + (k >> 2) * gb;
-    if (kind == Q8_0) g[i] = (uint8_t)(v + 128);
+    if (byte_quants(kind)) g[i] = (uint8_t)(v + (kind == Q8_0 ? 128 : 32));
     else g[i & 31] |= (uint8_t)(v << (i < 32 ? 0 : 4));
   });
 }
@@ -258,6 +285,8 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t kind, int
   switch (kind) {
     case Q4_0: run<Q4_0>(j, panels, isa); break;
     case Q4_1: run<Q4_1>(j, panels, isa); break;
+    case KQ4: run<KQ4>(j, panels, isa); break;
+    case KQ6: run<KQ6>(j, panels, isa); break;
     default: run<Q8_0>(j, panels, isa); break;
   }
   return y;
