@@ -179,11 +179,11 @@ def _lean_layer(layer, x, pe, segments, spans, masks):
     _, R, C = x.shape
     H, K, D = f["heads"], f["kv_heads"], a.head_dim
     x = x.reshape(R, C)
-    fused = f["fused"]
-    y = f["qkv"](add_norm(x, layer.input_layernorm, fused=fused)[1])
+    ops = f["ops"]
+    y = f["qkv"](add_norm(x, layer.input_layernorm, ops=ops)[1])
     cos, sin = pe
-    if fused and not f["qk_norm"]:  # [1, heads, R, D]
-        q, k, v = kernels.ops.rope_qkv(y, cos.reshape(R, D).contiguous(), sin.reshape(R, D).contiguous(),
+    if ops is not None and not f["qk_norm"]:  # [1, heads, R, D]
+        q, k, v = ops.rope_qkv(y, cos.reshape(R, D).contiguous(), sin.reshape(R, D).contiguous(),
                                               1, H, K)
     else:
         y = y.view(1, R, H + 2 * K, D)
@@ -200,9 +200,9 @@ def _lean_layer(layer, x, pe, segments, spans, masks):
     for s, (lo, hi, *_), m in zip(segments, spans, masks):
         ks, vs = s.cache.cache.update(k[:, :, lo:hi].contiguous(), v[:, :, lo:hi].contiguous(), a.layer_idx)
         outs.append(_attend(f, a, q[:, :, lo:hi].contiguous(), ks, vs, m, hi - lo, x.device))
-    x, h = add_norm(x, layer.post_attention_layernorm, f["o"](torch.cat(outs)), fused)
+    x, h = add_norm(x, layer.post_attention_layernorm, f["o"](torch.cat(outs)), ops)
     g = f["gate_up"](h)
-    g = kernels.ops.silu_mul(g) if fused else F.silu(g[:, : f["inter"]]) * g[:, f["inter"]:]
+    g = ops.silu_mul(g) if ops is not None else F.silu(g[:, : f["inter"]]) * g[:, f["inter"]:]
     return (x + f["down"](g)).view(1, R, C)
 
 
@@ -214,8 +214,8 @@ def _attend(f, a, q, k, v, mask, T, device) -> torch.Tensor:
         mask = causal_mask(T, device)
     if mask is not None:
         mask = mask[..., : k.shape[2]]
-    if f["fused"] and T <= f["row_attention_below"] and (mask is not None or T == 1):
-        return kernels.ops.row_attention(q, k, v, mask, a.scaling).reshape(T, -1)
+    if f["ops"] is not None and T <= f["row_attention_below"] and (mask is not None or T == 1):
+        return f["ops"].row_attention(q, k, v, mask, a.scaling).reshape(T, -1)
     if f["quant_attention"] and (mask is not None or T == 1):
         return quant.row_attention(q, k, v, mask, a.scaling).reshape(T, -1)
     causal = mask is None and T > 1

@@ -5,7 +5,7 @@ llama.cpp's `llama-server` (built by `make llama-cpp` from the registry's llama-
 any binary named by --llama-server / $LLAMA_SERVER) serves the target GGUF (the embedded Q4_1
 SmolLM2 by default) with one slot; our engine loads the same file in this process, its linears on
 their own blocks (decoding.forward.quant), float32 activations. Both sides run each held-out prompt with
-the chat template, greedy, up to --new-tokens, the prompt processed anew each time (llama.cpp's
+the chat template (plain text for a base model without one), greedy, up to --new-tokens, the prompt processed anew each time (llama.cpp's
 prompt cache off), and the order alternates per prompt so drift hits all rows alike. Speed is
 generated tokens per second of the whole request including the prompt: llama.cpp's own
 `timings` (prompt_ms + predicted_ms, no HTTP), our `Decoder.generate` wall time. Ratios come with
@@ -92,16 +92,19 @@ class LlamaServer(ServerProcess):
             cmd += ["-md", str(head), "--spec-type", "draft-eagle3", "--spec-draft-n-max", "3"]
         super().__init__(cmd, port, "llama-server")
 
-    def chat(self, prompt: str, max_tokens: int) -> dict:
-        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                "temperature": 0, "cache_prompt": False}
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/chat/completions",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    def chat(self, prompt: str, max_tokens: int, chat: bool = True) -> dict:
+        """One greedy request: the chat template (chat), or the plain text (a base model's /completion)."""
+        if chat:
+            url, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
+        else:
+            url, body = "/completion", {"prompt": prompt, "n_predict": max_tokens}
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{url}", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({**body, "temperature": 0, "cache_prompt": False}).encode())
         with urllib.request.urlopen(req, timeout=600) as r:
             out = json.loads(r.read())
         t = out["timings"]
-        r = {"tokens": t["predicted_n"], "wall_s": (t["prompt_ms"] + t["predicted_ms"]) / 1000,
-             "prompt_tokens": t["prompt_n"], "text": out["choices"][0]["message"]["content"]}
+        r = {"tokens": t["predicted_n"], "wall_s": (t["prompt_ms"] + t["predicted_ms"]) / 1000, "prompt_tokens": t["prompt_n"],
+             "text": out["choices"][0]["message"]["content"] if chat else out["content"]}
         if t.get("draft_n"):
             r.update(draft_n=t["draft_n"], draft_accepted=t["draft_n_accepted"])
         return r
@@ -120,6 +123,7 @@ def llama_suite(prompts: int = 6, new_tokens: int = 96, threads: int = 1, server
     ar = Decoder.load(str(src) if gguf else None, dtype="float32", strategy="ar")
     default = ar.default_variant() if ar.session.draft is not None else None
     n_quant = quant.quantized(ar.session.target)
+    chat = bool(getattr(ar.session.tokenizer, "chat_template", None))  # a base model (Gemma 3 270M): plain text
     rows = {"ar": ar, **({"default": default} if default else {})}
     sets = BenchConfig().prompt_sets
     todo = [(kind, r) for kind, f in sets.items() for r in load_prompts(f, prompts)]
@@ -136,16 +140,16 @@ def llama_suite(prompts: int = 6, new_tokens: int = 96, threads: int = 1, server
     res = {name: [] for name in names}
     try:
         for srv in servers.values():
-            srv.chat("Hello", 8)  # warm-up, as our engine's first call below
+            srv.chat("Hello", 8, chat)  # warm-up, as our engine's first call below
         for d in rows.values():
-            d.generate("Hello", 8, chat=True)
+            d.generate("Hello", 8, chat=chat)
         for i, (kind, row) in enumerate(todo):
             for name in (names if i % 2 == 0 else names[::-1]):
                 if name in servers:
-                    r = servers[name].chat(row["prompt"], new_tokens)
+                    r = servers[name].chat(row["prompt"], new_tokens, chat)
                 else:
                     t = time.perf_counter()
-                    g = rows[name].generate(row["prompt"], new_tokens, chat=True)
+                    g = rows[name].generate(row["prompt"], new_tokens, chat=chat)
                     r = {"tokens": len(g.token_ids), "wall_s": time.perf_counter() - t,
                          "prompt_tokens": len(g.prompt_ids), "text": g.text,
                          "block_efficiency": g.stats.get("block_efficiency")}
@@ -166,8 +170,8 @@ def llama_suite(prompts: int = 6, new_tokens: int = 96, threads: int = 1, server
                                         [[r["tokens"] for r in pb]], [[r["wall_s"] for r in pb]])
     from decoding.forward import cpu
 
-    return {"cpu": cpu.model_name(), "threads": threads, "gguf": src.name, "new_tokens": new_tokens,
-            "quantized_linears": n_quant, "quant_isa": quant.isa(), "quant_act": quant.act(), "results": res,
+    return {"cpu": cpu.model_name(), "threads": threads, "gguf": src.name, "new_tokens": new_tokens, "chat": chat,
+            "quantized_linears": n_quant, "quant_isa": quant.isa(), "quant_act": quant.act_of(ar.session.target), "results": res,
             "tokens_per_s": {n: sum(r["tokens"] for r in v) / sum(r["wall_s"] for r in v) for n, v in res.items()},
             "ratios": [{"a": a, "b": b, "speedup": p, "low": lo, "high": hi} for (a, b), (p, lo, hi) in ratios.items()],
             "same_text_as_llama": {n: sum(x["text"].strip() == y["text"].strip() for x, y in zip(res[n], res["llama.cpp"]))
@@ -198,7 +202,7 @@ def _mean_prompt(r: dict, kind: str) -> float:
 def llama_markdown(r: dict) -> str:
     n = len(r["results"]["llama.cpp"])
     lines = [f"# llama.cpp vs specstop on {r['gguf']}", "",
-             f"CPU: {r['cpu']}; {r['threads']} thread(s); {n} held-out prompts (chat template), greedy, "
+             f"CPU: {r['cpu']}; {r['threads']} thread(s); {n} held-out prompts ({'chat template' if r.get('chat', True) else 'plain text: a base model'}), greedy, "
              f"up to {r['new_tokens']} new tokens; tokens per second of the whole request, prompt included. "
              f"Ours: {r['quantized_linears']} linears on their GGUF blocks ({r['quant_isa']}), activations "
              + ("quantized to int8 per block of 32 (q8)" if r.get("quant_act") == "q8" else "in float32") + ".",

@@ -104,12 +104,12 @@ def _rms(x: torch.Tensor, norm) -> torch.Tensor:
     return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
 
 
-def add_norm(x: torch.Tensor, norm, res: torch.Tensor | None = None, fused: bool = False):
-    """(x + res, RMSNorm of it); one pass of decoding.forward.kernels's kernel where `fused` (torch's
-    rms_norm on a CPU is ~10 ops, ~12 us a row)."""
-    if fused:
-        return kernels.ops.add_rms_norm(x.contiguous(), None if res is None else res.contiguous(),
-                                               norm.weight, norm.variance_epsilon)
+def add_norm(x: torch.Tensor, norm, res: torch.Tensor | None = None, ops=None):
+    """(x + res, RMSNorm of it); one pass of a kernel where the layer has row-wise `ops` (its
+    f["ops"]: torch's rms_norm on a CPU is ~10 ops, ~12 us a row)."""
+    if ops is not None:
+        return ops.add_rms_norm(x.contiguous(), None if res is None else res.contiguous(),
+                                norm.weight, norm.variance_epsilon)
     x = x if res is None else x + res
     return x, _rms(x, norm)
 
@@ -124,11 +124,11 @@ def _lean_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
     if attention_mask is None and T > 1 and f["causal_rows"]:  # a prompt from an empty cache
         attention_mask = causal_mask(T, hidden_states.device)
     x = hidden_states.reshape(B * T, C)
-    fused = f["fused"]
-    y = f["qkv"](add_norm(x, self.input_layernorm, fused=fused)[1])
+    ops = f["ops"]
+    y = f["qkv"](add_norm(x, self.input_layernorm, ops=ops)[1])
     cos, sin = position_embeddings  # [B or 1, T, D]
-    if fused and not f["qk_norm"]:  # one pass: split, rotate q and k, lay out [B, heads, T, D]
-        q, k, v = kernels.ops.rope_qkv(y, cos.expand(B, T, D).reshape(B * T, D).contiguous(),
+    if ops is not None and not f["qk_norm"]:  # one pass: split, rotate q and k, lay out [B, heads, T, D]
+        q, k, v = ops.rope_qkv(y, cos.expand(B, T, D).reshape(B * T, D).contiguous(),
                                               sin.expand(B, T, D).reshape(B * T, D).contiguous(), B, H, K)
     else:
         y = y.view(B, T, H + 2 * K, D)
@@ -145,16 +145,16 @@ def _lean_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
     causal = mask is None and T > 1
     if causal and k.shape[2] > T:  # transformers builds a mask whenever a cache precedes the rows
         raise RuntimeError("lean forward: a causal block after cached tokens needs a mask")
-    if fused and T <= f["row_attention_below"] and (mask is not None or T == 1):  # [B, T, H, D]
-        att = kernels.ops.row_attention(q, k, v, mask, a.scaling).reshape(B * T, H * D)
+    if ops is not None and T <= f["row_attention_below"] and (mask is not None or T == 1):  # [B, T, H, D]
+        att = ops.row_attention(q, k, v, mask, a.scaling).reshape(B * T, H * D)
     elif f["quant_attention"] and (mask is not None or T == 1):  # a GGUF target, no AVX512 kernels
         att = quant.row_attention(q, k, v, mask, a.scaling).reshape(B * T, H * D)
     else:
         att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=a.scaling,
                                              enable_gqa=H != K).transpose(1, 2).reshape(B * T, H * D)
-    x, h = add_norm(x, self.post_attention_layernorm, f["o"](att), fused)
+    x, h = add_norm(x, self.post_attention_layernorm, f["o"](att), ops)
     g = f["gate_up"](h)
-    g = kernels.ops.silu_mul(g) if fused else F.silu(g[:, : f["inter"]]) * g[:, f["inter"]:]
+    g = ops.silu_mul(g) if ops is not None else F.silu(g[:, : f["inter"]]) * g[:, f["inter"]:]
     x = x + f["down"](g)
     return x.view(B, T, C)
 
@@ -175,7 +175,7 @@ def _kernel_layer_forward(self, hidden_states, attention_mask=None, position_ids
     if T >= f["row_attention_below"] or (attention_mask is None and T > 1):
         return _lean_layer_forward(self, hidden_states, attention_mask, position_ids, past_key_values, use_cache,
                                    position_embeddings, **kwargs)
-    ops = kernels.ops
+    ops = f["ops"]
     x = hidden_states.reshape(B * T, C)
     global _ROPE
     rope = _ROPE  # read once: another thread's forward may replace it
@@ -271,6 +271,9 @@ def make_lean(model: torch.nn.Module, pack=lambda w: None, eager_below: dict | N
         f = layer._lean
         on_blocks = isinstance(f["qkv"].few, quant.QuantWeight)
         f["quant_attention"] = on_blocks and not f["fused"] and quant.attends_here(dt)
+        f["ops"] = kernels.ops if f["fused"] else None  # the row-wise ops: kernels', quant's, or torch's
+        if f["quant_attention"]:  # a GGUF target without the AVX512 kernels: csrc/quant_layer.cpp's (AVX2)
+            f["ops"], f["fused"], f["row_attention_below"] = quant.ops, True, QUANT_ROWS
         f["causal_rows"] = on_blocks and (f["row_attention_below"] > 0 or f["quant_attention"])
         if f["causal_rows"] and f["row_attention_below"]:
             # a GGUF's linears take any row count alike: so does the attention, the prompt's

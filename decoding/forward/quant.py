@@ -127,6 +127,16 @@ def act() -> str:
     return asked
 
 
+def act_of(model: torch.nn.Module) -> str | None:
+    """How `model`'s quantized linears take their activations as it runs now (the lean forward:
+    act(); the packed one: f32 unless asked), None when none runs on blocks."""
+    few = getattr(model.get_output_embeddings(), "_few", None)
+    if isinstance(few, QuantWeight):
+        return few.act
+    mods = [m for m in model.modules() if isinstance(getattr(m, "_quant", None), QuantWeight)]
+    return mods[0]._quant.act if mods else None
+
+
 def isa() -> str:
     """The instruction set the kernel runs on here: avx2 or avx512 ('' when unavailable)."""
     if not available():

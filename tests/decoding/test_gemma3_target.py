@@ -69,3 +69,31 @@ def test_ar_greedy_equals_hf_generate(gemma):
         ref = model.generate(torch.tensor([ids]), max_new_tokens=N, do_sample=False, eos_token_id=None,
                              pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
         assert ours == ref, text
+
+
+@pytest.mark.gemma3
+@needs_gemma
+def test_runs_on_its_q4_k_m_blocks_losslessly(gemma):
+    """`gemma3-270m` opens on its own GGUF blocks (Q5_0 / Q8_0 / Q4_K / Q6_K, decoding.forward.quant):
+    every linear, kept beside the converted weights; speculation with the dense model as draft
+    equals `ar` on those blocks."""
+    from decoding.forward import kquants, quant
+    from decoding.models.session import Session
+    from decoding.sampling import SamplingConfig
+    from decoding.strategies import StrategyConfig, build_engine
+
+    if not quant.available():
+        pytest.skip(f"quantized kernel: {quant.why_not()}")
+    dense, tok = gemma
+    sess = Session.open(GEMMA3, dtype="auto")
+    target = sess.target
+    assert target.dtype == torch.float32 and quant.quantized(target) == 18 * 7 + 1
+    kinds = {m._quant.kind for m in target.modules() if getattr(m, "_quant", None) is not None}
+    assert kinds == {quant.KINDS["Q8_0"], kquants.KQ4, kquants.KQ6}
+    assert (models.cache_root() / GEMMA3 / "gguf_blocks.safetensors").is_file()
+    ar = build_engine(target, None, StrategyConfig(strategy="ar"), SamplingConfig())
+    for cfg in (StrategyConfig(strategy="sd", gamma=3), StrategyConfig(strategy="ti-mcsd", width=2, depth=3)):
+        eng = build_engine(target, dense, cfg, SamplingConfig())
+        for text in PROMPTS:
+            ids = tok.encode(text)
+            assert eng.generate(ids, N)[0] == ar.generate(ids, N)[0], (cfg.name, text)

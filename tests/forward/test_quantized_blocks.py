@@ -292,18 +292,23 @@ def test_k_quant_gguf_is_read_at_its_own_precision(kind, arch):
 
 @pytest.mark.skipif(not kernels.available(), reason="the one-call layer needs decoding.forward.kernels")
 @pytest.mark.parametrize("act", quant.ACTS)
-def test_one_call_layer_on_blocks_equals_the_per_op_layer(act, monkeypatch):
-    """`specstop::decoder_layer` over a GGUF's blocks: logits and KV cache equal the per-op
-    layer's bit for bit over a prefill, a step, tree rounds and a commit."""
+@pytest.mark.parametrize("avx512_kernels", [True, False])
+def test_one_call_layer_on_blocks_equals_the_per_op_layer(act, avx512_kernels, monkeypatch):
+    """`specstop::decoder_layer` over a GGUF's blocks (or, without the AVX512 kernels, as on an
+    AVX2-only CPU, `specstop_quant::decoder_layer`, csrc/quant_layer.cpp): logits and KV cache equal
+    the per-op layer's bit for bit over a prefill, a step, tree rounds and a commit."""
     from support.forward import layer_rounds
 
+    if avx512_kernels and not kernels.available():
+        pytest.skip("decoding.forward.kernels is not built here")
     monkeypatch.setenv(quant.ACT_ENV, act)
     runs = []
     for one_call in (True, False):
         m = tiny_llama(0, vocab=32, hidden=32, scale=6)
         quant.quantize_model(m, "Q4_1")
-        set_forward(m, "lean")
+        set_forward(m, "lean", kernels=avx512_kernels)
         for layer in m.model.layers:
+            assert layer._lean["ops"] is (kernels.ops if avx512_kernels else quant.ops)
             assert layer._lean["one_call"] > 1
             if not one_call:
                 layer._lean["one_call"] = 0
@@ -386,7 +391,7 @@ def test_without_the_avx512_kernels_speculation_still_equals_ar(act, monkeypatch
     target, draft = quantized_pair("Q4_1")
     set_forward(target, "lean", kernels=False)
     set_forward(draft, "lean", kernels=False)
-    assert all(layer._lean["quant_attention"] and not layer._lean["fused"] for layer in target.model.layers)
+    assert all(layer._lean["quant_attention"] and layer._lean["ops"] is quant.ops for layer in target.model.layers)
     ar = build_engine(target, None, StrategyConfig(strategy="ar"), GREEDY)
     for cfg in LOSSLESS:
         eng = build_engine(target, draft, cfg, GREEDY)
