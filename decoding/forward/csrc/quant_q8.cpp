@@ -189,9 +189,14 @@ AVX2 void rows256(const Job& j, int64_t t0, const uint8_t* pan) {
           int32_t x4;
           std::memcpy(&x4, j.x->q.data() + (t0 + r) * j.K + b * QK + 4 * g, 4);
           const __m256i xv = _mm256_set1_epi32(x4);
-          for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_add_epi32(acc[r][h], dot256<kind>(w[h], xv));
+          for (int h = 0; h < 2; ++h)  // 4-bit q: int16 sums, widened once a block (below)
+            acc[r][h] = byte_quants(kind) ? _mm256_add_epi32(acc[r][h], dot256<kind>(w[h], xv))
+                                          : _mm256_add_epi16(acc[r][h], _mm256_maddubs_epi16(w[h], xv));
         }
       }
+      if (!byte_quants(kind))  // q <= 15, |x| <= 127: 16 products a lane, |sum| <= 30480, no saturation
+        for (int r = 0; r < R; ++r)
+          for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_madd_epi16(acc[r][h], _mm256_set1_epi16(1));
       const uint8_t* sc = pan + b * j.pbb;
       for (int h = 0; h < 2; ++h) {
         const __m256 d = f32_scales(kind) ? _mm256_loadu_ps((const float*)(sc + 64 * part + 32 * h))
@@ -217,7 +222,7 @@ AVX2 void rows256(const Job& j, int64_t t0, const uint8_t* pan) {
     }
 }
 
-constexpr int RG512 = 4, RG256 = 2;  // rows a pass (the rest of a verify re-reads the panels from L1 / L2)
+constexpr int RG512 = 4, RG256 = 4;  // rows a pass (the rest of a verify re-reads the panels from L1 / L2)
 
 // work (weight bytes x rows) under this runs on one thread. Measured on a 2-core AVX512 EPYC (the
 // embedded target at 2 threads, one forward of 1 / 8 / 16 rows): 256 KiB 4.6 / 8.9 / 13.8 ms,
@@ -246,8 +251,13 @@ void run(const Job& j, int64_t panels, int64_t isa) {
     at::parallel_for(0, panels, whole ? panels : 1, [&](int64_t a, int64_t e) {
       for (int64_t u = a; u < e; ++u)
         for (int64_t t = 0; t < j.T; t += RG256) {
-          if (j.T - t >= 2) rows256<kind, 2>(j, t, j.W + u * pstride);
-          else rows256<kind, 1>(j, t, j.W + u * pstride);
+          const uint8_t* pan = j.W + u * pstride;
+          switch (std::min<int64_t>(RG256, j.T - t)) {
+            case 4: rows256<kind, 4>(j, t, pan); break;
+            case 3: rows256<kind, 3>(j, t, pan); break;
+            case 2: rows256<kind, 2>(j, t, pan); break;
+            default: rows256<kind, 1>(j, t, pan);
+          }
         }
     });
   }
