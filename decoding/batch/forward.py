@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from decoding.kv_cache import CachedModel, additive_mask
-from decoding.forward import kernels, quant
+from decoding.forward import quant
 from decoding.forward.lean import FAMILIES, add_norm, causal_mask
 from decoding.tree import TreeLayout, attention_rows
 
