@@ -41,33 +41,7 @@ constexpr int64_t CB = 4;       // blocks per chunk of the buffered path (128 k 
 
 // a block of 32 k for the 16 outputs of a panel: the 16 scales d, the 16 offsets m (quant.h),
 // then the quants k-major: Q4 two k a byte (k even low, k odd high) 16 bytes a k pair; Q8 one a byte
-
-// one block -> 32 floats at dst (the reference; scalar, exact as the vector paths)
-void dequant_block_ref(const uint8_t* b, int64_t kind, float* dst) {
-  float d, m = 0.0f;
-  if (f32_scales(kind)) {
-    std::memcpy(&d, b, 4);
-    std::memcpy(&m, b + 4, 4);  // KQ6: the second half's scale
-  } else {
-    d = half_at(b);
-    if (kind == Q4_1) m = half_at(b + 2);
-  }
-  if (byte_quants(kind)) {
-    for (int i = 0; i < 32; ++i) dst[i] = (float)gguf_quant(b, kind, i) * (kind == KQ6 && i >= 16 ? m : d);
-    return;
-  }
-  const uint8_t* qs = b + quants_at(kind);
-  for (int i = 0; i < 16; ++i) {
-    const int lo = qs[i] & 15, hi = qs[i] >> 4;
-    if (has_min(kind)) {
-      dst[i] = std::fma((float)lo, d, m);
-      dst[i + 16] = std::fma((float)hi, d, m);
-    } else {
-      dst[i] = (float)(lo - 8) * d;
-      dst[i + 16] = (float)(hi - 8) * d;
-    }
-  }
-}
+// (the reference dequantization: quant_ref.cpp)
 
 // ---- AVX512: a panel's 16 outputs are one vector ----
 struct Scales512 { __m512 d, m; };  // KQ6: m is the second half's d
@@ -381,21 +355,6 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, 
   return y;
 }
 
-// w's blocks -> float32 [N, K], exactly the weights quant_linear multiplies by
-at::Tensor quant_dequant(const at::Tensor& w, int64_t kind, int64_t K) {
-  const int64_t bb = block_bytes(kind);
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) == K / QK * bb && K % QK == 0,
-              "quant_dequant: w [N, K / 32 * block bytes] uint8");
-  const at::Tensor wc = w.contiguous();
-  const int64_t N = wc.size(0), nb = K / QK;
-  at::Tensor out = at::empty({N, K}, at::TensorOptions().dtype(at::kFloat));
-  const uint8_t* W = wc.data_ptr<uint8_t>();
-  float* O = out.data_ptr<float>();
-  at::parallel_for(0, N * nb, 4096, [&](int64_t a, int64_t e) {
-    for (int64_t i = a; i < e; ++i) dequant_block_ref(W + i * bb, kind, O + i * QK);
-  });
-  return out;
-}
 
 int64_t quant_isa(int64_t isa) { return resolve_isa(isa); }
 
@@ -403,12 +362,10 @@ int64_t quant_isa(int64_t isa) { return resolve_isa(isa); }
 
 TORCH_LIBRARY_FRAGMENT(specstop_quant, m) {
   m.def("linear(Tensor x, Tensor w, int kind, int k, Tensor? bias, int isa) -> Tensor");
-  m.def("dequant(Tensor w, int kind, int k) -> Tensor");
   m.def("pack(Tensor w, int kind, int k) -> Tensor");
   m.def("isa(int isa) -> int", &quant_isa);
 }
 TORCH_LIBRARY_IMPL(specstop_quant, CPU, m) {
   m.impl("linear", &quant_linear);
-  m.impl("dequant", &quant_dequant);
   m.impl("pack", &quant_pack);
 }
