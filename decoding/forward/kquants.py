@@ -1,9 +1,10 @@
-"""GGUF block types the kernels read through a re-layout: the K-quants Q4_K and Q6_K.
+"""GGUF block types the kernels read through a re-layout: Q5_0 and the K-quants Q4_K and Q6_K.
 
 The kernels (csrc/quant*.cpp) work on blocks of 32 weights. A GGUF's other common types become
 such blocks once, at load, without changing a single weight (each re-laid block dequantizes to
 exactly the float gguf's own dequantizer gives; tests/forward/test_quantized_blocks.py checks it
 bit for bit):
+- Q5_0 (d fp16, q 0..31, w = d (q - 16)) is a Q8_0 block (d fp16, int8 q - 16): 34 bytes for 22;
 - Q4_K (super-blocks of 256: fp16 d, dmin and 6-bit scale / min per 32, 4-bit q; w = d sc q - dmin m)
   becomes KQ4: per 32, fp32 d sc and -dmin m (exact in fp32: 11 + 6 bits) and the 16 nibble bytes;
 - Q6_K (super-blocks of 256: fp16 d, int8 scale per 16, 6-bit q; w = d sc (q - 32)) becomes KQ6:
@@ -24,8 +25,8 @@ KQ4, KQ6 = 12, 14
 """The kernels' ids of the re-laid Q4_K and Q6_K blocks (ggml's ids of those types)."""
 KQ4_BYTES, KQ6_BYTES = 24, 40
 SUPER = 256
-RELAID = ("Q4_K", "Q6_K")
-"""GGUF types read through a re-layout (the kernels take Q4_0, Q4_1, Q5_0 and Q8_0 as they are)."""
+RELAID = ("Q5_0", "Q4_K", "Q6_K")
+"""GGUF types read through a re-layout (the kernels take Q4_0, Q4_1 and Q8_0 as they are)."""
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -36,6 +37,12 @@ def relay(raw: np.ndarray, kind: str, k: int) -> tuple[np.ndarray, int]:
     """A GGUF tensor's blocks uint8 [N, bytes] of `kind` (RELAID) -> (blocks of 32 [N, K / 32 *
     block bytes], the kernels' kind id)."""
     n = raw.shape[0]
+    if kind == "Q5_0":
+        b = raw.reshape(n * k // 32, 22)
+        qh = b[:, 2:6].copy().view(np.uint32).reshape(-1, 1) >> np.arange(32, dtype=np.uint32)
+        ql = b[:, 6:22].reshape(-1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
+        q = ((ql & 15).reshape(-1, 32) | ((qh & 1).astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+        return np.concatenate([b[:, :2], q.view(np.uint8)], axis=1).reshape(n, -1), 8
     if k % SUPER:
         raise ValueError(f"{kind}: {k} columns are not whole super-blocks of {SUPER}")
     if kind == "Q4_K":

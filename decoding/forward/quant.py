@@ -2,9 +2,9 @@
 
 A CPU user's target is a GGUF of 4.5 bits a weight (SmolLM2-135M-Instruct Q4_1: 98 MB). The
 dequantized fp32 model streams ~540 MB a step; the kernels here stream the blocks (re-laid once
-into panels of 16 outputs). Blocks: Q4_0, Q4_1, Q5_0 and Q8_0 as they are (the embedded target's
-linears are Q4_1, its tied embedding / output layer Q8_0); Q4_K and Q6_K (with Q5_0, a Q4_K_M
-file's) re-laid once into blocks of 32 with the same weights (decoding.forward.kquants). Another type keeps the
+into panels of 16 outputs). Blocks: Q4_0, Q4_1 and Q8_0 as they are (the embedded target's linears
+are Q4_1, its tied embedding / output layer Q8_0); Q5_0, Q4_K and Q6_K (a Q4_K_M file's) re-laid
+once into blocks of 32 with the same weights (decoding.forward.kquants). Another type keeps the
 dequantized fp32 linear.
 
 What is quantized ($SPECSTOP_QUANT_ACT, ACT_ENV below):
@@ -38,9 +38,10 @@ ENV = "SPECSTOP_QUANT"
 ISA_ENV = "SPECSTOP_QUANT_ISA"
 """auto (default: AVX512 where the CPU has it), avx2 or avx512."""
 ISAS = {"auto": 0, "avx2": 1, "avx512": 2}
-KINDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": kquants.KQ4, "Q6_K": kquants.KQ6}
-"""ggml block types the kernel multiplies by, to their ggml ids (Q4_K / Q6_K re-laid)."""
-BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 8: 34, kquants.KQ4: kquants.KQ4_BYTES, kquants.KQ6: kquants.KQ6_BYTES}
+KINDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": kquants.KQ4, "Q6_K": kquants.KQ6}
+"""ggml block types the kernel multiplies by, to their ggml ids (Q4_K / Q6_K re-laid; a Q5_0
+tensor becomes Q8_0 blocks)."""
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34, kquants.KQ4: kquants.KQ4_BYTES, kquants.KQ6: kquants.KQ6_BYTES}
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("quant*.cpp"))
 ops = torch.ops.specstop_quant
@@ -222,9 +223,8 @@ def load_blocks(path: str | os.PathLike, config, cache_dir: Path | None = None) 
     return kept_blocks(lambda: read_gguf(path, config), f"{st.st_size}:{st.st_mtime_ns}", cache_dir)
 
 
-READER = 3
-"""What read_gguf keeps (2: + Q5_0 / Q4_K / Q6_K re-laid; 3: Q5_0 as it is): a kept file of
-another version is read anew."""
+READER = 2
+"""What read_gguf keeps (2: + Q5_0 / Q4_K / Q6_K re-laid): a kept file of another version is read anew."""
 
 
 def kept_blocks(read, stamp: str, cache_dir: Path | None) -> dict[str, QuantWeight]:
@@ -280,7 +280,7 @@ def read_gguf(path: str | os.PathLike, config) -> dict[str, QuantWeight]:
             continue
         k, rows, kid = int(t.shape[0]), np.asarray(t.data), KINDS.get(kind)
         if kind in kquants.RELAID:
-            if k % kquants.SUPER:
+            if kind != "Q5_0" and k % kquants.SUPER:
                 continue
             rows, kid = kquants.relay(rows, kind, k)
         if arch == "llama" and parts[-2:-1] == ["attn_q"]:  # only llama's converter permutes them
@@ -356,7 +356,7 @@ def quantize_head(draft: torch.nn.Module, kind: str = HEAD_KIND) -> int:
 
 def quantize(w: torch.Tensor, kind: str) -> QuantWeight:
     """A float weight [N, K] quantized to `kind` blocks by the gguf package, or decoding.forward.kquants
-    for the K-quants (tests, small models), laid out as a GGUF's are read."""
+    for the K-quants (tests, small models); Q5_0 gives its Q8_0 blocks, as a GGUF's is read."""
     blocks, kid = kquants.quantize_raw(w.detach().float().numpy(), kind), KINDS.get(kind)
     if kind in kquants.RELAID:
         blocks, kid = kquants.relay(blocks, kind, w.shape[1])

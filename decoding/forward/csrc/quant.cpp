@@ -55,7 +55,7 @@ AVX512 inline Scales512 scales512(const uint8_t* bp) {
 // weights of k (0..31 in the block) for the panel's 16 outputs
 template <int64_t kind>
 AVX512 inline __m512 weights512(const uint8_t* q, int k, const Scales512& s) {
-  if (f32_bytes(kind))
+  if (byte_quants(kind))
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k * 16)))),
                          kind == KQ6 && k >= 16 ? s.m : s.d);
   __m128i raw = _mm_loadu_si128((const __m128i*)(q + (k >> 1) * 16));
@@ -130,7 +130,7 @@ AVX2 inline Scales256 scales256(const uint8_t* bp) {
 template <int64_t kind>
 AVX2 inline void weights256(const uint8_t* q, int k, const Scales256& s, __m256* w) {
   __m128i raw;
-  if (f32_bytes(kind)) {
+  if (byte_quants(kind)) {
     const __m256* d = kind == KQ6 && k >= 16 ? s.m : s.d;
     raw = _mm_loadu_si128((const __m128i*)(q + k * 16));
     w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d[0]);
@@ -295,8 +295,8 @@ AVX2 void unit256(const Job& j, int64_t first, float* carry) {
 
 // blocks -> this file's panels: Q4 two k a byte (k even low), Q8 / KQ6 one a byte, k-major
 at::Tensor quant_pack(const at::Tensor& w, int64_t kind, int64_t K) {
-  return pack_panels(w, kind, K, false, [kind](uint8_t* q, int64_t o, int k, int v) {
-    if (f32_bytes(kind)) q[k * 16 + o] = (uint8_t)v;
+  return pack_panels(w, kind, K, [kind](uint8_t* q, int64_t o, int k, int v) {
+    if (byte_quants(kind)) q[k * 16 + o] = (uint8_t)v;
     else q[(k >> 1) * 16 + o] |= (uint8_t)(v << (4 * (k & 1)));
   });
 }
@@ -334,8 +334,8 @@ void run(const Job& j, int64_t panels, int64_t isa) {
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t K,
                         const c10::optional<at::Tensor>& bias, int64_t isa) {
-  const int64_t pbb = panel_block_bytes(kind, false);
-  check_linear(x, w, kind, K, false, "quant linear");
+  const int64_t pbb = panel_block_bytes(kind);
+  check_linear(x, w, kind, K, "quant linear");
   isa = resolve_isa(isa);
   const at::Tensor xc = x.contiguous();
   at::Tensor b;
@@ -348,7 +348,6 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, 
   switch (kind) {
     case Q4_0: run<Q4_0>(j, panels, isa); break;
     case Q4_1: run<Q4_1>(j, panels, isa); break;
-    case Q5_0: run<Q5_0>(j, panels, isa); break;
     case KQ4: run<KQ4>(j, panels, isa); break;
     case KQ6: run<KQ6>(j, panels, isa); break;
     default: run<Q8_0>(j, panels, isa); break;

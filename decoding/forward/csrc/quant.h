@@ -20,7 +20,7 @@ namespace specstop_quant {
 // ggml type ids; KQ4 / KQ6: Q4_K / Q6_K re-laid into blocks of 32 with fp32 scales
 // (decoding/forward/kquants.py): KQ4 d, m (f32), 16 nibble bytes as Q4_1's; KQ6 the scales of its
 // two halves (f32), 32 int8 q
-constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, KQ4 = 12, KQ6 = 14;
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, KQ4 = 12, KQ6 = 14;
 constexpr int64_t QK = 32;    // weights per block
 constexpr int64_t P = 16;     // outputs per panel
 constexpr int64_t PF = 8192;  // bytes of lookahead in a panel stream (the hardware prefetcher stops at pages)
@@ -29,27 +29,21 @@ inline int64_t block_bytes(int64_t kind) {
   switch (kind) {
     case Q4_0: return 18;
     case Q4_1: return 20;
-    case Q5_0: return 22;  // d, 32 high bits, 16 nibble bytes: w = d (q - 16)
     case Q8_0: return 34;
     case KQ4: return 24;
     case KQ6: return 40;
   }
-  TORCH_CHECK(false, "quant: unsupported block kind ", kind, " (Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, KQ4 = 12, KQ6 = 14)");
+  TORCH_CHECK(false, "quant: unsupported block kind ", kind, " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, KQ4 = 12, KQ6 = 14)");
 }
 
 constexpr bool has_min(int64_t kind) { return kind == Q4_1 || kind == KQ4; }     // w = d q + m
 constexpr bool f32_scales(int64_t kind) { return kind == KQ4 || kind == KQ6; }
-constexpr bool byte_quants(int64_t kind) { return kind == Q8_0 || kind == KQ6; }  // else 4 bits (+ Q5_0's 5th)
-// the f32 panels (quant.cpp) hold a Q5_0 quant as a byte too (q - 16); the q8 panels (quant_q8.cpp)
-// keep its nibbles and its high bits apart, as the file does
-constexpr bool f32_bytes(int64_t kind) { return byte_quants(kind) || kind == Q5_0; }
+constexpr bool byte_quants(int64_t kind) { return kind == Q8_0 || kind == KQ6; }  // else 4 bits
 
 // a panel block: the 16 outputs' scales d (fp16, or f32 for the re-laid kinds), their offsets m
 // (Q4_1, KQ4) or second-half scales (KQ6) after them, then the quants
 inline int64_t scale_bytes(int64_t kind) { return f32_scales(kind) ? 128 : has_min(kind) ? 64 : 32; }
-inline int64_t panel_block_bytes(int64_t kind, bool q8) {
-  return scale_bytes(kind) + (q8 ? (byte_quants(kind) ? 512 : kind == Q5_0 ? 320 : 256) : (f32_bytes(kind) ? 512 : 256));
-}
+inline int64_t panel_block_bytes(int64_t kind) { return scale_bytes(kind) + (byte_quants(kind) ? 512 : 256); }
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;
@@ -58,18 +52,12 @@ inline float half_at(const uint8_t* p) {
 }
 
 // where a block's quants start
-inline int64_t quants_at(int64_t kind) { return f32_scales(kind) ? 8 : kind == Q5_0 ? 6 : kind == Q4_1 ? 4 : 2; }
+inline int64_t quants_at(int64_t kind) { return f32_scales(kind) ? 8 : kind == Q4_1 ? 4 : 2; }
 
-// quant k (0..31) of a block: Q4 0..15 (weights k < 16 in the low nibbles), Q5_0 -16..15, Q8
-// -128..127, KQ6 -32..31
+// quant k (0..31) of a block: Q4 0..15 (weights k < 16 in the low nibbles), Q8 -128..127, KQ6 -32..31
 inline int gguf_quant(const uint8_t* b, int64_t kind, int k) {
   if (byte_quants(kind)) return (int8_t)b[quants_at(kind) + k];
   const uint8_t* qs = b + quants_at(kind);
-  if (kind == Q5_0) {
-    uint32_t qh;
-    std::memcpy(&qh, b + 2, 4);
-    return ((k < 16 ? qs[k] & 15 : qs[k - 16] >> 4) | (int)((qh >> k) & 1) << 4) - 16;
-  }
   return k < 16 ? qs[k] & 15 : qs[k - 16] >> 4;
 }
 
@@ -77,8 +65,8 @@ inline int gguf_quant(const uint8_t* b, int64_t kind, int k) {
 // 16 outputs keeps their d (and m) as fp16, and `place(quants, o, k, q)` puts quant k of output o
 // where the kernel reading them wants it (quant.cpp and quant_q8.cpp order them differently)
 template <typename Place>
-at::Tensor pack_panels(const at::Tensor& w, int64_t kind, int64_t K, bool q8, Place place) {
-  const int64_t bb = block_bytes(kind), pbb = panel_block_bytes(kind, q8), so = scale_bytes(kind);
+at::Tensor pack_panels(const at::Tensor& w, int64_t kind, int64_t K, Place place) {
+  const int64_t bb = block_bytes(kind), pbb = panel_block_bytes(kind), so = scale_bytes(kind);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) == K / QK * bb && K % QK == 0 &&
               w.size(0) % P == 0, "quant pack: w [N, K / 32 * block bytes] uint8 with N a multiple of 16");
   const at::Tensor wc = w.contiguous();
@@ -107,10 +95,10 @@ at::Tensor pack_panels(const at::Tensor& w, int64_t kind, int64_t K, bool q8, Pl
 }
 
 // x [T, K] float32 and w as a pack makes it, [N / 16, K / 32 * panel bytes] uint8
-inline void check_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t K, bool q8, const char* op) {
+inline void check_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t K, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == K && K % QK == 0,
               op, ": float32 x [T, K] with K a multiple of 32");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) == K / QK * panel_block_bytes(kind, q8) &&
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) == K / QK * panel_block_bytes(kind) &&
               w.is_contiguous(), op, ": w as its pack makes it, [N / 16, K / 32 * panel bytes] uint8");
 }
 

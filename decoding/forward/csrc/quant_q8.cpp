@@ -31,10 +31,8 @@ using namespace specstop_quant;
 // panel block layout (same size as quant.cpp's): scales, then 8 groups of 4 k; a group holds the
 // 16 outputs x 4 k quants as 64 bytes in output-major order (lane o = bytes 4o..4o+3): Q8 as
 // q + 128 (u8), Q4 packed in 32 bytes (byte i: value i low, value i + 32 high)
-// (KQ6 as q + 32, 0..63); Q5_0 as Q4 (q + 16's low 4 bits), and after the 8 groups, 8 bytes a
-// group of their high bits (bit i: value i)
+// (KQ6 as q + 32, 0..63)
 int64_t group_bytes(int64_t kind) { return byte_quants(kind) ? 64 : 32; }
-constexpr int64_t HIGH_BITS = 256;  // where a Q5_0 panel block's high bits start, after its nibbles
 
 struct Rows {  // x quantized: int8 [T, K], dx [T, K / 32], sum of q [T, K / 32] and of its first 16
   std::vector<int8_t> q;
@@ -113,11 +111,8 @@ struct Job {
 // AVX512's bytes only) q + 128
 template <int64_t kind>
 inline int32_t offset_times(int32_t sq, bool avx512) {
-  return kind == Q4_0 ? 8 * sq : kind == Q5_0 ? 16 * sq : kind == KQ6 ? 32 * sq : kind == Q8_0 && avx512 ? 128 * sq : 0;
+  return kind == Q4_0 ? 8 * sq : kind == KQ6 ? 32 * sq : kind == Q8_0 && avx512 ? 128 * sq : 0;
 }
-// 4-bit quants: a block's 8 groups sum in int16 (16 products of q <= 15 and |x| <= 127 a lane:
-// |sum| <= 30480) and widen once
-constexpr bool sums16(int64_t kind) { return kind == Q4_0 || kind == Q4_1 || kind == KQ4; }
 // the sum of x's quants a scale multiplies: KQ6 the half's, else the block's
 template <int64_t kind>
 inline int32_t part_sum(const Rows& x, int64_t i, int part) {
@@ -126,22 +121,17 @@ inline int32_t part_sum(const Rows& x, int64_t i, int part) {
 constexpr int parts(int64_t kind) { return kind == KQ6 ? 2 : 1; }  // scales a block
 
 // ---- AVX512 + VNNI: a panel's 16 outputs are one vector of int32 lanes, 4 k a lane ----
-// group g of a panel block's quants (q: where they start)
 template <int64_t kind>
-AVX512 inline __m512i group512(const uint8_t* q, int g) {
-  if (byte_quants(kind)) return _mm512_loadu_si512(q + g * 64);  // q + 128 (KQ6 q + 32)
-  const __m256i p = _mm256_loadu_si256((const __m256i*)(q + g * 32)), m = _mm256_set1_epi8(15);
+AVX512 inline __m512i group512(const uint8_t* g) {
+  if (byte_quants(kind)) return _mm512_loadu_si512(g);  // q + 128 (KQ6 q + 32)
+  const __m256i p = _mm256_loadu_si256((const __m256i*)g), m = _mm256_set1_epi8(15);
   const __m256i lo = _mm256_and_si256(p, m), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m);
-  const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  if (kind != Q5_0) return w;
-  uint64_t bits;
-  std::memcpy(&bits, q + HIGH_BITS + g * 8, 8);
-  return _mm512_or_si512(w, _mm512_maskz_mov_epi8((__mmask64)bits, _mm512_set1_epi8(16)));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
 template <int64_t kind, int R, int V>
 AVX512 void rows512(const Job& j, int64_t t0, const uint8_t* const* pan) {
-  const int64_t nb = j.K / QK, so = scale_bytes(kind);
+  const int64_t nb = j.K / QK, so = scale_bytes(kind), gb = group_bytes(kind);
   __m512 y[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) y[r][v] = _mm512_setzero_ps();
@@ -156,7 +146,7 @@ AVX512 void rows512(const Job& j, int64_t t0, const uint8_t* const* pan) {
 #pragma GCC unroll 8
       for (int g = part * 8 / parts(kind); g < (part + 1) * 8 / parts(kind); ++g) {
         __m512i w[V];
-        for (int v = 0; v < V; ++v) w[v] = group512<kind>(pan[v] + b * j.pbb + so, g);
+        for (int v = 0; v < V; ++v) w[v] = group512<kind>(pan[v] + b * j.pbb + so + g * gb);
         for (int r = 0; r < R; ++r) {
           int32_t x4;
           std::memcpy(&x4, j.x->q.data() + (t0 + r) * j.K + b * QK + 4 * g, 4);
@@ -190,39 +180,22 @@ AVX512 void rows512(const Job& j, int64_t t0, const uint8_t* const* pan) {
 }
 
 // ---- AVX2: a panel is two vectors (outputs 0-7, 8-15); maddubs + madd make the int32 sums ----
-// 32 high bits -> 32 bytes, 16 where a bit is set (byte j: bit j)
-AVX2 inline __m256i high16(uint32_t bits) {
-  const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
-  const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), pick), bit);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
-}
-
-// group g of a panel block's quants (q: where they start), outputs 0-7 and 8-15
 template <int64_t kind>
-AVX2 inline void group256(const uint8_t* q, int g, __m256i* w) {
-  const uint8_t* gp = q + g * group_bytes(kind);
+AVX2 inline void group256(const uint8_t* g, __m256i* w) {
   if (kind == KQ6) {  // q + 32 <= 63: unsigned as the nibbles
-    w[0] = _mm256_loadu_si256((const __m256i*)gp);
-    w[1] = _mm256_loadu_si256((const __m256i*)(gp + 32));
+    w[0] = _mm256_loadu_si256((const __m256i*)g);
+    w[1] = _mm256_loadu_si256((const __m256i*)(g + 32));
     return;
   }
   if (kind == Q8_0) {  // back to signed q: maddubs takes |q| and moves the sign onto x
     const __m256i flip = _mm256_set1_epi8((char)0x80);
-    w[0] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)gp), flip);
-    w[1] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(gp + 32)), flip);
+    w[0] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)g), flip);
+    w[1] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(g + 32)), flip);
     return;
   }
-  const __m256i p = _mm256_loadu_si256((const __m256i*)gp), m = _mm256_set1_epi8(15);
+  const __m256i p = _mm256_loadu_si256((const __m256i*)g), m = _mm256_set1_epi8(15);
   w[0] = _mm256_and_si256(p, m);
   w[1] = _mm256_and_si256(_mm256_srli_epi16(p, 4), m);
-  if (kind == Q5_0) {  // q + 16 <= 31
-    uint32_t bits[2];
-    std::memcpy(bits, q + HIGH_BITS + g * 8, 8);
-    w[0] = _mm256_or_si256(w[0], high16(bits[0]));
-    w[1] = _mm256_or_si256(w[1], high16(bits[1]));
-  }
 }
 
 template <int64_t kind>
@@ -235,7 +208,7 @@ AVX2 inline __m256i dot256(__m256i w, __m256i xv) {
 
 template <int64_t kind, int R>
 AVX2 void rows256(const Job& j, int64_t t0, const uint8_t* pan) {
-  const int64_t nb = j.K / QK, so = scale_bytes(kind);
+  const int64_t nb = j.K / QK, so = scale_bytes(kind), gb = group_bytes(kind);
   __m256 y[R][2];
   for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -247,17 +220,17 @@ AVX2 void rows256(const Job& j, int64_t t0, const uint8_t* pan) {
 #pragma GCC unroll 8
       for (int g = part * 8 / parts(kind); g < (part + 1) * 8 / parts(kind); ++g) {
         __m256i w[2];
-        group256<kind>(pan + b * j.pbb + so, g, w);
+        group256<kind>(pan + b * j.pbb + so + g * gb, w);
         for (int r = 0; r < R; ++r) {
           int32_t x4;
           std::memcpy(&x4, j.x->q.data() + (t0 + r) * j.K + b * QK + 4 * g, 4);
           const __m256i xv = _mm256_set1_epi32(x4);
           for (int h = 0; h < 2; ++h)  // 4-bit q: int16 sums, widened once a block (below)
-            acc[r][h] = !sums16(kind) ? _mm256_add_epi32(acc[r][h], dot256<kind>(w[h], xv))
-                                      : _mm256_add_epi16(acc[r][h], _mm256_maddubs_epi16(w[h], xv));
+            acc[r][h] = byte_quants(kind) ? _mm256_add_epi32(acc[r][h], dot256<kind>(w[h], xv))
+                                          : _mm256_add_epi16(acc[r][h], _mm256_maddubs_epi16(w[h], xv));
         }
       }
-      if (sums16(kind))
+      if (!byte_quants(kind))  // q <= 15, |x| <= 127: 16 products a lane, |sum| <= 30480, no saturation
         for (int r = 0; r < R; ++r)
           for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_madd_epi16(acc[r][h], _mm256_set1_epi16(1));
       const uint8_t* sc = pan + b * j.pbb;
@@ -329,34 +302,24 @@ void run(const Job& j, int64_t panels, int64_t isa) {
 // GGUF blocks -> this file's panels: groups of 4 k, 16 outputs x 4 k output-major in each
 at::Tensor pack_q8(const at::Tensor& w, int64_t kind, int64_t K) {
   const int64_t gb = group_bytes(kind);
-  return pack_panels(w, kind, K, true, [kind, gb](uint8_t* q, int64_t o, int k, int v) {
+  return pack_panels(w, kind, K, [kind, gb](uint8_t* q, int64_t o, int k, int v) {
     const int64_t i = o * 4 + (k & 3);  // value index inside group k / 4
     uint8_t* g = q + (k >> 2) * gb;
-    if (byte_quants(kind)) {
-      g[i] = (uint8_t)(v + (kind == Q8_0 ? 128 : 32));
-      return;
-    }
-    if (kind == Q5_0) {  // q + 16: its low 4 bits as a Q4 quant, its 5th in the group's high bits
-      v += 16;
-      q[HIGH_BITS + (k >> 2) * 8 + (i >> 3)] |= (uint8_t)((v >> 4) << (i & 7));
-      v &= 15;
-    }
-    g[i & 31] |= (uint8_t)(v << (i < 32 ? 0 : 4));
+    if (byte_quants(kind)) g[i] = (uint8_t)(v + (kind == Q8_0 ? 128 : 32));
+    else g[i & 31] |= (uint8_t)(v << (i < 32 ? 0 : 4));
   });
 }
 
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t K,
                      const c10::optional<at::Tensor>& bias, int64_t isa) {
-  const int64_t pbb = panel_block_bytes(kind, true);
-  check_linear(x, w, kind, K, true, "quant linear_q8");
+  const int64_t pbb = panel_block_bytes(kind);
+  check_linear(x, w, kind, K, "quant linear_q8");
   const int64_t T0 = x.size(0);
   // auto: up to 3 rows run faster on the AVX2 path here (2-core AVX512-VNNI EPYC, a step's 121
   // linears streamed from memory, 1 thread, AVX2 vs AVX512: 3.4 vs 4.2 ms at 1 row, 3.7 vs 5.1 at
   // 2, 4.9 vs 5.5 at 3, 6.4 vs 5.7 at 4, 12.4 vs 8.8 at 8; 2 threads: 2.6 / 3.2, 3.1 / 3.2 at 3,
-  // 3.6 / 3.5 at 4); both give the same bits. Q5_0 (its high bits cost more to spread on AVX2)
-  // runs on AVX512 at every row count: the same step with Q5_0 layers at 2 threads, 2.80 / 2.74 ms
-  // at 1 row, 3.27 / 2.81 at 2, 3.78 / 3.09 at 3
-  isa = isa == 0 && has_avx512() ? (T0 <= 3 && kind != Q5_0 ? 1 : 2) : resolve_isa(isa);
+  // 3.6 / 3.5 at 4); both give the same bits
+  isa = isa == 0 && has_avx512() ? (T0 <= 3 ? 1 : 2) : resolve_isa(isa);
   const at::Tensor xc = x.contiguous();
   at::Tensor b;
   if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
@@ -370,7 +333,6 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t kind, int
   switch (kind) {
     case Q4_0: run<Q4_0>(j, panels, isa); break;
     case Q4_1: run<Q4_1>(j, panels, isa); break;
-    case Q5_0: run<Q5_0>(j, panels, isa); break;
     case KQ4: run<KQ4>(j, panels, isa); break;
     case KQ6: run<KQ6>(j, panels, isa); break;
     default: run<Q8_0>(j, panels, isa); break;

@@ -24,7 +24,7 @@ void dequant_block_ref(const uint8_t* b, int64_t kind, float* dst) {
     d = half_at(b);
     if (kind == Q4_1) m = half_at(b + 2);
   }
-  if (f32_bytes(kind)) {
+  if (byte_quants(kind)) {
     for (int i = 0; i < 32; ++i) dst[i] = (float)gguf_quant(b, kind, i) * (kind == KQ6 && i >= 16 ? m : d);
     return;
   }
