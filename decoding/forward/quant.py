@@ -227,6 +227,19 @@ READER = 2
 """What read_gguf keeps (2: + Q5_0 / Q4_K / Q6_K re-laid): a kept file of another version is read anew."""
 
 
+def kept_stamp(cache_dir: Path) -> str | None:
+    """The source stamp of the blocks kept in `cache_dir` by this reader, None when none are."""
+    from safetensors import safe_open
+
+    kept = cache_dir / "gguf_blocks.safetensors"
+    try:
+        with safe_open(str(kept), "pt") as f:
+            meta = f.metadata() or {}
+    except Exception:  # absent, unreadable (safetensors raises its own error type)
+        return None
+    return meta.get("source") if meta.get("reader") == str(READER) else None
+
+
 def kept_blocks(read, stamp: str, cache_dir: Path | None) -> dict[str, QuantWeight]:
     """`read()`'s blocks, kept in `cache_dir` under `stamp` (what identifies their source): a kept
     file of another stamp, unreadable or absent is read anew (atomic write)."""

@@ -131,7 +131,8 @@ def named_target_dir(name: str) -> Path:
 def named_blocks(name: str, config) -> dict:
     """A named target's GGUF blocks (decoding.forward.quant), kept beside its converted weights;
     the first call assembles the GGUF again for them (sha256-checked, ~250 MB, deleted after).
-    Empty (the dequantized linears) when its packages are gone."""
+    Once kept they serve without the packages, as the converted weights do (attach checks them
+    against those); empty (the dequantized linears) when neither is there."""
     import warnings
     from importlib.metadata import PackageNotFoundError, version
 
@@ -147,7 +148,13 @@ def named_blocks(name: str, config) -> dict:
             return quant.read_gguf(mod.assemble(output_path=Path(tmp) / mod.MODEL_NAME), config)
 
     try:
-        return quant.kept_blocks(read, f"{package}=={version(package)}", out)
+        stamp = f"{package}=={version(package)}"
+    except PackageNotFoundError:
+        stamp = quant.kept_stamp(out) or ""
+    try:
+        if not stamp.startswith(f"{package}=="):
+            raise PackageNotFoundError(package)
+        return quant.kept_blocks(read, stamp, out)
     except (ImportError, OSError, PackageNotFoundError) as e:
         warnings.warn(f"{name}: its GGUF packages are gone ({type(e).__name__}), so it runs dequantized", stacklevel=2)
         return {}

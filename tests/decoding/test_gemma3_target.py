@@ -2,6 +2,8 @@
 `gemma3`; every test but the absent-target one skips when it is not converted. A base model:
 plain-text prompts."""
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -84,6 +86,9 @@ def test_runs_on_its_q4_k_m_blocks_losslessly(gemma):
 
     if not quant.available():
         pytest.skip(f"quantized kernel: {quant.why_not()}")
+    if importlib.util.find_spec(named_targets.NAMED[GEMMA3][0]) is None and \
+            not (quant.kept_stamp(models.cache_root() / GEMMA3) or "").startswith(named_targets.NAMED[GEMMA3][1]):
+        pytest.skip("gemma3-270m's GGUF packages are not installed and no blocks are kept: make gemma3")
     dense, tok = gemma
     sess = Session.open(GEMMA3, dtype="auto")
     target = sess.target
@@ -97,3 +102,26 @@ def test_runs_on_its_q4_k_m_blocks_losslessly(gemma):
         for text in PROMPTS:
             ids = tok.encode(text)
             assert eng.generate(ids, N)[0] == ar.generate(ids, N)[0], (cfg.name, text)
+
+
+@pytest.mark.gemma3
+@needs_gemma
+def test_kept_blocks_serve_without_the_packages(monkeypatch):
+    """Once kept beside the converted weights, the blocks load without the GGUF packages (as the
+    converted weights do); with neither, the target runs dequantized after one warning."""
+    from importlib import metadata
+
+    from decoding.forward import quant
+
+    cfg = models.load_model(GEMMA3).config
+    if not (quant.kept_stamp(models.cache_root() / GEMMA3) or "").startswith(named_targets.NAMED[GEMMA3][1]):
+        pytest.skip("no blocks kept yet (the first quantized load keeps them)")
+
+    def gone(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", gone)
+    assert len(named_targets.named_blocks(GEMMA3, cfg)) == 18 * 7 + 1
+    monkeypatch.setattr(quant, "kept_stamp", lambda _dir: None)
+    with pytest.warns(UserWarning, match="runs dequantized"):
+        assert named_targets.named_blocks(GEMMA3, cfg) == {}
