@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 
 from decoding.kv_cache import CachedModel, additive_mask
-from decoding.forward import quant
 from decoding.forward.lean import FAMILIES, add_norm, causal_mask
 from decoding.tree import TreeLayout, attention_rows
 
@@ -216,8 +215,6 @@ def _attend(f, a, q, k, v, mask, T, device) -> torch.Tensor:
         mask = mask[..., : k.shape[2]]
     if f["ops"] is not None and T <= f["row_attention_below"] and (mask is not None or T == 1):
         return f["ops"].row_attention(q, k, v, mask, a.scaling).reshape(T, -1)
-    if f["quant_attention"] and (mask is not None or T == 1):
-        return quant.row_attention(q, k, v, mask, a.scaling).reshape(T, -1)
     causal = mask is None and T > 1
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=a.scaling,
                                           enable_gqa=H != K).transpose(1, 2).reshape(T, -1)

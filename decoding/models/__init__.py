@@ -133,7 +133,7 @@ def _from_gguf(path) -> bool:
 def attach_gguf(model, path: str | os.PathLike | None) -> int:
     """A target loaded from a GGUF multiplies by the file's own blocks (decoding.forward.quant) where they
     are of a type the kernel takes, in float32 on a CPU; returns how many linears do (0: the
-    dequantized linears, e.g. bf16, a K-quant, $SPECSTOP_QUANT=0)."""
+    dequantized linears, e.g. bf16, $SPECSTOP_QUANT=0)."""
     from decoding.forward import quant
 
     if not _from_gguf(path) or model.dtype != torch.float32 or model.device.type != "cpu" or not quant.available():
