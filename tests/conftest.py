@@ -2,7 +2,9 @@
 the support package (tests/support/), each area's own fixtures in its folder's conftest.py."""
 
 import pytest
-import torch
+
+import decoding  # noqa: F401  before torch: $SPECSTOP_CPU=avx2 holds torch's kernels to AVX2
+import torch  # noqa: E402, I001
 
 from support.models import noisy_copy, tiny_llama
 

@@ -7,8 +7,31 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from functools import lru_cache
 from pathlib import Path
+
+CPU_ENV = "SPECSTOP_CPU"
+"""avx2: act as an AVX2-only CPU on a bigger one, so one machine tests and measures the AVX2 class:
+the flags lose AVX512, AMX and AVX-VNNI (our AVX512 kernels stand down, the quantized kernel takes
+its AVX2 path, fp32 is the fast dtype), and torch's own kernels are held to AVX2 (ATen's dispatch,
+oneDNN's ISA) where this module loads before torch. Empty: the CPU as it is."""
+_DROPPED = ("avx512", "amx", "avx_vnni")
+# torch reads these once, when it loads: set them before that (`make test-avx2` sets them outright)
+TORCH_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def emulated() -> str:
+    """The CPU class $SPECSTOP_CPU asks to act as ('' for none)."""
+    asked = os.environ.get(CPU_ENV, "").strip().lower()
+    if asked not in ("", "avx2"):
+        raise ValueError(f"${CPU_ENV} must be avx2 or empty (got {asked!r})")
+    return asked
+
+
+if emulated() and "torch" not in sys.modules:
+    for _k, _v in TORCH_ENV.items():
+        os.environ.setdefault(_k, _v)
 
 
 @lru_cache(maxsize=1)
@@ -27,12 +50,34 @@ def _field(cpuinfo: str, key: str) -> str | None:
 
 
 def flags(cpuinfo: str | None = None) -> set[str]:
-    """The CPU's feature flags (the first processor's; empty where unknown)."""
-    return set((_field(_cpuinfo() if cpuinfo is None else cpuinfo, "flags") or "").split())
+    """The CPU's feature flags (the first processor's; empty where unknown), less what
+    $SPECSTOP_CPU hides."""
+    found = set((_field(_cpuinfo() if cpuinfo is None else cpuinfo, "flags") or "").split())
+    if cpuinfo is None and emulated():
+        found = {f for f in found if not f.startswith(_DROPPED)}
+    return found
 
 
 def model_name() -> str:
-    return _field(_cpuinfo(), "model name") or platform.processor() or platform.machine()
+    name = _field(_cpuinfo(), "model name") or platform.processor() or platform.machine()
+    return name + (f" (as {emulated().upper()} only)" if emulated() else "")
+
+
+@lru_cache(maxsize=1)
+def warn_torch_isa() -> None:
+    """Warn (once) where torch does not run as $SPECSTOP_CPU asks: it loaded before the variables
+    were set, so its timings are the bigger CPU's."""
+    if not emulated() or "torch" not in sys.modules:
+        return
+    import warnings
+
+    import torch
+
+    got = torch.backends.cpu.get_cpu_capability()
+    if got.upper() not in ("AVX2", "DEFAULT") or os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() != "AVX2":
+        warnings.warn(f"${CPU_ENV}={emulated()} but torch's kernels run {got}: set "
+                      + " ".join(f"{k}={v}" for k, v in TORCH_ENV.items()) + " before torch loads",
+                      stacklevel=3)
 
 
 def native_bf16() -> bool:

@@ -107,6 +107,7 @@ def _load() -> str | None:
     """Build / load the ops once per process; None when they are ready, else why not."""
     if os.environ.get(ENV, "").strip() == "0":
         return f"${ENV}=0"
+    cpu.warn_torch_isa()
     missing = [f for f in FLAGS if f not in cpu.flags()]
     if missing:
         return f"the CPU lacks {', '.join(missing)}"

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decoding.forward import kquants
+from decoding.forward import cpu, kquants
 
 ENV = "SPECSTOP_QUANT"
 """0: a GGUF target runs its dequantized fp32 linears (the reference) instead of its blocks."""
@@ -66,6 +66,7 @@ _state: dict = {}
 def _load() -> str | None:
     if os.environ.get(ENV, "").strip() == "0":
         return f"${ENV}=0"
+    cpu.warn_torch_isa()
     if hasattr(ops, "linear"):
         return None
     import platform
@@ -90,6 +91,8 @@ def _isa_arg() -> int:
     asked = os.environ.get(ISA_ENV, "auto").strip() or "auto"
     if asked not in ISAS:
         raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISAS)} (got {asked!r})")
+    if asked == "auto" and cpu.emulated() == "avx2":  # an AVX2-only CPU, acted on a bigger one
+        return ISAS["avx2"]
     return ISAS[asked]
 
 
@@ -112,7 +115,7 @@ did nothing in these kernels)."""
 def revision() -> str:
     """The kernel's source and flags hash: a cost curve timed on another kernel is a miss
     (decoding.forward.cost_cache)."""
-    files = [*SOURCES, CSRC / "quant.h"]  # torch's loader rebuilds on a changed source, not a header
+    files = [*SOURCES, CSRC / "quant.h", CSRC / "segments.h"]  # torch's loader rebuilds on a changed source, not a header
     return hashlib.sha256(b"".join(p.read_bytes() for p in files) + " ".join(CFLAGS).encode()).hexdigest()[:12]
 
 

@@ -111,6 +111,30 @@ def test_device_kind_follows_amx():
     assert D.device_kind("cuda:0") == "cuda" and D.device_kind("cpu") in ("cpu", "cpu-bf16")
 
 
+def test_an_avx2_only_cpu_acted_on_a_bigger_one(monkeypatch):
+    """$SPECSTOP_CPU=avx2: the flags lose AVX512 / AMX / AVX-VNNI, so our AVX512 kernels stand
+    down, float32 is the fast dtype and the quantized kernel's `auto` is its AVX2 path; the cost
+    curve's key names the act; anything else is one clear error."""
+    from decoding.forward import kernels, quant
+
+    info = "model name\t: Big Xeon\nflags\t: fpu avx avx2 fma f16c avx512f avx512_bf16 amx_bf16 avx_vnni\n"
+    monkeypatch.setattr(cpu, "_cpuinfo", lambda: info)
+    monkeypatch.setattr(cpu, "warn_torch_isa", lambda: None)  # torch loaded as it is, here
+    monkeypatch.setenv(cpu.CPU_ENV, "avx2")
+    assert cpu.flags() == {"fpu", "avx", "avx2", "fma", "f16c"} and not cpu.prefers_bf16(packed=True)
+    assert cpu.model_name() == "Big Xeon (as AVX2 only)" and "avx512f" in cpu.flags(info)
+    monkeypatch.setattr(kernels, "_state", {})
+    assert "the CPU lacks avx512f" in kernels.why_not()
+    monkeypatch.delenv(quant.ISA_ENV, raising=False)
+    assert quant._isa_arg() == quant.ISAS["avx2"]
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setenv(cpu.CPU_ENV, "")
+    assert cpu.prefers_bf16() and quant._isa_arg() == quant.ISAS["auto"] and cpu.model_name() == "Big Xeon"
+    monkeypatch.setenv(cpu.CPU_ENV, "sse")
+    with pytest.raises(ValueError, match="SPECSTOP_CPU must be avx2 or empty"):
+        cpu.flags()
+
+
 def test_a_run_writes_the_entry_of_its_dtype():
     """An fp32 run on an AMX CPU measured the `cpu` entry: written into `cpu-bf16` (the entry the
     machine loads) it turned that entry's dtype to float32."""
