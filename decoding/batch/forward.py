@@ -106,11 +106,18 @@ def verify_many(model, segments: list[Segment]) -> list[torch.Tensor]:
     pe = model.model.rotary_emb(x, torch.cat(pos).to(dev)[None])
     want = sorted({i for s in segments for i in s.capture})
     got: dict[int, torch.Tensor] = {}
+    one = _one_call_masks(model, segments, spans, masks)
+    if one is not None:  # every layer in one kernel call (the weights read once, per-request attention inside)
+        x, pe = x[0], tuple(c.reshape(x.shape[1], -1).contiguous() for c in pe)
     for i, layer in enumerate(model.model.layers):
         if i in want:
-            got[i] = x[0]
+            got[i] = x if one is not None else x[0]
+        if one is not None:
+            x = _one_call_layer(layer, x, pe, segments, spans, one)
+            continue
         body = _lean_layer if hasattr(layer, "_lean") else _reference_layer
         x = body(layer, x, pe, segments, spans, masks)
+    x = x[None] if one is not None else x
     keep = torch.cat([torch.arange(b - s.kept, b) for s, (a, b, _, _) in zip(segments, spans)]).to(dev)
     logits = model.lm_head(model.model.norm(x[:, keep]))[0].float()
     out, at = [], 0
@@ -143,6 +150,43 @@ def _mask(s: Segment, pending: int, nodes: int, dtype, dev) -> torch.Tensor | No
         rows = attention_rows(s.cache.length, pending, s.layout.mask, 0, nodes)
         return additive_mask(rows, dtype, dev)
     return None
+
+
+def _one_call_masks(model, segments, spans, masks) -> list | None:
+    """The segments' masks as the one-call layer takes them, or None where this round does not run
+    that way: as the lean forward decides for one request (decoding.forward.lean's
+    _kernel_layer_forward), every segment's rows within its attention kernel, a prompt's causal
+    block as a mask, every cache a growing one."""
+    f = getattr(model.model.layers[0], "_lean", None)
+    if not f or not f["one_call"] or spans[-1][1] >= f["one_call"]:
+        return None
+    out = []
+    for s, (lo, hi, *_), m in zip(segments, spans, masks):
+        layer = s.cache.cache.layers[f["layer"]] if len(s.cache.cache.layers) > f["layer"] else None
+        if hi - lo >= f["row_attention_below"] or not hasattr(layer, "room"):
+            return None
+        if m is None and hi - lo > 1:
+            if not f["causal_rows"]:  # a prompt from an empty cache: torch's attention, one request at a time
+                return None
+            m = causal_mask(hi - lo, s.cache.model.device)
+        out.append(m)
+    return out
+
+
+def _one_call_layer(layer, x, pe, segments, spans, masks):
+    """The lean layer of every segment in one `decoder_layer_segments` call (csrc/layer.cpp,
+    csrc/quant_layer.cpp): each request's rows as its batch-1 one-call layer computes them, bit for
+    bit; the keys and values written into each request's own cache buffers. x [R, C] -> [R, C]."""
+    f = layer._lean
+    rooms = [s.cache.cache.layers[f["layer"]] for s in segments]
+    got = [c.room(f["kv_like"], hi - lo) for c, (lo, hi, *_) in zip(rooms, spans)]
+    y = f["ops"].decoder_layer_segments(
+        x, *pe, [g[0] for g in got], [g[1] for g in got], [g[2] for g in got], [g[3] for g in got],
+        [hi - lo for lo, hi, *_ in spans], masks, f["weights"], f["qkv"].bias, [1, *f["dims"]],
+        f["norm1"][1], f["norm2"][1], f["scaling"])
+    for c, g, (lo, hi, *_) in zip(rooms, got, spans):
+        c.grown(g[2], g[3] + hi - lo)
+    return y
 
 
 def _reference_layer(layer, x, pe, segments, spans, masks):

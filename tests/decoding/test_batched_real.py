@@ -25,20 +25,28 @@ def dec():
     return Decoder.load()
 
 
-def test_stacked_rows_are_batch1_rows(dec):
-    m = dec.session.target
-    texts = [dec.prompt_ids(p, chat=True) for p in PROMPTS]
-    lay = layout_from_k_config([4, 1, 1])
-    toks = [[100 + 37 * i + j for i in range(lay.size)] for j in range(3)]
-    solo, bat = [CachedModel(m) for _ in texts], [CachedModel(m) for _ in texts]
-    for _ in range(2):  # the prompts with a tree (> 100 rows), then a tree after a commit
-        want = [c.feed(t, lay, tk, 0, lay.size)[0] for c, t, tk in zip(solo, texts, toks)]
-        got = verify_many(m, [Segment(c, t, lay, tk) for c, t, tk in zip(bat, texts, toks)])
-        assert all(torch.equal(w, g) for w, g in zip(want, got))
-        for c1, c2 in zip(solo, bat):
-            c1.commit([0, 4], lay.size)
-            c2.commit([0, 4], lay.size)
-        texts = [t + [tk[0], tk[4], 42] for t, tk in zip(texts, toks)]
+@pytest.mark.parametrize("threads", [1, 2])
+def test_stacked_rows_are_batch1_rows(dec, threads):
+    """The prompts with a tree (> 100 rows), a tree after a commit, then small trees (a thread a
+    request on 2 threads): each request's logits are its batch-1 logits bit for bit."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        m = dec.session.target
+        texts = [dec.prompt_ids(p, chat=True) for p in PROMPTS]
+        solo, bat = [CachedModel(m) for _ in texts], [CachedModel(m) for _ in texts]
+        for k in ([4, 1, 1], [4, 1, 1], [2, 1], [2, 1]):
+            lay = layout_from_k_config(k)
+            toks = [[100 + 37 * i + j for i in range(lay.size)] for j in range(3)]
+            want = [c.feed(t, lay, tk, 0, lay.size)[0] for c, t, tk in zip(solo, texts, toks)]
+            got = verify_many(m, [Segment(c, t, lay, tk) for c, t, tk in zip(bat, texts, toks)])
+            assert all(torch.equal(w, g) for w, g in zip(want, got))
+            for c1, c2 in zip(solo, bat):
+                c1.commit([0, k[0]], lay.size)
+                c2.commit([0, k[0]], lay.size)
+            texts = [t + [tk[0], tk[k[0]], 42] for t, tk in zip(texts, toks)]
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_batched_head_rounds_equal_ar(dec):

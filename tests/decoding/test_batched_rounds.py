@@ -155,12 +155,22 @@ def _bfs(parents):
     return [-1 if parents[o] == -1 else new[parents[o]] for o in order]
 
 
-@pytest.mark.parametrize("kind", ["eager", "packed", "lean"])
-def test_stacked_rows_equal_batch1_rows(pair, kind):
+@pytest.mark.parametrize("kind,threads", [("eager", 1), ("packed", 1), ("lean", 1), ("lean", 2)])
+def test_stacked_rows_equal_batch1_rows(pair, kind, threads):
     """Three requests over four rounds (prompts, random trees, random accepted paths): each
     request's logits from the stacked forward equal its own CachedModel.feed's. The lean forward
-    with every round's rows within the fp32 panels (<= 32) where the kernels build: bit for bit;
-    eager, packed and lean on oneDNN (an AVX2 CPU; not batch-invariant by contract): to rounding."""
+    with every round's rows within the fp32 panels (<= 32) where the kernels build: bit for bit
+    (on 2 threads the one-call layer attends one segment a thread); eager, packed and lean on
+    oneDNN (an AVX2 CPU; not batch-invariant by contract): to rounding."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _stacked_rows_equal_batch1_rows(pair, kind)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _stacked_rows_equal_batch1_rows(pair, kind):
     target = pair[0] if kind == "eager" else copy.deepcopy(pair[0])
     if kind != "eager":
         assert set_forward(target, kind) == kind

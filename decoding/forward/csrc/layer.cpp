@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "segments.h"
 
 namespace {
 
@@ -39,6 +40,24 @@ at::Tensor lin(const at::Tensor& x, const at::Tensor& w, int64_t n, const Quant&
 
 namespace specstop {
 
+// The layer around its attention: RMSNorm -> q/k/v -> rotary -> attend(q, k, v) -> o -> residual +
+// RMSNorm -> gate/up -> SiLU gate -> down -> residual. B sequences of T rows each.
+template <class Attend>
+at::Tensor layer_around(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t B,
+                        at::TensorList w, const c10::optional<at::Tensor>& qkv_bias, at::IntArrayRef dims,
+                        double eps1, double eps2, Attend attend) {
+  TORCH_CHECK(w.size() == 6 && (dims.size() == 7 || dims.size() == 13) && x.dim() == 2,
+              "decoder_layer: 6 weights, 7 or 13 dims, x [B*T, C]");
+  Quant q[4];
+  if (dims.size() == 13)
+    for (int i = 0; i < 4; ++i) q[i] = {dims[7 + i], dims[11], dims[12]};
+  auto [x0, h] = add_rms_norm(x, c10::nullopt, w[0], eps1);
+  auto [qs, k, v] = rope_qkv(lin(h, w[1], dims[3], q[0], qkv_bias), cos, sin, B, dims[1], dims[2]);
+  const at::Tensor att = attend(qs, k, v);
+  auto [x1, h1] = add_rms_norm(x, lin(att, w[2], dims[4], q[1]), w[3], eps2);
+  return lin(silu_mul(lin(h1, w[4], dims[5], q[2])), w[5], dims[6], q[3]).add_(x1);
+}
+
 // x [B * T, C]; cos / sin [B * T, D]; kbuf / vbuf [B, KV, cap, D], the cached keys and values at
 // [start, start + n) along cap, the T new ones written after them; mask [1 or B, 1, T, >= n + T]
 // or none (a 1-token step); w: norm1, qkv, o, norm2, gate_up, down (the linears packed for their
@@ -48,22 +67,34 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
                          const at::Tensor& vbuf, int64_t start, int64_t n, const c10::optional<at::Tensor>& mask,
                          at::TensorList w, const c10::optional<at::Tensor>& qkv_bias, at::IntArrayRef dims,
                          double eps1, double eps2, double scale) {
-  TORCH_CHECK(w.size() == 6 && (dims.size() == 7 || dims.size() == 13) && x.dim() == 2 && kbuf.dim() == 4 &&
-              vbuf.sizes() == kbuf.sizes(), "decoder_layer: 6 weights, 7 or 13 dims, x [B*T, C], k / v buffers [B, KV, cap, D]");
-  Quant q[4];
-  if (dims.size() == 13)
-    for (int i = 0; i < 4; ++i) q[i] = {dims[7 + i], dims[11], dims[12]};
-  const int64_t B = dims[0], H = dims[1], KV = dims[2], T = x.size(0) / B;
-  TORCH_CHECK(start >= 0 && n >= 0 && start + n + T <= kbuf.size(2) && kbuf.size(0) == B && kbuf.size(1) == KV,
-              "decoder_layer: no room in the cache buffer");
-  auto [x0, h] = add_rms_norm(x, c10::nullopt, w[0], eps1);
-  auto [qs, k, v] = rope_qkv(lin(h, w[1], dims[3], q[0], qkv_bias), cos, sin, B, H, KV);
-  kbuf.narrow(2, start + n, T).copy_(k);
-  vbuf.narrow(2, start + n, T).copy_(v);
-  const at::Tensor att = row_attention(qs, kbuf.narrow(2, start, n + T), vbuf.narrow(2, start, n + T), mask, scale)
-                             .view({B * T, -1});
-  auto [x1, h1] = add_rms_norm(x, lin(att, w[2], dims[4], q[1]), w[3], eps2);
-  return lin(silu_mul(lin(h1, w[4], dims[5], q[2])), w[5], dims[6], q[3]).add_(x1);
+  const int64_t B = dims[0], T = x.size(0) / B;
+  TORCH_CHECK(kbuf.dim() == 4 && vbuf.sizes() == kbuf.sizes() && start >= 0 && n >= 0 &&
+              start + n + T <= kbuf.size(2) && kbuf.size(0) == B && kbuf.size(1) == dims[2],
+              "decoder_layer: no room in the cache buffer [B, KV, cap, D]");
+  return layer_around(x, cos, sin, B, w, qkv_bias, dims, eps1, eps2, [&](auto& qs, auto& k, auto& v) {
+    kbuf.narrow(2, start + n, T).copy_(k);
+    vbuf.narrow(2, start + n, T).copy_(v);
+    return row_attention(qs, kbuf.narrow(2, start, n + T), vbuf.narrow(2, start, n + T), mask, scale)
+        .view({B * T, -1});
+  });
+}
+
+// Several requests' rows in one layer (decoding/batch/forward.py): x [R, C] stacked, request i's
+// rows[i] rows in turn, its own buffers kbufs[i] / vbufs[i] [1, KV, cap, D] with ns[i] cached rows
+// from starts[i], its own mask or none; dims as decoder_layer's with B = 1. The linears run once over
+// all R rows (the weights read once a round); rotary and attention are per row, so request i's rows
+// are decoder_layer's on its rows and buffers bit for bit.
+at::Tensor decoder_layer_segments(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                  at::TensorList kbufs, at::TensorList vbufs, at::IntArrayRef starts,
+                                  at::IntArrayRef ns, at::IntArrayRef rows,
+                                  const c10::List<c10::optional<at::Tensor>>& masks, at::TensorList w,
+                                  const c10::optional<at::Tensor>& qkv_bias, at::IntArrayRef dims, double eps1,
+                                  double eps2, double scale) {
+  TORCH_CHECK(dims[0] == 1, "decoder_layer_segments: dims with B = 1");
+  return layer_around(x, cos, sin, 1, w, qkv_bias, dims, eps1, eps2, [&](auto& qs, auto& k, auto& v) {
+    return attend_segments(qs, k, v, kbufs, vbufs, starts, ns, rows, masks, x.size(0),
+                           [&](auto&& q1, auto&& k1, auto&& v1, auto&& m) { return row_attention(q1, k1, v1, m, scale); });
+  });
 }
 
 }  // namespace specstop
@@ -71,5 +102,11 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
 TORCH_LIBRARY_FRAGMENT(specstop, m) {
   m.def("decoder_layer(Tensor x, Tensor cos, Tensor sin, Tensor(a!) kbuf, Tensor(b!) vbuf, int start, int n, "
         "Tensor? mask, Tensor[] w, Tensor? qkv_bias, int[] dims, float eps1, float eps2, float scale) -> Tensor");
+  m.def("decoder_layer_segments(Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] kbufs, Tensor(b!)[] vbufs, "
+        "int[] starts, int[] ns, int[] rows, Tensor?[] masks, Tensor[] w, Tensor? qkv_bias, int[] dims, "
+        "float eps1, float eps2, float scale) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(specstop, CPU, m) { m.impl("decoder_layer", &specstop::decoder_layer); }
+TORCH_LIBRARY_IMPL(specstop, CPU, m) {
+  m.impl("decoder_layer", &specstop::decoder_layer);
+  m.impl("decoder_layer_segments", &specstop::decoder_layer_segments);
+}

@@ -20,6 +20,7 @@
 #include <immintrin.h>
 
 #include "quant.h"
+#include "segments.h"
 
 #include <cmath>
 #include <tuple>
@@ -139,33 +140,64 @@ at::Tensor silu_mul(const at::Tensor& g) {
 using LinSig = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const c10::optional<at::Tensor>&, int64_t);
 using AttSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, double);
 
-// as specstop::decoder_layer with GGUF blocks (dims: B, H, KV, four output widths, four ggml kinds,
-// the activations' form (1: q8), the instruction set), every step this extension's
-at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kbuf,
-                         const at::Tensor& vbuf, int64_t start, int64_t n, const c10::optional<at::Tensor>& mask,
-                         at::TensorList w, const c10::optional<at::Tensor>& qkv_bias, at::IntArrayRef dims,
-                         double eps1, double eps2, double scale) {
-  TORCH_CHECK(w.size() == 6 && dims.size() == 13 && x.dim() == 2 && kbuf.dim() == 4 && vbuf.sizes() == kbuf.sizes(),
-              "quant decoder_layer: 6 weights, 13 dims, x [B*T, C], k / v buffers [B, KV, cap, D]");
+// The layer around its attention, as specstop::layer_around with GGUF blocks (dims: B, H, KV, four
+// output widths, four ggml kinds, the activations' form (1: q8), the instruction set), every step
+// this extension's
+template <class Attend>
+at::Tensor layer_around(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t B,
+                        at::TensorList w, const c10::optional<at::Tensor>& qkv_bias, at::IntArrayRef dims,
+                        double eps1, double eps2, Attend attend) {
+  TORCH_CHECK(w.size() == 6 && dims.size() == 13 && x.dim() == 2,
+              "quant decoder_layer: 6 weights, 13 dims, x [B*T, C]");
   static auto& d = c10::Dispatcher::singleton();
   static const auto f32 = d.findSchemaOrThrow("specstop_quant::linear", "").typed<LinSig>();
   static const auto q8 = d.findSchemaOrThrow("specstop_quant::linear_q8", "").typed<LinSig>();
-  static const auto attend = d.findSchemaOrThrow("specstop_quant::row_attention", "").typed<AttSig>();
   const auto& lin = dims[11] ? q8 : f32;
   auto L = [&](const at::Tensor& a, int i, const c10::optional<at::Tensor>& b = c10::nullopt) {
     return lin.call(a, w[i == 0 ? 1 : i == 1 ? 2 : i == 2 ? 4 : 5], dims[7 + i], a.size(1), b, dims[12]);
   };
-  const int64_t B = dims[0], H = dims[1], KV = dims[2], T = x.size(0) / B;
-  TORCH_CHECK(start >= 0 && n >= 0 && start + n + T <= kbuf.size(2) && kbuf.size(0) == B && kbuf.size(1) == KV,
-              "quant decoder_layer: no room in the cache buffer");
   auto [x0, h] = add_rms_norm(x, c10::nullopt, w[0], eps1);
-  auto [qs, k, v] = rope_qkv(L(h, 0, qkv_bias), cos, sin, B, H, KV);
-  kbuf.narrow(2, start + n, T).copy_(k);
-  vbuf.narrow(2, start + n, T).copy_(v);
-  const at::Tensor att = attend.call(qs, kbuf.narrow(2, start, n + T), vbuf.narrow(2, start, n + T), mask, scale)
-                             .view({B * T, -1});
+  auto [qs, k, v] = rope_qkv(L(h, 0, qkv_bias), cos, sin, B, dims[1], dims[2]);
+  const at::Tensor att = attend(qs, k, v);
   auto [x1, h1] = add_rms_norm(x, L(att, 1), w[3], eps2);
   return L(silu_mul(L(h1, 2)), 3).add_(x1);
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const c10::optional<at::Tensor>& mask, double scale) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("specstop_quant::row_attention", "")
+                             .typed<AttSig>();
+  return op.call(q, k, v, mask, scale);
+}
+
+// as specstop::decoder_layer
+at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kbuf,
+                         const at::Tensor& vbuf, int64_t start, int64_t n, const c10::optional<at::Tensor>& mask,
+                         at::TensorList w, const c10::optional<at::Tensor>& qkv_bias, at::IntArrayRef dims,
+                         double eps1, double eps2, double scale) {
+  const int64_t B = dims[0], T = x.size(0) / B;
+  TORCH_CHECK(kbuf.dim() == 4 && vbuf.sizes() == kbuf.sizes() && start >= 0 && n >= 0 &&
+              start + n + T <= kbuf.size(2) && kbuf.size(0) == B && kbuf.size(1) == dims[2],
+              "quant decoder_layer: no room in the cache buffer [B, KV, cap, D]");
+  return layer_around(x, cos, sin, B, w, qkv_bias, dims, eps1, eps2, [&](auto& qs, auto& k, auto& v) {
+    kbuf.narrow(2, start + n, T).copy_(k);
+    vbuf.narrow(2, start + n, T).copy_(v);
+    return attention(qs, kbuf.narrow(2, start, n + T), vbuf.narrow(2, start, n + T), mask, scale).view({B * T, -1});
+  });
+}
+
+// as specstop::decoder_layer_segments
+at::Tensor decoder_layer_segments(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                  at::TensorList kbufs, at::TensorList vbufs, at::IntArrayRef starts,
+                                  at::IntArrayRef ns, at::IntArrayRef rows,
+                                  const c10::List<c10::optional<at::Tensor>>& masks, at::TensorList w,
+                                  const c10::optional<at::Tensor>& qkv_bias, at::IntArrayRef dims, double eps1,
+                                  double eps2, double scale) {
+  TORCH_CHECK(dims[0] == 1, "quant decoder_layer_segments: dims with B = 1");
+  return layer_around(x, cos, sin, 1, w, qkv_bias, dims, eps1, eps2, [&](auto& qs, auto& k, auto& v) {
+    return attend_segments(qs, k, v, kbufs, vbufs, starts, ns, rows, masks, x.size(0),
+                           [&](auto&& q1, auto&& k1, auto&& v1, auto&& m) { return attention(q1, k1, v1, m, scale); });
+  });
 }
 
 }  // namespace
@@ -176,10 +208,14 @@ TORCH_LIBRARY_FRAGMENT(specstop_quant, m) {
   m.def("silu_mul(Tensor g) -> Tensor");
   m.def("decoder_layer(Tensor x, Tensor cos, Tensor sin, Tensor(a!) kbuf, Tensor(b!) vbuf, int start, int n, "
         "Tensor? mask, Tensor[] w, Tensor? qkv_bias, int[] dims, float eps1, float eps2, float scale) -> Tensor");
+  m.def("decoder_layer_segments(Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] kbufs, Tensor(b!)[] vbufs, "
+        "int[] starts, int[] ns, int[] rows, Tensor?[] masks, Tensor[] w, Tensor? qkv_bias, int[] dims, "
+        "float eps1, float eps2, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(specstop_quant, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_qkv", &rope_qkv);
   m.impl("silu_mul", &silu_mul);
   m.impl("decoder_layer", &decoder_layer);
+  m.impl("decoder_layer_segments", &decoder_layer_segments);
 }
