@@ -170,13 +170,29 @@ def llama_suite(prompts: int = 6, new_tokens: int = 96, threads: int = 1, server
                                         [[r["tokens"] for r in pb]], [[r["wall_s"] for r in pb]])
     from decoding.forward import cpu
 
-    return {"cpu": cpu.model_name(), "threads": threads, "gguf": src.name, "new_tokens": new_tokens, "chat": chat,
+    return {"cpu": cpu.model_name(), "llama_build": build_isa(binary), "threads": threads, "gguf": src.name,
+            "new_tokens": new_tokens, "chat": chat,
             "quantized_linears": n_quant, "quant_isa": quant.isa(), "quant_act": quant.act_of(ar.session.target), "results": res,
             "tokens_per_s": {n: sum(r["tokens"] for r in v) / sum(r["wall_s"] for r in v) for n, v in res.items()},
             "ratios": [{"a": a, "b": b, "speedup": p, "low": lo, "high": hi} for (a, b), (p, lo, hi) in ratios.items()],
             "same_text_as_llama": {n: sum(x["text"].strip() == y["text"].strip() for x, y in zip(res[n], res["llama.cpp"]))
                                    for n in names[1:]},
             "accepted_per_round": {n: _per_round(v) for n, v in res.items() if _per_round(v) is not None}}
+
+
+def build_isa(binary: Path) -> str:
+    """What llama.cpp was built for, from its CMakeCache.txt: 'native' (GGML_NATIVE: this CPU's
+    every extension), else the x86 extensions switched on ('' where the cache is not beside it)."""
+    for up in Path(binary).resolve().parents[:3]:
+        cache = up / "CMakeCache.txt"
+        if cache.is_file():
+            on = dict(line.split(":BOOL=", 1) for line in cache.read_text().splitlines()
+                      if line.startswith("GGML_") and ":BOOL=" in line)
+            if on.get("GGML_NATIVE") == "ON":
+                return "native"
+            return "+".join(k[5:].lower() for k in ("GGML_AVX", "GGML_AVX2", "GGML_FMA", "GGML_F16C", "GGML_AVX512",
+                                                    "GGML_AVX512_VNNI", "GGML_AVX_VNNI") if on.get(k) == "ON")
+    return ""
 
 
 def _per_round(rows: list[dict]) -> float | None:
@@ -202,7 +218,7 @@ def _mean_prompt(r: dict, kind: str) -> float:
 def llama_markdown(r: dict) -> str:
     n = len(r["results"]["llama.cpp"])
     lines = [f"# llama.cpp vs specstop on {r['gguf']}", "",
-             f"CPU: {r['cpu']}; {r['threads']} thread(s); {n} held-out prompts ({'chat template' if r.get('chat', True) else 'plain text: a base model'}), greedy, "
+             f"CPU: {r['cpu']}; llama.cpp built for {r.get('llama_build') or 'an unknown target'}; {r['threads']} thread(s); {n} held-out prompts ({'chat template' if r.get('chat', True) else 'plain text: a base model'}), greedy, "
              f"up to {r['new_tokens']} new tokens; tokens per second of the whole request, prompt included. "
              f"Ours: {r['quantized_linears']} linears on their GGUF blocks ({r['quant_isa']}), activations "
              + ("quantized to int8 per block of 32 (q8)" if r.get("quant_act") == "q8" else "in float32") + ".",
