@@ -91,6 +91,10 @@ class JointGrow:
     """Most rows of one round's verify (pending tokens included)."""
     label: str = "q"
     needs_hidden: bool = False
+    shared_draft: bool = False
+    """The draft's forward of a level runs every request's rows at once (a feature head on the lean
+    step, decoding.batch.drafting.read_level): a request going deeper pays what its rows add to
+    that one forward, not a forward of its own."""
     _reqs: list = field(default_factory=list, repr=False)
     _rows: int = 0
     _feeds: float = 0.0
@@ -106,7 +110,9 @@ class JointGrow:
         """A new round: request r feeds pending_rows[r] committed tokens and drafts if drafting[r]."""
         self._reqs = [_Req() for _ in pending_rows]
         self._rows = sum(pending_rows)
-        self._feeds = sum(self._cost.draft(2) + self._cost.policy_ms for d in drafting if d)
+        n = sum(map(bool, drafting))
+        self._feeds = n * self._cost.policy_ms + (
+            (self._cost.draft(2 * n) if n else 0.0) if self.shared_draft else n * self._cost.draft(2))
 
     @property
     def expected(self) -> float:
@@ -168,13 +174,17 @@ class JointGrow:
             guesses[r] = sorted((v * float(s) for v, s in zip(vals, scores)), reverse=True)
             keep_val[r] = vals
         out: list[list[bool]] = [[] for _ in levels]
+        rows = 0  # the next level's rows so far (shared_draft: one forward for all of them)
         for r in sorted(guesses, key=lambda r: -(guesses[r][0] if guesses[r] else 0.0)):
             level, st = levels[r], self._reqs[r]
-            nxt = self._feeds + self._cost.draft(max(len(level.nodes), 1))
+            n = max(len(level.nodes), 1)
+            add = (self._cost.draft(rows + n) - (self._cost.draft(rows) if rows else 0.0)) if self.shared_draft \
+                else self._cost.draft(n)
+            nxt = self._feeds + add
             room = min(self.max_nodes - st.N, self.max_rows - self._rows - self.nodes)
             go = worth_a_level(guesses[r], self.expected, self._n(), self._feeds, nxt, self._cost, room)
             if go:
-                self._feeds = nxt
+                self._feeds, rows = nxt, rows + n
             out[r] = [go and ok and v > 0.0 for ok, v in zip(level.valid, keep_val[r])]
         return out
 

@@ -4,13 +4,17 @@ Why: TreeProposer.propose drafts one request's whole tree in one call, asking it
 at each level; a budget across requests must see every request's frontier at the same level
 before any child is drawn. `Drafting` is that loop cut at its seams (read a level -> the budget
 sizes the children -> draw -> the budget says who goes deeper), over the proposer's own helpers,
-so the tree, its q and its bookkeeping are the ones TreeProposer builds. The draft runs per
-request (each has its own draft cache); only the target's verify is shared.
+so the tree, its q and its bookkeeping are the ones TreeProposer builds. Each request keeps its
+own draft cache; a feature head's step of a level runs every request's rows at once
+(`read_level`), as the target's verify does.
 """
 
 from __future__ import annotations
 
+import torch
+
 from decoding.decider.context import Snapshot
+from decoding.drafts.head_graph import head_steps
 from decoding.drafts.proposer import FeatureProposer
 from decoding.proposers import DraftTree, TreeProposer, Growth, empty_tree
 from decoding.sampling import warp
@@ -44,9 +48,24 @@ class Drafting:
 
     def read(self) -> Frontier:
         """Feed the last level to the draft; the frontier's q, as the budget sees it."""
-        p, tree = self.p, self.tree
+        tree = self.tree
         start, end = tree.fed, tree.size
-        logits, h = p.model.feed(self.committed, tree.layout, tree.tokens[start:end], start, end, hidden=self.hidden)
+        logits, h = self.p.model.feed(self.committed, tree.layout, tree.tokens[start:end], start, end,
+                                      hidden=self.hidden)
+        return self._fed(start, end, logits, h)
+
+    def plan(self):
+        """read() cut at the feature head's one step (FeatureCache.plan): (the step's arguments or
+        None, done((logits, h) or None) -> read()'s frontier); None for another draft."""
+        if not isinstance(self.p, FeatureProposer) or (self.tree.fed == 0 and self.tree.size):
+            return None
+        tree = self.tree
+        start, end = tree.fed, tree.size
+        args, finish = self.p.model.plan(self.committed, tree.layout, tree.tokens[start:end], start, end)
+        return args, lambda out: self._fed(start, end, *finish(*(out or (None, None)), self.hidden))
+
+    def _fed(self, start: int, end: int, logits, h) -> Frontier:
+        p, tree = self.p, self.tree
         tree.fed = end
         fed = [ANCHOR] if start == end else list(range(start, end))
         self._row = {n: i - len(fed) for i, n in enumerate(fed)}
@@ -81,11 +100,27 @@ class Drafting:
         return self.tree
 
 
+@torch.inference_mode()
+def read_level(live: list[Drafting | None]) -> list[Frontier | None]:
+    """[d.read() for each live drafting], the feature head's steps of every request in ONE step
+    (decoding.drafts.head_graph.head_steps: its weights read once a level, not once a request)."""
+    plans = [d.plan() if d is not None else None for d in live]
+    if any(d is not None and p is None for d, p in zip(live, plans)):
+        return [d.read() if d is not None else None for d in live]
+    stepping = [(d, p) for d, p in zip(live, plans) if d is not None and p[0] is not None]
+    outs = {}
+    if stepping:
+        draft = stepping[0][0].p.model.draft
+        got = head_steps(draft, [d.p.model.cache for d, _ in stepping], [p[0] for _, p in stepping])
+        outs = {id(d): o for (d, _), o in zip(stepping, got)}
+    return [p[1](outs.get(id(d))) if d is not None else None for d, p in zip(live, plans)]
+
+
 def draft_jointly(draftings: list[Drafting | None], budget) -> list[DraftTree]:
     """Every request's tree, level by level, sized by `budget` (budget.JointGrow) across them."""
     while any(d is not None and not d.done for d in draftings):
         live = [d if d is not None and not d.done else None for d in draftings]
-        frontiers = [d.read() if d else None for d in live]
+        frontiers = read_level(live)
         counts = budget.widths(frontiers)
         levels = [d.draw(c) if d else None for d, c in zip(live, counts)]
         keeps = budget.expand(levels)

@@ -97,6 +97,10 @@ class BatchEngine:
         self.target, self.draft, self.layout = target, draft, layout
         self.stop_factory = stop or FixedDepth
         self.budget = budget
+        if budget is not None and isinstance(draft, FeatureDraft):  # its levels run as one forward
+            from decoding.drafts.lean_step import shares_steps
+
+            budget.shared_draft = shares_steps(draft)
         self.replacement = replacement
         self.name = name
         self.active: list[Request] = []

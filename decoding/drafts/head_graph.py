@@ -159,3 +159,13 @@ def head_step(draft, cache, tokens, hidden, positions, mask=None):
     from decoding.drafts import lean_step
 
     return lean_step.step(draft, tokens, hidden, positions, cache, mask)
+
+
+def head_steps(draft, caches, calls):
+    """[head_step(draft, cache, *call) ...] for several requests' caches: one lean step over all
+    their rows where every cache is a plain DraftKV (decoding.drafts.lean_step.steps)."""
+    if any(isinstance(c, HeadGraphs) for c in caches):
+        return [head_step(draft, cache, *call) for cache, call in zip(caches, calls)]
+    from decoding.drafts import lean_step
+
+    return lean_step.steps(draft, caches, calls)

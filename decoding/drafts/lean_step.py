@@ -49,27 +49,61 @@ class LeanStep:
 
     def __call__(self, draft, tokens, hidden, positions, cache, mask):
         """As FeatureDraft.step: (draft-vocab logits [B, T, N], pre-norm h [B, T, H])."""
-        ops = kernels.ops
         B, T = tokens.shape
         H = hidden.shape[-1]
         h0 = hidden.reshape(B * T, H).contiguous()
-        x = torch.cat((self._norm(draft.embed(tokens).reshape(B * T, H).contiguous(), "input"),
-                       self._norm(h0, "hidden")), -1)
-        ang = positions.reshape(B * T, 1).float() * self.inv_freq
+        q, k, v = self._qkv(draft, tokens.reshape(B * T), h0, positions.reshape(B * T), B)
+        att = self._attend(q, k, v, cache, mask).reshape(B * T, -1)
+        logits, h = self._finish(draft, h0, att)
+        return logits.view(B, T, -1), h.view(B, T, H)
+
+    def many(self, draft, caches, calls):
+        """Several requests' steps in one: calls[i] = (tokens [1, T], hidden [1, T, H], positions
+        [1, T], mask) on caches[i]. The linears run once over every row (the head's weights read
+        once a level, not once a request); attention per request over its own cache. Each row is
+        what __call__ gives it alone (the few-row kernels and the attention are row-invariant)."""
+        H = calls[0][1].shape[-1]
+        h0 = torch.cat([c[1].reshape(-1, H) for c in calls]).contiguous()
+        q, k, v = self._qkv(draft, torch.cat([c[0].reshape(-1) for c in calls]), h0,
+                            torch.cat([c[2].reshape(-1) for c in calls]), 1)
+        atts, at = [], 0
+        for cache, (tokens, _, _, mask) in zip(caches, calls):
+            T = tokens.shape[1]
+            atts.append(self._attend(q[:, :, at:at + T], k[:, :, at:at + T], v[:, :, at:at + T], cache, mask)
+                        .reshape(T, -1))
+            at += T
+        logits, h = self._finish(draft, h0, torch.cat(atts))
+        out, at = [], 0
+        for tokens, *_ in calls:
+            T = tokens.shape[1]
+            out.append((logits[at:at + T][None], h[at:at + T][None]))
+            at += T
+        return out
+
+    def _qkv(self, draft, tokens, h0, positions, B: int):
+        """tokens [R], h0 [R, H], positions [R] -> q [B, heads, R / B, d], k / v (rotary applied)."""
+        x = torch.cat((self._norm(draft.embed(tokens).contiguous(), "input"), self._norm(h0, "hidden")), -1)
+        ang = positions.reshape(-1, 1).float() * self.inv_freq
         emb = torch.cat((ang, ang), -1)
         cos, sin = emb.cos().to(h0.dtype), emb.sin().to(h0.dtype)
-        q, k, v = ops.rope_qkv(self.qkv(x), cos, sin, B, self.heads, self.kv_heads)
+        return kernels.ops.rope_qkv(self.qkv(x), cos, sin, B, self.heads, self.kv_heads)
+
+    def _attend(self, q, k, v, cache, mask):
+        """The new keys / values appended to `cache` (if any); attention over it, [B, T, heads, d]."""
         if cache is not None:
             cache.k, cache._kb = append_kv(cache.k, getattr(cache, "_kb", None), k) if cache.k is not None else (k, None)
             cache.v, cache._vb = append_kv(cache.v, getattr(cache, "_vb", None), v) if cache.v is not None else (v, None)
             k, v = cache.k, cache.v
-        S = k.shape[2]
+        T, S = q.shape[2], k.shape[2]
         if mask is None:
             mask = torch.ones(T, S, dtype=torch.bool).tril_(S - T)
-        att = ops.row_attention(q, k, v, mask[None, None], self.head_dim ** -0.5).reshape(B * T, -1)
-        h, post = ops.add_rms_norm(h0, self.o(att), *self.norms["post"])  # h + attention, then its norm
-        h = h + self.down(ops.silu_mul(self.gate_up(post)))
-        return draft.lm_head(self._norm(h, "final")).view(B, T, -1), h.view(B, T, H)
+        return kernels.ops.row_attention(q, k, v, mask[None, None], self.head_dim ** -0.5)
+
+    def _finish(self, draft, h0, att):
+        """o, residual, MLP, final norm and the head's output layer over every row: (logits, h)."""
+        h, post = kernels.ops.add_rms_norm(h0, self.o(att), *self.norms["post"])  # h + attention, then its norm
+        h = h + self.down(kernels.ops.silu_mul(self.gate_up(post)))
+        return draft.lm_head(self._norm(h, "final")), h
 
 
 def _fused(*linears):
@@ -92,6 +126,23 @@ def step(draft, tokens, hidden, positions, cache=None, mask=None):
             and tokens.shape[1] <= lean.rows and not torch.is_grad_enabled()):
         return lean(draft, tokens, hidden, positions, cache, mask)
     return draft.step(tokens, hidden, positions, cache, mask)
+
+
+def shares_steps(draft) -> bool:
+    """Whether `steps` runs several requests' rows in one lean step for this head."""
+    lean = getattr(draft, "_lean_step", False)
+    if lean is False:
+        lean = draft._lean_step = _build(draft)
+    return lean is not None and getattr(draft, "_specstop_forward", "eager") in ("packed", "lean")
+
+
+def steps(draft, caches, calls):
+    """[step(draft, *call[:3], cache, call[3]) for each], every request's rows in one lean step
+    (LeanStep.many) where the lean step applies to all of them."""
+    if (len(calls) > 1 and shares_steps(draft) and all(c[0].shape[1] <= draft._lean_step.rows for c in calls)
+            and not torch.is_grad_enabled()):
+        return draft._lean_step.many(draft, caches, calls)
+    return [step(draft, c[0], c[1], c[2], cache, c[3]) for cache, c in zip(caches, calls)]
 
 
 def _build(draft):

@@ -69,43 +69,80 @@ class FeatureCache:
     def feed(self, committed, layout: TreeLayout, node_tokens, start: int, end: int, hidden: bool = False):
         """Same contract as CachedModel.feed: logits over the TARGET vocabulary for the anchor
         (when start == end) or for nodes start..end-1, plus normed hidden states if asked."""
-        d, dev = self.draft, self.draft.fc.weight.device
-        n = len(committed)
         if start == 0:
             self._catch_up(committed)
             self.node_h = {}
         if start == end:
-            logits, _, hn = self.anchor_out
-            return self._out(logits[None], hn[None] if hidden else None)
+            return self._anchor(hidden)
+        logits, h = head_step(self.draft, self.cache, *self._node_args(committed, layout, node_tokens, start, end))
+        return self._nodes_fed(start, end, logits, h, hidden)
+
+    def plan(self, committed, layout: TreeLayout, node_tokens, start: int, end: int):
+        """feed(...) cut at its one head step, for a level drafted beside other requests'
+        (decoding.batch.drafting): (the step's arguments after the cache, or None when it takes
+        none; finish(logits, h, hidden) -> what feed returns). For the two feeds a drafted level
+        makes: the anchor's (start == end == 0: the committed entries caught up) and a level's
+        nodes (start > 0)."""
+        if start == 0 and end == 0:
+            self.node_h = {}
+            args = self._catch_up_args(committed)
+
+            def anchor(logits, h, hidden):
+                if args is not None:
+                    self._caught_up(len(committed), logits, h)
+                return self._anchor(hidden)
+            return args, anchor
+        if start == 0:
+            raise ValueError("plan: a level's nodes start after the anchor's feed")
+        return (self._node_args(committed, layout, node_tokens, start, end),
+                lambda logits, h, hidden: self._nodes_fed(start, end, logits, h, hidden))
+
+    def _anchor(self, hidden: bool):
+        logits, _, hn = self.anchor_out
+        return self._out(logits[None], hn[None] if hidden else None)
+
+    def _node_args(self, committed, layout: TreeLayout, node_tokens, start: int, end: int):
+        """(tokens, hidden, positions, mask) of nodes start..end-1, each reading its parent's h."""
+        dev, n = self.draft.fc.weight.device, len(committed)
         parents = [layout.parents[i] for i in range(start, end)]
         anchor_h = self._anchor_hidden(n)
         hid = torch.stack([anchor_h if p == ANCHOR else self.node_h[p] for p in parents])[None]
         pos = (n - 2 + layout.depth_ids[start:end]).to(dev)[None]
         mask = torch.cat((torch.ones(end - start, self.length, dtype=torch.bool), layout.mask[start:end, :end]), 1)
-        toks = torch.tensor([list(node_tokens)], device=dev)
-        logits, h = head_step(d, self.cache, toks, hid, pos, mask)
+        return torch.tensor([list(node_tokens)], device=dev), hid, pos, mask
+
+    def _nodes_fed(self, start: int, end: int, logits, h, hidden: bool):
         for i, node in enumerate(range(start, end)):
             self.node_h[node] = h[0, i]
-        return self._out(logits[0], d.norm(h[0]) if hidden else None)
+        return self._out(logits[0], self.draft.norm(h[0]) if hidden else None)
 
     def _out(self, logits, hn):
         return self.draft.to_target(logits.float(), MASKED_LOGIT), hn
 
     def _catch_up(self, committed) -> None:
         """Build the committed entries whose features and next token are both known."""
+        args = self._catch_up_args(committed)
+        if args is not None:
+            self._caught_up(len(committed), *head_step(self.draft, self.cache, *args))
+
+    def _catch_up_args(self, committed):
+        """The catch-up step's (tokens, hidden, positions, mask), or None when nothing is new."""
         self.cache.crop(self.length)  # a cut-short round may have left tree entries behind
-        n, e = len(committed), min(self.known, len(committed) - 1)
+        e = min(self.known, len(committed) - 1)
         if e <= self.length:
-            return
+            return None
         d, dev = self.draft, self.draft.fc.weight.device
         k = e - self.length
         toks = torch.tensor([committed[self.length + 1: e + 1]], device=dev)
         pos = torch.arange(self.length, e, device=dev)[None]
-        logits, h = head_step(d, self.cache, toks, d.fuse(self.rows[:k].to(dev))[None], pos)
+        return toks, d.fuse(self.rows[:k].to(dev))[None], pos, None
+
+    def _caught_up(self, n: int, logits, h) -> None:
+        k = h.shape[1]
         self.rows = self.rows[k:]
-        self.length = e
-        if e == n - 1:
-            self.anchor_out = (logits[0, -1], h[0, -1], d.norm(h[0, -1]))
+        self.length += k
+        if self.length == n - 1:
+            self.anchor_out = (logits[0, -1], h[0, -1], self.draft.norm(h[0, -1]))
 
     def _anchor_hidden(self, n: int) -> torch.Tensor:
         if self.known >= n:  # the anchor itself was verified: its true features

@@ -57,6 +57,34 @@ def test_lean_step_equals_the_module_step(feature_pair):
         assert torch.equal(lean_step.step(head, toks, hid, pos)[0], head.step(toks, hid, pos)[0])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_several_requests_in_one_step_equal_their_own_steps(feature_pair, threads):
+    """decoding.batch's joint drafting: three requests' catch-ups (different lengths, causal), then
+    their tree levels (masks) in ONE lean step each time: every request's logits, h and draft
+    cache are those of its own step, bit for bit (row-invariant kernels)."""
+    head = fast((feature_pair[1],))[0]
+    g = torch.Generator().manual_seed(1)
+    H = head.config.hidden_size
+    lens = [5, 2, 7]
+    first = [(torch.randint(0, 40, (1, n), generator=g), torch.randn(1, n, H, generator=g), torch.arange(n)[None], None)
+             for n in lens]
+    level = [(torch.tensor([[5, 6]]), torch.randn(1, 2, H, generator=g), torch.tensor([[n, n]]),
+              torch.cat((torch.ones(2, n, dtype=torch.bool), torch.eye(2, dtype=torch.bool)), 1)) for n in lens]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            solo, many = [DraftKV() for _ in lens], [DraftKV() for _ in lens]
+            for calls in (first, level):
+                want = [lean_step.step(head, t, h, p, c, m) for c, (t, h, p, m) in zip(solo, calls)]
+                got = lean_step.steps(head, many, calls)
+                for (lw, hw), (lg, hg), c1, c2 in zip(want, got, solo, many):
+                    assert torch.equal(lw, lg) and torch.equal(hw, hg)
+                    assert torch.equal(c1.k, c2.k) and torch.equal(c1.v, c2.v)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("cfg", CASES, ids=lambda c: c.name)
 def test_greedy_with_the_lean_head_equals_ar(feature_pair, cfg):
     target, draft = fast(feature_pair)
