@@ -67,15 +67,9 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
                          const at::Tensor& vbuf, int64_t start, int64_t n, const c10::optional<at::Tensor>& mask,
                          at::TensorList w, const c10::optional<at::Tensor>& qkv_bias, at::IntArrayRef dims,
                          double eps1, double eps2, double scale) {
-  const int64_t B = dims[0], T = x.size(0) / B;
-  TORCH_CHECK(kbuf.dim() == 4 && vbuf.sizes() == kbuf.sizes() && start >= 0 && n >= 0 &&
-              start + n + T <= kbuf.size(2) && kbuf.size(0) == B && kbuf.size(1) == dims[2],
-              "decoder_layer: no room in the cache buffer [B, KV, cap, D]");
-  return layer_around(x, cos, sin, B, w, qkv_bias, dims, eps1, eps2, [&](auto& qs, auto& k, auto& v) {
-    kbuf.narrow(2, start + n, T).copy_(k);
-    vbuf.narrow(2, start + n, T).copy_(v);
-    return row_attention(qs, kbuf.narrow(2, start, n + T), vbuf.narrow(2, start, n + T), mask, scale)
-        .view({B * T, -1});
+  auto attend = [&](auto&&... a) { return row_attention(a..., scale); };
+  return layer_around(x, cos, sin, dims[0], w, qkv_bias, dims, eps1, eps2, [&](auto& qs, auto& k, auto& v) {
+    return attend_cached(qs, k, v, kbuf, vbuf, start, n, mask, attend);
   });
 }
 
@@ -92,8 +86,9 @@ at::Tensor decoder_layer_segments(const at::Tensor& x, const at::Tensor& cos, co
                                   double eps2, double scale) {
   TORCH_CHECK(dims[0] == 1, "decoder_layer_segments: dims with B = 1");
   return layer_around(x, cos, sin, 1, w, qkv_bias, dims, eps1, eps2, [&](auto& qs, auto& k, auto& v) {
-    return attend_segments(qs, k, v, kbufs, vbufs, starts, ns, rows, masks, x.size(0),
-                           [&](auto&& q1, auto&& k1, auto&& v1, auto&& m) { return row_attention(q1, k1, v1, m, scale); });
+    return attend_segments(qs, k, v, kbufs, vbufs, starts, ns, rows, masks, x.size(0), [&](auto&&... a) {
+      return row_attention(a..., scale);
+    });
   });
 }
 

@@ -1,5 +1,6 @@
-// Attention of several requests' stacked rows, each against its own KV cache: the one step of
-// decoder_layer_segments (layer.cpp, quant_layer.cpp) that does not run over all rows at once.
+// The attention step of decoder_layer and decoder_layer_segments (layer.cpp on the AVX512 kernels,
+// quant_layer.cpp on AVX2), shared by the two libraries: a sequence against its cache buffer, and
+// several requests' stacked rows each against its own (the one step that does not run over all rows).
 #pragma once
 #include <ATen/Parallel.h>
 #include <ATen/core/List.h>
@@ -9,6 +10,22 @@
 
 #include <cstring>
 #include <vector>
+
+// decoder_layer's attention: q [B, H, T, D] and the T new keys / values [B, KV, T, D], written into
+// kbuf / vbuf [B, KV, cap, D] after the n cached ones from start; attend(q, k, v, mask) over those n + T.
+// Returns [B * T, H * D].
+template <class Attend>
+at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kbuf,
+                         const at::Tensor& vbuf, int64_t start, int64_t n, const c10::optional<at::Tensor>& mask,
+                         Attend attend) {
+  const int64_t B = q.size(0), T = q.size(2);
+  TORCH_CHECK(kbuf.dim() == 4 && vbuf.sizes() == kbuf.sizes() && start >= 0 && n >= 0 &&
+                  start + n + T <= kbuf.size(2) && kbuf.size(0) == B && kbuf.size(1) == k.size(1),
+              "decoder_layer: no room in the cache buffer [B, KV, cap, D]");
+  kbuf.narrow(2, start + n, T).copy_(k);
+  vbuf.narrow(2, start + n, T).copy_(v);
+  return attend(q, kbuf.narrow(2, start, n + T), vbuf.narrow(2, start, n + T), mask).view({B * T, -1});
+}
 
 // Segments of at most this many rows (steps, small trees) run one thread a segment
 constexpr int64_t kFewRows = 8;
