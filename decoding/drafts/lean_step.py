@@ -10,8 +10,10 @@ the cache with GQA inside, and the draft cache appended in place. Each fused ste
 is committed is the target's decision either way (lossless), and in float32 it equals the module
 step to ~1e-6 (tests/head/test_decoding_with_a_head.py compares it with training-time test).
 
-Used (`step`) where the kernels run (CPUs with AVX512-BF16) and the head runs a fast forward, for
-steps of up to `kernels.attention_rows` rows; elsewhere, and for longer steps, the modules run.
+Used (`step`) where the head runs a fast forward: on decoding.forward.kernels where they run (CPUs
+with AVX512-BF16), for steps of up to `kernels.attention_rows` rows; elsewhere, for a head on
+GGUF-style blocks (decoding.forward.quant), on the quantized library's AVX2 row-wise ops; else, and
+for longer steps, the modules run.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from decoding.kv_cache import append_kv
 class LeanStep:
     """FeatureDraft.step over fused copies of the head's layer weights (shared norms)."""
 
-    def __init__(self, draft):
+    def __init__(self, draft, ops, rows: int):
+        self.ops, self.rows = ops, rows  # the row-wise ops (kernels', or quant's on AVX2) and most rows a step takes
         m, a = draft.midlayer, draft.midlayer.self_attn
         self.qkv = _fused(a.q_proj, a.k_proj, a.v_proj)
         self.o = _fused(a.o_proj)
@@ -39,13 +42,12 @@ class LeanStep:
         self.inv_freq = a.inv_freq.detach().float().clone()  # fp32, as the module keeps it
         c = draft.config
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.rows = kernels.attention_rows(draft.fc.weight.dtype)
-        # in 2 MiB pages, in the order a round reads them: fc (the target's features), the layer, lm_head
-        kernels.gather([getattr(draft.fc, "_few", None), self.qkv, self.o, self.gate_up, self.down,
+        if kernels.available():  # in 2 MiB pages, in the order a round reads them: fc (the target's features), the layer, lm_head
+            kernels.gather([getattr(draft.fc, "_few", None), self.qkv, self.o, self.gate_up, self.down,
                             getattr(draft.lm_head, "_few", None)])
 
     def _norm(self, x, name):
-        return kernels.ops.add_rms_norm(x, None, *self.norms[name])[1]
+        return self.ops.add_rms_norm(x, None, *self.norms[name])[1]
 
     def __call__(self, draft, tokens, hidden, positions, cache, mask):
         """As FeatureDraft.step: (draft-vocab logits [B, T, N], pre-norm h [B, T, H])."""
@@ -86,7 +88,7 @@ class LeanStep:
         ang = positions.reshape(-1, 1).float() * self.inv_freq
         emb = torch.cat((ang, ang), -1)
         cos, sin = emb.cos().to(h0.dtype), emb.sin().to(h0.dtype)
-        return kernels.ops.rope_qkv(self.qkv(x), cos, sin, B, self.heads, self.kv_heads)
+        return self.ops.rope_qkv(self.qkv(x), cos, sin, B, self.heads, self.kv_heads)
 
     def _attend(self, q, k, v, cache, mask):
         """The new keys / values appended to `cache` (if any); attention over it, [B, T, heads, d]."""
@@ -97,12 +99,12 @@ class LeanStep:
         T, S = q.shape[2], k.shape[2]
         if mask is None:
             mask = torch.ones(T, S, dtype=torch.bool).tril_(S - T)
-        return kernels.ops.row_attention(q, k, v, mask[None, None], self.head_dim ** -0.5)
+        return self.ops.row_attention(q, k, v, mask[None, None], self.head_dim ** -0.5)
 
     def _finish(self, draft, h0, att):
         """o, residual, MLP, final norm and the head's output layer over every row: (logits, h)."""
-        h, post = kernels.ops.add_rms_norm(h0, self.o(att), *self.norms["post"])  # h + attention, then its norm
-        h = h + self.down(kernels.ops.silu_mul(self.gate_up(post)))
+        h, post = self.ops.add_rms_norm(h0, self.o(att), *self.norms["post"])  # h + attention, then its norm
+        h = h + self.down(self.ops.silu_mul(self.gate_up(post)))
         return draft.lm_head(self._norm(h, "final")), h
 
 
@@ -147,6 +149,15 @@ def steps(draft, caches, calls):
 
 def _build(draft):
     w = draft.fc.weight
-    if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or not kernels.batch_invariant():
+    if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
         return None
-    return LeanStep(draft)
+    if kernels.batch_invariant():
+        return LeanStep(draft, kernels.ops, kernels.attention_rows(w.dtype))
+    m = draft.midlayer
+    lins = (m.self_attn.q_proj, m.self_attn.k_proj, m.self_attn.v_proj, m.self_attn.o_proj, m.mlp.gate_proj,
+            m.mlp.up_proj, m.mlp.down_proj)
+    if all(getattr(lin, "_quant", None) for lin in lins) and quant.attends_here(w.dtype):
+        # a head on GGUF-style blocks where the AVX512 kernels do not build: the AVX2 row-wise ops
+        # (csrc/quant_layer.cpp, csrc/quant_attention.cpp) take any rows with a mask
+        return LeanStep(draft, quant.ops, 1 << 30)
+    return None
