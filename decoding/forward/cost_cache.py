@@ -44,6 +44,16 @@ def _forward_tag(target) -> str:
     return tag + (f"-gguf-{quant.isa()}-{quant.revision()}" if quant.quantized(target) else "")
 
 
+def _draft_step(draft) -> str:
+    """How a feature head steps here (its lean step on the AVX512 kernels or on the quantized
+    library's AVX2 ops, or its modules): a head's curve timed one way is not another's."""
+    from decoding.drafts import lean_step
+
+    if not hasattr(draft, "midlayer") or not lean_step.shares_steps(draft):
+        return "modules"
+    return "lean-kernels" if kernels.batch_invariant() else "lean-quant"
+
+
 def cost_key(target, draft) -> dict:
     """What the curve depends on (readable, stored beside the curve)."""
     dev = next(target.parameters()).device
@@ -53,6 +63,7 @@ def cost_key(target, draft) -> dict:
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu.model_name(),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "forward": _forward_tag(target),
         "draft_blocks": quant.quantized(draft),  # a head on blocks keeps its checkpoint's fingerprint
+        "draft_step": _draft_step(draft),
         "sizes": list(COST_SIZES), "unit": TOKENS,  # how it is timed: a curve of another kind is a miss
     }
 
