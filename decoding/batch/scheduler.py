@@ -26,6 +26,7 @@ from decoding import acceptance as acc
 from decoding.batch.budget import JointGrow
 from decoding.batch.drafting import Drafting, draft_jointly
 from decoding.batch.forward import Segment, verify_many
+from decoding.batch.measured import MeasuredChoice
 from decoding.drafts.feature import FeatureDraft
 from decoding.drafts.proposer import FeatureProposer
 from decoding.forward.packed import forward_kind
@@ -88,7 +89,7 @@ class BatchEngine:
 
     def __init__(self, target, draft=None, layout: TreeLayout | None = None,
                  stop: Callable[[], StopPolicy] | None = None, budget: JointGrow | None = None,
-                 replacement: bool = False, name: str = "batch"):
+                 replacement: bool = False, name: str = "batch", measured: MeasuredChoice | None = None):
         if draft is not None and layout is None:
             raise ValueError("a draft needs a tree layout (the largest tree a request drafts)")
         kind = forward_kind(target)
@@ -97,6 +98,9 @@ class BatchEngine:
         self.target, self.draft, self.layout = target, draft, layout
         self.stop_factory = stop or FixedDepth
         self.budget = budget
+        self.measured = measured if budget is not None else None
+        """Whether a round drafts at all, by its own timings (decoding.batch.measured; the joint
+        budget only)."""
         if budget is not None and isinstance(draft, FeatureDraft):  # its levels run as one forward
             from decoding.drafts.lean_step import shares_steps
 
@@ -146,17 +150,21 @@ class BatchEngine:
         if not reqs:
             return []
         t0 = time.perf_counter()
-        trees = self._propose(reqs)
+        steady = all(len(r.committed) - r.cache.length == 1 for r in reqs)  # no prompt in this round
+        drafts = self.measured is None or self.measured.drafts(len(reqs))
+        trees = self._propose(reqs) if drafts else self._plain(reqs)
         t1 = time.perf_counter()
         segs = [Segment(r.cache, r.committed, t.layout, t.tokens, self._capture(r)) for r, t in zip(reqs, trees)]
         self.verify_rows.append(sum(s.rows for s in segs))
         logits = verify_many(self.target, segs)
         t2 = time.perf_counter()
-        finished = []
+        finished, before = [], sum(len(r.out) for r in reqs)
         for r, t, s, lg in zip(reqs, trees, segs, logits):
             if self._commit(r, t, s, lg, t1 - t0, t2 - t1):
                 finished.append(r)
         t3 = time.perf_counter()
+        if self.measured is not None and steady:
+            self.measured.record(len(reqs), drafts, sum(len(r.out) for r in reqs) - before, 1000 * (t3 - t0))
         for r in reqs:  # the shared times, split evenly, so per-request stats add up to the wall
             r.stats.wall_s += (t3 - t0) / len(reqs)
         for r in finished:
@@ -182,6 +190,15 @@ class BatchEngine:
         ds = [Drafting(r.proposer, r.committed, r.gen, len(r.out), self.budget.needs_hidden) for r in reqs]
         self.budget.begin([len(r.committed) - r.cache.length for r in reqs], [not d.done for d in ds])
         return draft_jointly(ds, self.budget)
+
+    def _plain(self, reqs: list[Request]) -> list[DraftTree]:
+        """No tree this round (one row a request); a feature head still takes in the target's
+        features of what was committed, so it can draft again next round."""
+        for r in reqs:
+            if isinstance(r.proposer, FeatureProposer):
+                r.proposer.model.ingest()
+                r.proposer.model.tree_size = 0
+        return [empty_tree() for _ in reqs]
 
     def _commit(self, r: Request, tree: DraftTree, seg: Segment, logits, draft_s: float, verify_s: float) -> bool:
         """Decide and commit one request's round; True when it is done."""

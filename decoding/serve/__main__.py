@@ -17,7 +17,7 @@ import threading
 from decoding.generate import add_strategy_args, check_options, load_decoder
 from decoding.options import ALL_FORWARDS
 
-BUDGETS = ("joint", "independent")
+BUDGETS = ("joint", "joint-always", "independent")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -31,7 +31,9 @@ def parser() -> argparse.ArgumentParser:
     add_strategy_args(ap)
     ap.add_argument("--budget", choices=BUDGETS, default="joint",
                     help="joint: one grow budget spends each round's rows across the requests "
-                         "(decoding.batch.budget); independent: each request sizes its own tree")
+                         "(decoding.batch.budget), and a round drafts at all only while drafted rounds "
+                         "have measured faster at that many requests (decoding.batch.measured); "
+                         "joint-always: the budget every round; independent: each request sizes its own tree")
     ap.add_argument("--max-batch", type=int, default=8, help="most requests in one round")
     ap.add_argument("--max-queue", type=int, default=64, help="most requests waiting (more: 503)")
     ap.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
@@ -59,11 +61,14 @@ def batch_engine(decoder, budget: str = "joint"):
         return BatchEngine(s.target, None)
     layout = layout_from_k_config(cfg.k_levels)
     stop = decoder._stop
-    if budget == "joint":
+    if budget in ("joint", "joint-always"):
+        from decoding.batch.measured import MeasuredChoice
+
         grow = stop if isinstance(stop, GrowPolicy) else s.grow_policy(cfg, scorer=None)
         return BatchEngine(s.target, s.draft, layout, budget=JointGrow(
             grow.scorer, grow.cost, max_width=grow.max_width, max_nodes=grow.max_nodes,
-            label=grow.label, needs_hidden=grow.needs_hidden))
+            label=grow.label, needs_hidden=grow.needs_hidden),
+            measured=MeasuredChoice() if budget == "joint" else None)
     own = (lambda: copy.deepcopy(stop)) if stop is not None else \
         (lambda: make_stop_policy(cfg.stop, cfg.confidence_threshold, cfg.confidence_rule))
     return BatchEngine(s.target, s.draft, layout, stop=own)

@@ -349,3 +349,42 @@ def test_one_request_under_the_joint_budget_grows_growth_s_trees(pair):
     eng._propose = lambda reqs: [trees.append(t.layout.parents) or t for t in propose(reqs)]
     run_batched(eng, [[2]], [0])
     assert [t for t in trees if t] == solo_trees and len(set(solo_trees)) >= 3
+
+
+def test_measured_choice_drafts_while_drafting_measures_faster():
+    """decoding.batch.measured: both kinds timed first (drafted, then alternating), then the faster
+    kind at that request count, the slower once every `explore_every` rounds; counts apart."""
+    from decoding.batch.measured import MeasuredChoice
+
+    m = MeasuredChoice(warmup=2, explore_every=4)
+    seen = []
+    for _ in range(4):
+        d = m.drafts(4)
+        seen.append(d)
+        m.record(4, d, 8 if d else 4, 10.0)  # drafted: 0.8 tokens / ms, plain 0.4
+    assert seen == [True, False, True, False]
+    picks = [m.drafts(4) for _ in range(8)]
+    assert picks.count(True) == 6 and picks.count(False) == 2  # explores the slower every 4th
+    for _ in range(20):  # now plain rounds get faster
+        m.record(4, False, 12, 10.0)
+    assert [m.drafts(4) for _ in range(3)].count(False) >= 2
+    assert m.drafts(1) is True and (1, True) not in m.rate  # another count starts over
+    m.record(2, True, 0, 5.0)
+    assert (2, True) not in m.timed  # an empty or zero-time round teaches nothing
+
+
+def test_measured_rounds_stay_lossless_and_the_head_drafts_after_plain_rounds(head_pair):
+    """A joint budget whose rounds are sometimes plain (no tree): each output equals ar's, and a
+    feature head that skipped rounds still drafts (its features were taken in)."""
+    from decoding.batch.measured import MeasuredChoice
+
+    target, head = head_pair
+    ar = build_engine(target, None, StrategyConfig(strategy="ar"), GREEDY)
+    prompts = [[1, 5, 7], [2, 8], [9, 9, 4, 4, 11, 30, 17]]
+    m = MeasuredChoice(warmup=2, explore_every=3)
+    eng = BatchEngine(target, head, LAYOUT, budget=JointGrow(q_scores, COST, max_width=3), measured=m)
+    reqs = run_batched(eng, prompts, [0, 1, 3])
+    for p, r in zip(prompts, reqs):
+        assert r.out == ar.generate(p, N)[0]
+    assert sum(r.stats.accepted for r in reqs) > 0
+    assert any(k[1] for k in m.timed) and any(not k[1] for k in m.timed)
