@@ -12,6 +12,7 @@ import torch
 
 from decoding import acceptance
 from decoding.batch.budget import JointGrow
+from decoding.batch.measured import MeasuredChoice
 from decoding.batch.scheduler import BatchEngine
 from decoding.forward.cost import CostCurve
 from decoding.growth import q_scores
@@ -56,9 +57,12 @@ def batched_counts(models, budget: bool, batches=BATCHES):
     target, draft = models
     layout = layout_from_k_config(fork_k_config(2, 3))
     counts, sizes = [Counter() for _ in KINDS], Counter()
+    # "measured": rounds drafted or plain by the engine's own timings, shared by every batch, so
+    # later batches pick a kind by this machine's clock and still try the other (every 3rd round)
+    measured = MeasuredChoice(warmup=2, explore_every=3) if budget == "measured" else None
     for b in range(batches):
         grow = JointGrow(optimistic, COST, max_width=2, max_nodes=8) if budget else None
-        eng = BatchEngine(target, draft, layout, budget=grow)
+        eng = BatchEngine(target, draft, layout, budget=grow, measured=measured)
         reqs: list[tuple[int, object]] = []
         todo = [(k, j) for j in range(3) for k in range(len(KINDS))]
         while todo or eng.active:
@@ -73,10 +77,12 @@ def batched_counts(models, budget: bool, batches=BATCHES):
     return counts, sizes
 
 
-@pytest.mark.parametrize("budget", [False, True], ids=["independent", "joint"])
+@pytest.mark.parametrize("budget", [False, True, "measured"], ids=["independent", "joint", "joint-measured"])
 def test_each_request_follows_its_target_law(models, budget):
     counts, sizes = batched_counts(models, budget)
     assert len(sizes) >= (4 if budget else 1), sizes  # the joint budget really sizes the trees
+    if budget == "measured":
+        assert sizes[0] > 0  # plain rounds were mixed in
     for (prompt, sampling, _), c in zip(KINDS, counts):
         n = sum(c.values())
         exact = exact_distribution(models[0], prompt, sampling)
