@@ -121,19 +121,15 @@ def step(draft, tokens, hidden, positions, cache=None, mask=None):
     """`draft.step(...)`, on the lean step where it applies: the head runs a fast forward (packed /
     lean, decoding.forward.packed; eager stays the modules: the reference), the kernels run here,
     the step has few enough rows, and nothing is being trained."""
-    lean = getattr(draft, "_lean_step", False)
-    if lean is False:  # once per head and fast forward (set_forward drops it, as it drops packed weights)
-        lean = draft._lean_step = _build(draft)
-    if (lean is not None and getattr(draft, "_specstop_forward", "eager") in ("packed", "lean")
-            and tokens.shape[1] <= lean.rows and not torch.is_grad_enabled()):
-        return lean(draft, tokens, hidden, positions, cache, mask)
+    if shares_steps(draft) and tokens.shape[1] <= draft._lean_step.rows and not torch.is_grad_enabled():
+        return draft._lean_step(draft, tokens, hidden, positions, cache, mask)
     return draft.step(tokens, hidden, positions, cache, mask)
 
 
 def shares_steps(draft) -> bool:
-    """Whether `steps` runs several requests' rows in one lean step for this head."""
+    """Whether this head steps lean here (`step`; `steps`: several requests' rows in one)."""
     lean = getattr(draft, "_lean_step", False)
-    if lean is False:
+    if lean is False:  # once per head and fast forward (set_forward drops it, as it drops packed weights)
         lean = draft._lean_step = _build(draft)
     return lean is not None and getattr(draft, "_specstop_forward", "eager") in ("packed", "lean")
 
