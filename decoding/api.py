@@ -25,6 +25,7 @@ from pathlib import Path
 
 from decoding import defaults as dflt
 from decoding import models
+from decoding.kv_cache import set_kv_dtype
 from decoding.sampling import SamplingConfig
 from decoding.defaults import is_shipped_pair  # noqa: F401 (re-exported)
 from decoding.models.session import Session
@@ -75,13 +76,14 @@ class Decoder:
     def load(cls, target=None, draft=None, decider=None, *, tokenizer=None, draft_tokenizer=None,
              dtype: str | None = None, device: str = "cpu", strategy: str | None = None,
              decider_rule: str | None = None, decider_threshold: float | None = None,
-             defaults_file=None, forward: str | None = None, **options) -> Decoder:
+             defaults_file=None, forward: str | None = None, kv_dtype: str | None = None, **options) -> Decoder:
         """Load once. options: StrategyConfig fields (gamma, k_config, width, depth, mode,
         replacement, stop, confidence_threshold, confidence_rule); unset ones come from the
         defaults entry when neither `strategy` nor a shape (gamma, k_config, width, depth) is
         given, else from the strategy's own built-in values (fixed depth unless `stop` is set). decider: checkpoint dir or 'latest' (used when stop is 'decider').
         forward: eager | packed | lean (decoding.forward.packed; None: packed.default_forward)
-        for models loaded here."""
+        for models loaded here; kv_dtype: float16 stores the target's KV cache so
+        (decoding.kv_cache.set_kv_dtype: half the bytes a step's attention reads)."""
         bad = set(options) - _STRATEGY_KEYS
         if bad:
             raise TypeError(f"unknown option(s): {', '.join(sorted(bad))}")
@@ -92,12 +94,14 @@ class Decoder:
             # a GGUF target whose blocks the kernel takes runs them in float32 (decoding.forward.quant)
             sess = Session.open(target, draft, dtype or ("auto" if models.gguf_runs_quantized(target, device)
                                                          else d.dtype), device,
-                                need_draft=given_strategy not in (None, "ar"), forward=forward)
+                                need_draft=given_strategy not in (None, "ar"), forward=forward,
+                                kv_dtype=kv_dtype)
         else:
             if dtype is not None:
                 raise ValueError("dtype applies to models loaded from directories: convert loaded models "
                                  "yourself (model.to(dtype))")
             sess = _session_from_models(target, draft, tokenizer, draft_tokenizer)
+            set_kv_dtype(sess.target, kv_dtype)
         sess.cost_cache = True  # a grown tree's measured cost curve is timed once per machine
         if given_strategy is None and sess.draft is None:
             cfg = replace(cfg, strategy="ar")  # no draft shipped or given: plain decoding

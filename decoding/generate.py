@@ -95,6 +95,10 @@ def parser() -> argparse.ArgumentParser:
                          "(oneDNN-prepacked linears, decoding.forward.packed), eager (as loaded, the "
                          "reference), static (eager over a preallocated KV cache in bucketed sizes) or graph "
                          "(static, captured as CUDA graphs: CUDA only, decoding.forward.static); default: $SPECSTOP_FORWARD, else the fastest measured here")
+    ap.add_argument("--kv-dtype", choices=("float32", "float16"), default=None,
+                    help="store the target's KV cache as float16 (a float32 target on the lean forward with "
+                         "the CPU kernels: half the bytes its attention reads, llama.cpp's default KV type; "
+                         "the math stays float32)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: torch's; on a busy machine fewer threads than "
                          "cores avoids oversubscription, which can slow decoding many times over)")
@@ -129,7 +133,7 @@ def load_decoder(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     return Decoder.load(args.target, args.draft, args.decider, dtype=args.dtype, device=args.device,
-                        forward=args.forward, strategy=args.strategy, decider_rule=args.decider_rule,
+                        forward=args.forward, kv_dtype=args.kv_dtype, strategy=args.strategy, decider_rule=args.decider_rule,
                         decider_threshold=args.decider_threshold, **strategy_options(args))
 
 

@@ -23,7 +23,12 @@ def _growing_layer_class():
         copies every cached key and value of every layer each step). `keys` / `values` stay views
         of the buffer, so rollback by slicing (keep_path, crop, cut_front) works unchanged."""
 
+        kv_dtype: torch.dtype | None = None
+        """Store keys and values in this dtype (float16 under a float32 model: set_kv_dtype)."""
+
         def update(self, key_states, value_states, *args, **kwargs):
+            if self.kv_dtype is not None:
+                key_states, value_states = key_states.to(self.kv_dtype), value_states.to(self.kv_dtype)
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             self.keys, self._kb = append_kv(self.keys, getattr(self, "_kb", None), key_states)
@@ -93,7 +98,44 @@ def new_cache(model, plan: AttentionPlan | None = None):
     for i, layer in enumerate(cache.layers):
         if i in sliding or type(layer) is DynamicLayer:
             cache.layers[i] = _GROWING[0]()
+            cache.layers[i].kv_dtype = kv_dtype(model)
     return cache
+
+
+KV_DTYPES = ("float32", "float16")
+
+
+def kv_dtype(model) -> torch.dtype | None:
+    """The dtype `model`'s KV caches store, where set_kv_dtype changed it (else None: the model's)."""
+    return model.__dict__.get("_specstop_kv_dtype")
+
+
+def set_kv_dtype(model, dtype: str | None) -> None:
+    """Store `model`'s keys and values as float16 (or back to the model's dtype: None / "float32").
+
+    Why: a step's attention reads every cached key and value of every request; under a float32
+    model that is 1.5 KB a token a layer for SmolLM2, which at a few hundred tokens x 4 requests
+    outweighs the Q4_1 weights a round reads. float16 halves the bytes (llama.cpp's default KV type,
+    `-ctk f16`). The math stays float32: the kernels widen each key as they read it (exactly), so
+    the model's law changes only by the one rounding of each key and value, the same for every
+    strategy: `ar` and speculation still agree (tests/forward/test_kv_dtype.py). Needs the lean
+    forward on decoding.forward.kernels or the quantized kernels (their attention reads float16);
+    a CachedModel made before the call keeps its dtype."""
+    from decoding.forward.packed import forward_kind
+
+    lean = [layer._lean for layer in getattr(getattr(model, "model", None), "layers", None) or ()
+            if hasattr(layer, "_lean")]
+    if dtype not in (None, *KV_DTYPES):
+        raise ValueError(f"kv dtype must be one of {', '.join(KV_DTYPES)} (got {dtype!r})")
+    half = dtype == "float16"
+    if half and (model.dtype != torch.float32 or forward_kind(model) != "lean"
+                 or not lean or not all(f["ops"] is not None for f in lean)):
+        raise ValueError("a float16 KV cache needs a float32 model on the lean forward with its CPU kernels "
+                         f"(this one: {str(model.dtype).removeprefix('torch.')}, {forward_kind(model)} forward)")
+    model.__dict__["_specstop_kv_dtype"] = torch.float16 if half else None
+    for f in lean:
+        if "kv_like" in f:  # what the one-call layer's cache buffers are made like
+            f["kv_like"] = f["kv_like"].new_empty(f["kv_like"].shape, dtype=torch.float16 if half else model.dtype)
 
 
 def _layers(cache):

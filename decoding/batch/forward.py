@@ -260,5 +260,6 @@ def _attend(f, a, q, k, v, mask, T, device) -> torch.Tensor:
     if f["ops"] is not None and T <= f["row_attention_below"] and (mask is not None or T == 1):
         return f["ops"].row_attention(q, k, v, mask, a.scaling).reshape(T, -1)
     causal = mask is None and T > 1
+    k, v = k.to(q.dtype), v.to(q.dtype)  # a float16 KV cache (decoding.kv_cache.set_kv_dtype), widened
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=a.scaling,
                                           enable_gqa=H != K).transpose(1, 2).reshape(T, -1)

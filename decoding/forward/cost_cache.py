@@ -27,6 +27,7 @@ from decoding.forward.packed import REVISION, forward_kind
 from decoding.models.fingerprint import fingerprint
 from decoding.forward.cost import COST_SIZES, TOKENS, CostCurve, measure_cost
 from decoding.models import cache_root
+from decoding.kv_cache import kv_dtype
 
 RETIME_ENV = "SPECSTOP_RETIME_COST"
 """Set to 1 to re-time (and overwrite) the stored curve on the next load."""
@@ -64,6 +65,7 @@ def cost_key(target, draft) -> dict:
         "threads": torch.get_num_threads(), "torch": torch.__version__, "forward": _forward_tag(target),
         "draft_blocks": quant.quantized(draft),  # a head on blocks keeps its checkpoint's fingerprint
         "draft_step": _draft_step(draft),
+        **({"kv_dtype": "float16"} if kv_dtype(target) is not None else {}),  # (absent: older curves still hit)
         "sizes": list(COST_SIZES), "unit": TOKENS,  # how it is timed: a curve of another kind is a miss
     }
 

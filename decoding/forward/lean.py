@@ -147,7 +147,8 @@ def _lean_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
         raise RuntimeError("lean forward: a causal block after cached tokens needs a mask")
     if ops is not None and T <= f["row_attention_below"] and (mask is not None or T == 1):  # [B, T, H, D]
         att = ops.row_attention(q, k, v, mask, a.scaling).reshape(B * T, H * D)
-    else:
+    else:  # (a float16 KV cache widened for torch's attention: decoding.kv_cache.set_kv_dtype)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=a.scaling,
                                              enable_gqa=H != K).transpose(1, 2).reshape(B * T, H * D)
     x, h = add_norm(x, self.post_attention_layernorm, f["o"](att), ops)

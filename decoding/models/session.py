@@ -19,6 +19,7 @@ from decoding.decider.policy import DeciderConfig, DeciderStop, load_decider, re
 from decoding.defaults import DEFAULT_DRAFT, resolve_dtype
 from decoding.forward.cost_cache import cached_cost
 from decoding.forward.packed import default_forward, set_forward
+from decoding.kv_cache import set_kv_dtype
 from decoding.forward.cost import CostCurve, measure_cost
 from decoding.growth import GrowPolicy, q_scores
 from decoding.sampling import SamplingConfig
@@ -61,8 +62,9 @@ class Session:
 
     @classmethod
     def open(cls, target=None, draft=None, dtype="float32", device="cpu", need_draft=False,
-             forward: str | None = None) -> Session:
-        """forward: eager | packed | lean (decoding.forward.packed); None: its default_forward."""
+             forward: str | None = None, kv_dtype: str | None = None) -> Session:
+        """forward: eager | packed | lean (decoding.forward.packed); None: its default_forward.
+        kv_dtype: float16 stores the target's KV cache so (decoding.kv_cache.set_kv_dtype)."""
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise models.ModelError("--device cuda was asked for but no CUDA device is available")
         # auto: a GGUF target on its blocks (float32 activations in), else bf16 on CUDA, with AMX, or
@@ -81,6 +83,10 @@ class Session:
         t = models.load_model(tdir, dtype, device)
         models.attach_gguf(t, target)  # a GGUF target at its own precision (decoding.forward.quant)
         kind = set_forward(t, forward or default_forward(t.dtype, device))
+        try:
+            set_kv_dtype(t, kv_dtype)
+        except ValueError as e:
+            raise models.ModelError(f"--kv-dtype {kv_dtype}: {e}") from None
         return cls(t, None, tok, tdir, None, kind).with_draft(draft)
 
     def with_draft(self, draft) -> Session:

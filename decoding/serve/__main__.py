@@ -40,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--forward", choices=ALL_FORWARDS, default=None)
+    ap.add_argument("--kv-dtype", choices=("float32", "float16"), default=None,
+                    help="store the target's KV cache as float16 (half the bytes and memory a request's "
+                         "cache takes; a float32 target on the lean forward)")
     ap.add_argument("--threads", type=int, default=None)
     # generate's checks read these
     ap.set_defaults(temperature=0.0, top_p=1.0, max_new_tokens=1)

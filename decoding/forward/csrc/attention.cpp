@@ -21,6 +21,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "attention_scores.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -34,18 +35,8 @@ namespace {
 
 using namespace specstop_vec;
 
-constexpr int MAXD = 256;  // head_dim up to 256
-constexpr int CH = 2;      // lane vectors (16 query rows each) per task
+constexpr int CH = 2;  // lane vectors (16 query rows each) per task
 
-struct TileCfg {
-  uint8_t palette, start;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-inline float to_f(float x) { return x; }
-inline float to_f(at::BFloat16 x) { return (float)x; }
 template <class M> inline bool plain(M x) {  // visible with nothing added
   if constexpr (std::is_same_v<M, bool>) return x;
   else return to_f(x) == 0.0f;
@@ -92,87 +83,11 @@ Scratch& scratch() {
   return s;
 }
 
-// S[j][l] = q_l . k_j on AMX tiles: A = 16 keys x 32 dims (straight from the cache), B = 32 dims x
-// 16 rows in VNNI pairs (QB, built per task), C = 16 keys x 16 rows, stored into S.
-void scores_amx(const uint16_t* K, int64_t ks, int64_t N, int64_t D, const uint16_t* QB, int nv, float* S,
-                int64_t LW, std::vector<uint16_t>& tail) {
-  TileCfg cfg{};
-  cfg.palette = 1;
-  for (int t = 0; t < 3; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }  // 0: C, 1: A (keys), 2: B (rows)
-  _tile_loadconfig(&cfg);
-  const int64_t DC = D / 32;
-  for (int64_t j0 = 0; j0 < N; j0 += 16) {
-    const uint16_t* A = K + j0 * ks;
-    int64_t as = ks * 2;
-    if (j0 + 16 > N) {  // the last keys, zero-padded to a whole tile (never read past the cache)
-      tail.assign(16 * D, 0);
-      for (int64_t j = j0; j < N; ++j) std::memcpy(tail.data() + (j - j0) * D, K + j * ks, D * 2);
-      A = tail.data();
-      as = D * 2;
-    }
-    for (int c = 0; c < nv; ++c) {
-      _tile_zero(0);
-      for (int64_t kc = 0; kc < DC; ++kc) {
-        _tile_loadd(1, A + kc * 32, as);
-        _tile_loadd(2, QB + (c * DC + kc) * 512, 64);
-        _tile_dpbf16ps(0, 1, 2);
-      }
-      _tile_stored(0, S + j0 * LW + 16 * c, LW * 4);
-    }
-  }
-  _tile_release();
-}
-
-// The same scores by FMAs, lanes = rows: one chain per lane over d, KB keys at a time.
-template <int NV, int KB>
-void scores_fma(const float* KF, int64_t kstride, int64_t N, int64_t D, const float* QT, int64_t LW, float* S) {
-  int64_t j = 0;
-  for (; j + KB <= N; j += KB) {
-    __m512 acc[NV][KB];
-    for (int v = 0; v < NV; ++v)
-      for (int k = 0; k < KB; ++k) acc[v][k] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; ++d) {
-      __m512 q[NV];
-      for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_ps(QT + d * LW + 16 * v);
-      for (int k = 0; k < KB; ++k) {
-        const __m512 kv = _mm512_set1_ps(KF[(j + k) * kstride + d]);
-        for (int v = 0; v < NV; ++v) acc[v][k] = _mm512_fmadd_ps(q[v], kv, acc[v][k]);
-      }
-    }
-    for (int k = 0; k < KB; ++k)
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(S + (j + k) * LW + 16 * v, acc[v][k]);
-  }
-  for (; j < N; ++j)
-    for (int v = 0; v < NV; ++v) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; ++d)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(QT + d * LW + 16 * v), _mm512_set1_ps(KF[j * kstride + d]), acc);
-      _mm512_storeu_ps(S + j * LW + 16 * v, acc);
-    }
-}
-
-// out rows of lanes [g0, g0 + G): sum over keys of p * v, lanes = the head dimension (DV vectors)
-template <class T, int DV, int G>
-void weigh(const float* S, int64_t LW, const float* VF, int64_t N, int64_t g0, float* o) {
-  __m512 acc[G][DV];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < DV; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < N; ++j) {
-    __m512 v[DV];
-    for (int c = 0; c < DV; ++c) v[c] = _mm512_loadu_ps(VF + j * DV * 16 + 16 * c);
-    for (int g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(S[j * LW + g0 + g]);
-      for (int c = 0; c < DV; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(o + (g * DV + c) * 16, acc[g][c]);
-}
-
 // q [B, H, T, D], k / v [B, KV, N, D] (any strides, unit last), mask: none (every key visible),
 // bool [Bm, 1, T, >= N] (true: visible) or additive [Bm, 1, T, >= N] (visible unless <= -1e30)
 // -> out [B, T, H, D].
-template <class T, class M, int DV>
+// T: q and out; KT: the keys and values (T, or float16 under float32 q: a float16 KV cache)
+template <class T, class M, int DV, class KT = T>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, double scale,
             bool tiles, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), Tn = q.size(2), D = q.size(3), KV = k.size(1), N = k.size(2);
@@ -181,8 +96,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   std::vector<MaskView> mv;
   for (int64_t b = 0; b < B; ++b) mv.push_back(mask_view<M>(mask, b, Tn, N));
   const T* Q = q.data_ptr<T>();
-  const T* K = k.data_ptr<T>();
-  const T* V = v.data_ptr<T>();
+  const KT* K = k.data_ptr<KT>();
+  const KT* V = v.data_ptr<KT>();
   T* O = out.data_ptr<T>();
   const float sc = (float)scale;
   at::parallel_for(0, B * KV * nch, 1, [&](int64_t i0, int64_t i1) {
@@ -191,15 +106,15 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       const int64_t b = i / (KV * nch), g = (i / nch) % KV, l0 = (i % nch) * chunk;
       const int64_t nl = std::min(chunk, NL - l0), nv = (nl + 15) / 16, LW = 16 * nv;
       const MaskView& m = mv[b];
-      const T* Kb = K + b * k.stride(0) + g * k.stride(1);
-      const T* Vb = V + b * v.stride(0) + g * v.stride(1);
+      const KT* Kb = K + b * k.stride(0) + g * k.stride(1);
+      const KT* Vb = V + b * v.stride(0) + g * v.stride(1);
       auto qrow = [&](int64_t l) {  // lane l of this task: row t, query head g * rep + r
         const int64_t t = (l0 + l) / rep, r = (l0 + l) % rep;
         return Q + b * q.stride(0) + (g * rep + r) * q.stride(1) + t * q.stride(2);
       };
       s.S.resize((size_t)((N + 15) / 16 * 16) * LW);
       float* S = s.S.data();
-      if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<KT, T>) {
         if (tiles) {
           const int64_t DC = D / 32;
           s.QB.assign((size_t)nv * DC * 512, 0);  // [lane vector][32 dims][16 pairs][16 lanes] of bf16 pairs
@@ -218,18 +133,21 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
           const T* qr = qrow(l);
           for (int64_t d = 0; d < D; ++d) s.QT[d * LW + l] = to_f(qr[d]);
         }
-        const float* KF = (const float*)Kb;
-        int64_t kst = k.stride(2);
-        if constexpr (!std::is_same_v<T, float>) {
+        // one lane vector: keys as lanes, 5x faster at a step's 3 live rows, 1.9x at 16 (500 keys,
+        // D 64, 2-core EPYC), reading the cache's dtype; two or more: the chain (its 4 keys x 2
+        // vectors beat keys as lanes) over fp32 keys
+        const int64_t kst = k.stride(2);
+        if (nv == 1) {
+          scores_keys(Kb, kst, N, D, s.QT.data(), LW, nl, S);
+        } else if constexpr (std::is_same_v<KT, float>) {
+          scores_fma<2, 4>(Kb, kst, N, D, s.QT.data(), LW, S);
+        } else {
           s.KF.resize((size_t)N * D);
           float* kf = s.KF.data();
           for (int64_t j = 0; j < N; ++j)
             for (int64_t d = 0; d < D; d += 16) store16(kf + j * D + d, load16(Kb + j * kst + d, live(d, D)), live(d, D));
-          KF = kf;
-          kst = D;
+          scores_fma<2, 4>(kf, D, N, D, s.QT.data(), LW, S);
         }
-        if (nv == 1) scores_fma<1, 8>(KF, kst, N, D, s.QT.data(), LW, S);
-        else scores_fma<2, 4>(KF, kst, N, D, s.QT.data(), LW, S);
       }
       // softmax per lane: scale, mask, max; then exp and a sequential sum, keys in position order
       alignas(64) float inv[16 * CH];
@@ -259,16 +177,18 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         const __mmask16 any = _mm512_cmp_ps_mask(sum, _mm512_setzero_ps(), _CMP_GT_OQ);
         _mm512_store_ps(inv + 16 * c, _mm512_maskz_div_ps(any, _mm512_set1_ps(1.0f), sum));
       }
-      // values in fp32, rows padded to DV vectors (zeros past D)
-      if (D == DV * 16) s.VF.resize((size_t)N * DV * 16);
-      else s.VF.assign((size_t)N * DV * 16, 0.0f);
-      float* VF = s.VF.data();
+      // values read in place where a row is whole vectors (D = 16 DV), else copied to fp32 rows
+      // padded with zeros
       const int64_t vs = v.stride(2);
-      for (int64_t j = 0; j < N; ++j)
-        for (int64_t d = 0; d < D; d += 16) store16(VF + j * DV * 16 + d, load16(Vb + j * vs + d, live(d, D)), live(d, D));
+      if (D != DV * 16) {
+        s.VF.assign((size_t)N * DV * 16, 0.0f);
+        for (int64_t j = 0; j < N; ++j)
+          for (int64_t d = 0; d < D; d += 16) store16(s.VF.data() + j * DV * 16 + d, load16(Vb + j * vs + d, live(d, D)), live(d, D));
+      }
       alignas(64) float o[G * DV * 16];
       for (int64_t g0 = 0; g0 < nl; g0 += G) {
-        weigh<T, DV, G>(S, LW, VF, N, g0, o);
+        if (D == DV * 16) weigh<KT, DV, G>(S, LW, Vb, vs, N, g0, o);
+        else weigh<float, DV, G>(S, LW, s.VF.data(), DV * 16, N, g0, o);
         for (int64_t e = 0; e < G && g0 + e < nl; ++e) {
           const int64_t l = l0 + g0 + e, t = l / rep, h = g * rep + l % rep;
           T* orow = O + ((b * Tn + t) * H + h) * D;
@@ -285,11 +205,13 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
 namespace specstop {
 at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const c10::optional<at::Tensor>& mask, double scale) {
+  const bool half_kv = q.scalar_type() == at::kFloat && k.scalar_type() == at::kHalf;  // a float16 KV cache
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(0) == k.size(0) && k.sizes() == v.sizes() &&
               q.size(3) == k.size(3) && q.size(3) <= MAXD && k.size(1) > 0 && q.size(1) % k.size(1) == 0 &&
               q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 &&
-              q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
-              "row_attention: q [B, H, T, D], k / v [B, KV, N, D] of one dtype, H a multiple of KV, D <= 256");
+              (q.scalar_type() == k.scalar_type() || half_kv) && k.scalar_type() == v.scalar_type(),
+              "row_attention: q [B, H, T, D], k / v [B, KV, N, D] of q's dtype (or float16 under float32 q), "
+              "H a multiple of KV, D <= 256");
   const bool has_mask = mask.has_value() && mask->defined();
   if (has_mask)
     TORCH_CHECK(mask->dim() == 4 && mask->size(2) == q.size(2) && mask->size(3) >= k.size(2) &&
@@ -305,17 +227,24 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
   // bf16 scores on AMX tiles where the CPU has them and the head dimension is whole tiles
   const bool tiles = st == at::kBFloat16 && D % 32 == 0 && amx_ready();
   // head_dim 64 / 128 (most models) get their vector count at compile time, the rest up to 256
-#define SPECSTOP_ATTEND(T, M)                                                                           \
-  (D == 64 ? attend<T, M, 4>(q, k, v, m, scale, tiles, out) : D == 128 ? attend<T, M, 8>(q, k, v, m, scale, tiles, out) \
-           : D <= 32 ? attend<T, M, 2>(q, k, v, m, scale, tiles, out) : attend<T, M, MAXD / 16>(q, k, v, m, scale, tiles, out))
+#define SPECSTOP_ATTEND_KV(T, M, KT)                                                                      \
+  (D == 64    ? attend<T, M, 4, KT>(q, k, v, m, scale, tiles, out)                                           \
+   : D == 128 ? attend<T, M, 8, KT>(q, k, v, m, scale, tiles, out)                                           \
+   : D <= 32  ? attend<T, M, 2, KT>(q, k, v, m, scale, tiles, out)                                           \
+              : attend<T, M, MAXD / 16, KT>(q, k, v, m, scale, tiles, out))
+#define SPECSTOP_ATTEND(T, M) SPECSTOP_ATTEND_KV(T, M, T)
   if (st == at::kBFloat16) {
     if (mt == at::kBool) SPECSTOP_ATTEND(at::BFloat16, bool);
     else SPECSTOP_ATTEND(at::BFloat16, at::BFloat16);
+  } else if (half_kv) {
+    if (mt == at::kBool) SPECSTOP_ATTEND_KV(float, bool, c10::Half);
+    else SPECSTOP_ATTEND_KV(float, float, c10::Half);
   } else {
     if (mt == at::kBool) SPECSTOP_ATTEND(float, bool);
     else SPECSTOP_ATTEND(float, float);
   }
 #undef SPECSTOP_ATTEND
+#undef SPECSTOP_ATTEND_KV
   return out;
 }
 }  // namespace specstop

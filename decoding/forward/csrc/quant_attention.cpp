@@ -1,5 +1,6 @@
 // Attention of a step, a verify or a prompt where decoding.forward.kernels does not build (CPUs
-// without AVX512-BF16), for a GGUF target's lean layers (decoding/forward/quant.py): float32, AVX2.
+// without AVX512-BF16), for a GGUF target's lean layers (decoding/forward/quant.py): float32, AVX2;
+// keys and values float32 or float16 (a float16 KV cache), the math float32.
 //
 // Why: torch's attention is not batch-invariant (a row's blocking over keys follows how many keys
 // and rows the call has), so a verify row and the step that would produce the same token differ in
@@ -14,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
@@ -25,32 +27,38 @@
 
 namespace {
 
-AVX2 inline float dot(const float* a, const float* b, int64_t D) {
+// 8 fp32 lanes of keys / values as the cache holds them: float32, or float16 (a float16 KV cache)
+AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+AVX2 inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+
+template <class KT>
+AVX2 inline float dot(const float* a, const KT* b, int64_t D) {
   __m256 acc = _mm256_setzero_ps();
   int64_t d = 0;
-  for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+  for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b + d), acc);
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   float r = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-  for (; d < D; ++d) r = std::fma(a[d], b[d], r);
+  for (; d < D; ++d) r = std::fma(a[d], (float)b[d], r);
   return r;
 }
 
-AVX2 inline void axpy(float p, const float* v, float* o, int64_t D) {
+template <class KT>
+AVX2 inline void axpy(float p, const KT* v, float* o, int64_t D) {
   const __m256 pv = _mm256_set1_ps(p);
   int64_t d = 0;
-  for (; d + 8 <= D; d += 8) _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
-  for (; d < D; ++d) o[d] = std::fma(p, v[d], o[d]);
+  for (; d + 8 <= D; d += 8) _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pv, load8(v + d), _mm256_loadu_ps(o + d)));
+  for (; d < D; ++d) o[d] = std::fma(p, (float)v[d], o[d]);
 }
 
-template <typename M>
+template <typename M, class KT>
 AVX2 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& m, double scale,
                  at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), KV = k.size(1), S = k.size(2);
   const int64_t rep = H / KV;
   const float* Q = q.data_ptr<float>();
-  const float* K = k.data_ptr<float>();
-  const float* Vv = v.data_ptr<float>();
+  const KT* K = k.data_ptr<KT>();
+  const KT* Vv = v.data_ptr<KT>();
   float* O = out.data_ptr<float>();
   const M* Mp = m.defined() ? m.data_ptr<M>() : nullptr;
   const float sc = (float)scale, NEG = -std::numeric_limits<float>::infinity();
@@ -91,8 +99,8 @@ at::Tensor row_attention_avx2(const at::Tensor& q, const at::Tensor& k, const at
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(0) == k.size(0) && k.sizes() == v.sizes() &&
               q.size(3) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0 && q.stride(3) == 1 &&
               k.stride(3) == 1 && v.stride(3) == 1 && q.scalar_type() == at::kFloat &&
-              k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "row_attention_avx2: float32 q [B, H, T, D], k / v [B, KV, S, D], H a multiple of KV");
+              (k.scalar_type() == at::kFloat || k.scalar_type() == at::kHalf) && v.scalar_type() == k.scalar_type(),
+              "row_attention_avx2: float32 q [B, H, T, D], k / v [B, KV, S, D] float32 or float16, H a multiple of KV");
   const bool has_mask = mask.has_value() && mask->defined();
   if (has_mask) {
     TORCH_CHECK(mask->dim() == 4 && mask->size(2) == q.size(2) && mask->size(3) >= k.size(2) &&
@@ -104,8 +112,9 @@ at::Tensor row_attention_avx2(const at::Tensor& q, const at::Tensor& k, const at
   }
   at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
   const at::Tensor m = has_mask ? *mask : at::Tensor();
-  if (has_mask && m.scalar_type() == at::kBool) attend<bool>(q, k, v, m, scale, out);
-  else attend<float>(q, k, v, m, scale, out);
+  const bool half = k.scalar_type() == at::kHalf;
+  if (has_mask && m.scalar_type() == at::kBool) half ? attend<bool, c10::Half>(q, k, v, m, scale, out) : attend<bool, float>(q, k, v, m, scale, out);
+  else half ? attend<float, c10::Half>(q, k, v, m, scale, out) : attend<float, float>(q, k, v, m, scale, out);
   return out;
 }
 

@@ -7,9 +7,27 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
 
 #include <cstring>
 #include <vector>
+
+// float32 -> float16, round to nearest even (as torch's copy_ into a half tensor rounds: the
+// same bits a prompt's per-op layer stores)
+__attribute__((target("avx,f16c"))) inline void to_half(const float* s, c10::Half* d, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128((__m128i*)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) d[i] = c10::Half(s[i]);
+}
+
+// A cache buffer holds the keys' dtype, or float16 under float32 keys (a float16 KV cache:
+// decoding/kv_cache.py set_kv_dtype)
+inline bool holds(const at::Tensor& buf, const at::Tensor& keys) {
+  return buf.scalar_type() == keys.scalar_type() ||
+         (buf.scalar_type() == at::kHalf && keys.scalar_type() == at::kFloat);
+}
 
 // decoder_layer's attention: q [B, H, T, D] and the T new keys / values [B, KV, T, D], written into
 // kbuf / vbuf [B, KV, cap, D] after the n cached ones from start; attend(q, k, v, mask) over those n + T.
@@ -20,8 +38,9 @@ at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& k, const at::Ten
                          Attend attend) {
   const int64_t B = q.size(0), T = q.size(2);
   TORCH_CHECK(kbuf.dim() == 4 && vbuf.sizes() == kbuf.sizes() && start >= 0 && n >= 0 &&
-                  start + n + T <= kbuf.size(2) && kbuf.size(0) == B && kbuf.size(1) == k.size(1),
-              "decoder_layer: no room in the cache buffer [B, KV, cap, D]");
+                  start + n + T <= kbuf.size(2) && kbuf.size(0) == B && kbuf.size(1) == k.size(1) &&
+                  holds(kbuf, k) && holds(vbuf, v),
+              "decoder_layer: no room in the cache buffer [B, KV, cap, D] of the keys' dtype (or float16)");
   kbuf.narrow(2, start + n, T).copy_(k);
   vbuf.narrow(2, start + n, T).copy_(v);
   return attend(q, kbuf.narrow(2, start, n + T), vbuf.narrow(2, start, n + T), mask).view({B * T, -1});
@@ -31,10 +50,18 @@ at::Tensor attend_cached(const at::Tensor& q, const at::Tensor& k, const at::Ten
 constexpr int64_t kFewRows = 8;
 
 // src [1, KV, R, D] (contiguous) rows [from, from + T) -> dst [1, KV, cap, D] rows [at, at + T): a copy
-// per head, not a trip through the dispatcher (~5 us a copy_, 2 a segment a layer)
+// per head, not a trip through the dispatcher (~5 us a copy_, 2 a segment a layer); into a float16
+// buffer, rounded
 inline void append_rows(const at::Tensor& src, int64_t from, int64_t T, const at::Tensor& dst, int64_t at) {
   const int64_t KV = src.size(1), R = src.size(2), D = src.size(3), bytes = src.element_size();
   const char* s = static_cast<const char*>(src.data_ptr());
+  if (dst.scalar_type() != src.scalar_type()) {  // float32 keys into a float16 cache (holds())
+    c10::Half* d = dst.data_ptr<c10::Half>();
+    for (int64_t h = 0; h < KV; ++h)
+      for (int64_t t = 0; t < T; ++t)
+        to_half(src.data_ptr<float>() + (h * R + from + t) * D, d + h * dst.stride(1) + (at + t) * dst.stride(2), D);
+    return;
+  }
   char* d = static_cast<char*>(dst.data_ptr());
   for (int64_t h = 0; h < KV; ++h)
     for (int64_t t = 0; t < T; ++t)
@@ -62,7 +89,7 @@ at::Tensor attend_segments(const at::Tensor& q, const at::Tensor& k, const at::T
     const at::Tensor &kb = kbufs[i], &vb = vbufs[i];
     TORCH_CHECK(T > 0 && s >= 0 && n >= 0 && first[i] + T <= R && kb.dim() == 4 && kb.size(0) == 1 &&
                     kb.size(1) == k.size(1) && vb.sizes() == kb.sizes() && s + n + T <= kb.size(2) &&
-                    kb.scalar_type() == k.scalar_type() && vb.scalar_type() == v.scalar_type() &&
+                    holds(kb, k) && holds(vb, v) &&
                     kb.stride(3) == 1 && vb.stride(3) == 1,
                 "decoder_layer_segments: segment ", i, " has no room in its buffers [1, KV, cap, D] of the keys' dtype");
     first[i + 1] = first[i] + T;

@@ -1,7 +1,8 @@
 // AVX512 helpers shared by the row-wise kernels (layer_ops.cpp, attention.cpp): 16 lanes of
-// fp32 from bf16 or fp32 memory and back (round to nearest even), a lane mask for tails, exp.
+// fp32 from bf16, fp16 or fp32 memory and back (round to nearest even), a lane mask for tails, exp.
 #pragma once
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -14,6 +15,7 @@ inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const c10::Half* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
 inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m) {
   _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
 }
