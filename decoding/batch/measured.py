@@ -3,7 +3,7 @@
 Why: the joint budget sizes trees by a cost curve of the target's and the draft's forwards, which
 leaves out a level's top-k, warp and bookkeeping and the cache work of a tree. On a 2-core CPU at
 4 requests that made it draft where one row a request was faster (in process, batched `ar` 524
-tok/s against the budget's 433, docs/serving.md). Rather than a model of every cost, the engine
+tok/s against the budget's 433, docs/server.md). Rather than a model of every cost, the engine
 times its own rounds: tokens per ms of drafted rounds and of plain rounds (no tree, one row a
 request), per number of requests, and drafts while that wins, trying the other now and then.
 

@@ -4,10 +4,11 @@ and the load test (`--suite serve-load`: 8 clients x 50 requests, mixed lengths,
 
 Every server is a subprocess on a loopback port, driven over HTTP by client threads, each client
 sending its share of the held-out chat prompts one after another, greedy, streamed (time to first
-token, time per token after it). Rows, interleaved per repeat so a burst of load hits all alike:
+token, time per token after it). Rows in turn (a server loads once), each row's repeats back to back:
   ours, joint        decoding.serve, one grow budget across requests (the default)
   ours, independent  decoding.serve --budget independent
   ours, ar           decoding.serve --strategy ar (plain decoding, batched)
+  ours, joint, f16 KV  the default with --kv-dtype float16 (a GGUF target: its KV cache in float16)
   ours, one by one   decoding.serve --max-batch 1: the batch-1 engine serving requests in turn
   llama.cpp -np N    llama-server plain, and with our head (-md HEAD --spec-type draft-eagle3)
 Throughput = completion tokens of all requests / the wall time from first send to last answer
@@ -138,6 +139,8 @@ def serve_suite(clients: list[int], prompts: int, new_tokens: int, threads: int 
     rows = {"ours, joint": ours([], threads, target), "ours, independent": ours(["--budget", "independent"], threads, target),
             "ours, ar": ours(["--strategy", "ar"], threads, target),
             "ours, one by one": ours(["--max-batch", "1"], threads, target)}
+    if target is None or str(target).endswith(".gguf"):  # a float32 target on the lean forward
+        rows["ours, joint, f16 KV"] = ours(["--kv-dtype", "float16"], threads, target)
     if llama_server:
         from decoding.bench.llama import LlamaServer, find_server
         from decoding.models import named_targets
@@ -211,7 +214,7 @@ def serve_markdown(res: dict) -> str:
     lines = ["# Serving: concurrent clients, our server vs llama-server", "",
              f"{res['prompts']} held-out chat prompts shared round-robin by the clients, greedy, "
              f"{res['new_tokens']} new tokens, {res['threads'] or 'all'} threads, {res['repeats']} repeats "
-             "(rows interleaved); tokens/s = completion tokens / wall from first send to last answer, median "
+             "(rows in turn, each row's repeats back to back); tokens/s = completion tokens / wall from first send to last answer, median "
              "[min, max] over repeats; x = over `ours, one by one` at the same clients.", "",
              "| row @ clients | tok/s [min, max] | x one-by-one | TTFT p50 / p90 ms | per token p50 / p90 ms | errors |",
              "|---|---|---|---|---|---|"]

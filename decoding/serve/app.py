@@ -187,6 +187,10 @@ class _Metrics:
         yield CounterMetricFamily("specstop_prompt_tokens", "Prompt tokens admitted", value=c.prompt_tokens)
         yield CounterMetricFamily("specstop_rounds", "Speculative rounds (one target verify each)", value=c.rounds)
         yield CounterMetricFamily("specstop_verify_rows", "Rows verified, all requests together", value=c.verify_rows)
+        yield CounterMetricFamily("specstop_round_requests", "Sum over rounds of the requests in each",
+                                  value=c.round_requests)
+        yield CounterMetricFamily("specstop_engine_busy_seconds", "Seconds the engine spent in rounds",
+                                  value=c.busy_s)
         yield GaugeMetricFamily("specstop_tokens_per_round", "Tokens committed per request per round (acceptance)",
                                 value=c.generated / c.round_requests if c.round_requests else 0.0)
         yield GaugeMetricFamily("specstop_tokens_per_second", "Tokens generated per second, last 10 s",

@@ -74,6 +74,8 @@ class Counters:
     verify_rows: int = 0
     round_requests: int = 0
     """Sum over rounds of the requests in the round (tokens per request-round = acceptance)."""
+    busy_s: float = 0.0
+    """Seconds the engine spent in rounds (busy / wall = how loaded the engine is)."""
     ttft_s: list[float] = field(default_factory=list)
     recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
     """(time, tokens) of recent commits, for tokens/s over the last window."""
@@ -214,6 +216,7 @@ class EngineWorker:
 
     def _round(self) -> None:
         jobs = list(self._running)
+        t0 = time.perf_counter()
         try:
             finished = self.engine.step()
         except Exception as e:  # one bad round fails its requests, never the server
@@ -223,6 +226,7 @@ class EngineWorker:
                 self._finish(job, "error", f"{type(e).__name__}: {e}")
             self._running.clear()
             return
+        self.counters.busy_s += time.perf_counter() - t0
         self.counters.rounds += 1
         self.counters.round_requests += len(jobs)
         if getattr(self.engine, "verify_rows", None):
