@@ -44,8 +44,7 @@ class FeatureCache:
         self.cache = head_cache(self.draft)  # a DraftKV, or static buffers (head_graph)
         self.length = 0  # committed entries in the cache (positions 0 .. length-1)
         self.known = 0  # committed positions whose target features are known
-        self.rows: torch.Tensor | None = None  # features of positions length .. known-1
-        self._buf: torch.Tensor | None = None  # rows is a view of it (_append)
+        self._chunks: list[torch.Tensor] = []  # rows, as appended (the `rows` property)
         self.captured: torch.Tensor | None = None  # rows of the latest verify forward
         self.path: list[int] = []
         self.tree_size = 0  # nodes of the tree that verify forward checked
@@ -62,21 +61,23 @@ class FeatureCache:
         self.known += new.shape[0]
         self.captured, self.path = None, []
 
+    @property
+    def rows(self) -> torch.Tensor | None:
+        """Features of positions length .. known-1, joined when read (the catch-up, the anchor).
+        Why not a cat per round: rounds that do not draft (decoding.batch.measured) leave rows
+        unconsumed, the prompt's among them, and a cat a round copied them all (~10% of a plain
+        round at 8 requests); a buffer grown by doubling fragmented the heap instead (the server's
+        RSS grew ~1 MiB a request)."""
+        if len(self._chunks) > 1:
+            self._chunks = [torch.cat(self._chunks)]
+        return self._chunks[0] if self._chunks else None
+
+    @rows.setter
+    def rows(self, value: torch.Tensor | None) -> None:
+        self._chunks = [] if value is None else [value]
+
     def _append(self, new: torch.Tensor) -> None:
-        """rows += new, in place in spare room (doubled when full). Why: rounds that do not draft
-        (decoding.batch.measured) leave rows unconsumed, the prompt's among them, and a cat a
-        round copied them all: at 8 requests x a few hundred tokens ~10% of a plain round."""
-        n, m = (0 if self.rows is None else self.rows.shape[0]), new.shape[0]
-        buf, start = self._buf, 0
-        if buf is not None and n:  # rows is a view of buf from `start`
-            start = (self.rows.storage_offset() - buf.storage_offset()) // buf.stride(0)
-        if buf is None or start + n + m > buf.shape[0] or buf.shape[1:] != new.shape[1:] or buf.dtype != new.dtype:
-            grown = new.new_empty(max(64, 2 * (n + m)), *new.shape[1:])
-            if n:
-                grown[:n] = self.rows
-            buf, start = grown, 0
-        buf[start + n: start + n + m] = new
-        self._buf, self.rows = buf, buf[start: start + n + m]
+        self._chunks.append(new)
 
     def ready(self, n: int) -> bool:
         """Can draft below committed token n-1: entries up to position n-2 can be built."""
