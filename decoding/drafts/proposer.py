@@ -57,7 +57,7 @@ class FeatureCache:
             return
         rows, n_pend = self.captured, self.captured.shape[0] - self.tree_size
         new = rows[:n_pend] if not self.path else torch.cat((rows[:n_pend], rows[n_pend + torch.tensor(self.path)]))
-        self._append(new)
+        self._chunks.append(new)
         self.known += new.shape[0]
         self.captured, self.path = None, []
 
@@ -66,8 +66,7 @@ class FeatureCache:
         """Features of positions length .. known-1, joined when read (the catch-up, the anchor).
         Why not a cat per round: rounds that do not draft (decoding.batch.measured) leave rows
         unconsumed, the prompt's among them, and a cat a round copied them all (~10% of a plain
-        round at 8 requests); a buffer grown by doubling fragmented the heap instead (the server's
-        RSS grew ~1 MiB a request)."""
+        round at 8 requests); a buffer grown by doubling fragmented the heap instead."""
         if len(self._chunks) > 1:
             self._chunks = [torch.cat(self._chunks)]
         return self._chunks[0] if self._chunks else None
@@ -75,9 +74,6 @@ class FeatureCache:
     @rows.setter
     def rows(self, value: torch.Tensor | None) -> None:
         self._chunks = [] if value is None else [value]
-
-    def _append(self, new: torch.Tensor) -> None:
-        self._chunks.append(new)
 
     def ready(self, n: int) -> bool:
         """Can draft below committed token n-1: entries up to position n-2 can be built."""

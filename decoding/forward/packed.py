@@ -158,6 +158,7 @@ def set_forward(model: torch.nn.Module, kind: str, kernels: bool = True) -> str:
     if kind == forward_kind(model) and kernels == getattr(model, "_specstop_kernels", True):
         return kind
     unpack_linears(model)
+    model.__dict__.pop("_specstop_kv_dtype", None)  # a new forward stores the model's dtype (set_kv_dtype again)
     model._specstop_kernels = kernels
     if kind in ("static", "graph"):  # the eager modules over decoding.forward.static's cache
         model._specstop_forward = kind

@@ -16,7 +16,7 @@ import torch
 from decoding.batch.forward import Segment, verify_many
 from decoding.forward import kernels, quant
 from decoding.forward.packed import set_forward
-from decoding.kv_cache import CachedModel, new_cache, set_kv_dtype
+from decoding.kv_cache import CachedModel, kv_dtype, new_cache, set_kv_dtype
 from decoding.sampling import SamplingConfig, warp
 from decoding.strategies import StrategyConfig, build_engine
 from decoding.tree import layout_from_k_config
@@ -61,6 +61,18 @@ def test_bad_kv_dtypes_are_refused(pair):
         set_kv_dtype(eager, "int8")
     set_kv_dtype(eager, "float32")  # the model's own: always fine
     assert CachedModel(eager).cache.layers[0].kv_dtype is None
+
+
+@needs_kernel
+def test_another_forward_drops_the_float16_cache(pair):
+    """set_forward re-makes the layers: the cache goes back to the model's dtype (eager attention
+    would get float16 keys under float32 queries otherwise)."""
+    m = copy.deepcopy(pair[0])
+    assert set_forward(m, "lean") == "lean"
+    set_kv_dtype(m, "float16")
+    assert kv_dtype(m) == torch.float16 and CachedModel(m).cache.layers[0].kv_dtype == torch.float16
+    assert set_forward(m, "eager") == "eager"
+    assert kv_dtype(m) is None and CachedModel(m).cache.layers[0].kv_dtype is None
 
 
 @pytest.fixture(scope="module")
