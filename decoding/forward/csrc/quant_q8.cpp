@@ -7,6 +7,7 @@
 //
 // Why: with float activations a step spends its time unpacking nibbles into floats (~6 uops for
 // 16 multiply-adds); here 4 k of 16 outputs are one 64-byte vector and one instruction does 64.
+// The inner passes and the panel layout are in quant_q8_kernels.h.
 //
 // Batch-invariant: a row's quantized x depends on that row only, its integer sums are exact and its
 // float steps fixed, whatever the number of rows or the thread; AVX2 and AVX512 agree bit for bit.
@@ -20,6 +21,7 @@
 #include <immintrin.h>
 
 #include "quant.h"
+#include "quant_q8_kernels.h"
 
 #include <algorithm>
 #include <cmath>
@@ -27,18 +29,6 @@
 
 namespace {
 using namespace specstop_quant;
-
-// panel block layout (same size as quant.cpp's): scales, then 8 groups of 4 k; a group holds the
-// 16 outputs x 4 k quants as 64 bytes in output-major order (lane o = bytes 4o..4o+3): Q8 as
-// q + 128 (u8), Q4 packed in 32 bytes (byte i: value i low, value i + 32 high)
-// (KQ6 as q + 32, 0..63)
-int64_t group_bytes(int64_t kind) { return byte_quants(kind) ? 64 : 32; }
-
-struct Rows {  // x quantized: int8 [T, K], dx [T, K / 32], sum of q [T, K / 32] and of its first 16
-  std::vector<int8_t> q;
-  std::vector<float> dx;
-  std::vector<int32_t> sq, sq16;
-};
 
 AVX2 inline int32_t hsum_epi32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -72,16 +62,8 @@ AVX2 void quantize_block(const float* x, int8_t* q, float& dx_out, int32_t& sq, 
   sq = sq16 + hsum_epi32(_mm256_add_epi32(qi[2], qi[3]));
 }
 
-// into `r` (reused across calls: a step makes ~120 of them)
-void quantize_rows(const float* X, int64_t T, int64_t K, Rows& r) {
-  r.q.resize(T * K);
-  r.dx.resize(T * K / QK);
-  r.sq.resize(T * K / QK);
-  r.sq16.resize(T * K / QK);
-  if (has_avx2()) {
-    for (int64_t i = 0; i < T * K / QK; ++i) quantize_block(X + i * QK, r.q.data() + i * QK, r.dx[i], r.sq[i], r.sq16[i]);
-    return;
-  }
+// the scalar law (a CPU without AVX2)
+void quantize_scalar(const float* X, int64_t T, int64_t K, Rows& r) {
   for (int64_t i = 0; i < T * K / QK; ++i) {
     const float* x = X + i * QK;
     float amax = 0.0f;
@@ -99,163 +81,19 @@ void quantize_rows(const float* X, int64_t T, int64_t K, Rows& r) {
   }
 }
 
-struct Job {
-  const Rows* x;
-  const uint8_t* W;
-  const float* B;
-  float* Y;
-  int64_t T, K, N, kind, pbb;
-};
-
-// the integer offset of a block's (or KQ6 half's) sum: Q4_0 stores q + 8, KQ6 q + 32, Q8_0 (in
-// AVX512's bytes only) q + 128
-template <int64_t kind>
-inline int32_t offset_times(int32_t sq, bool avx512) {
-  return kind == Q4_0 ? 8 * sq : kind == KQ6 ? 32 * sq : kind == Q8_0 && avx512 ? 128 * sq : 0;
-}
-// the sum of x's quants a scale multiplies: KQ6 the half's, else the block's
-template <int64_t kind>
-inline int32_t part_sum(const Rows& x, int64_t i, int part) {
-  return kind != KQ6 ? x.sq[i] : part == 0 ? x.sq16[i] : x.sq[i] - x.sq16[i];
-}
-constexpr int parts(int64_t kind) { return kind == KQ6 ? 2 : 1; }  // scales a block
-
-// ---- AVX512 + VNNI: a panel's 16 outputs are one vector of int32 lanes, 4 k a lane ----
-template <int64_t kind>
-AVX512 inline __m512i group512(const uint8_t* g) {
-  if (byte_quants(kind)) return _mm512_loadu_si512(g);  // q + 128 (KQ6 q + 32)
-  const __m256i p = _mm256_loadu_si256((const __m256i*)g), m = _mm256_set1_epi8(15);
-  const __m256i lo = _mm256_and_si256(p, m), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m);
-  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-}
-
-template <int64_t kind, int R, int V>
-AVX512 void rows512(const Job& j, int64_t t0, const uint8_t* const* pan) {
-  const int64_t nb = j.K / QK, so = scale_bytes(kind), gb = group_bytes(kind);
-  __m512 y[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) y[r][v] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int v = 0; v < V; ++v)
-      for (int64_t l = 0; l < j.pbb; l += 64) _mm_prefetch((const char*)pan[v] + b * j.pbb + PF + l, _MM_HINT_T0);
-#pragma GCC unroll 2
-    for (int part = 0; part < parts(kind); ++part) {
-      __m512i acc[R][V];
-      for (int r = 0; r < R; ++r)
-        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-      for (int g = part * 8 / parts(kind); g < (part + 1) * 8 / parts(kind); ++g) {
-        __m512i w[V];
-        for (int v = 0; v < V; ++v) w[v] = group512<kind>(pan[v] + b * j.pbb + so + g * gb);
-        for (int r = 0; r < R; ++r) {
-          int32_t x4;
-          std::memcpy(&x4, j.x->q.data() + (t0 + r) * j.K + b * QK + 4 * g, 4);
-          const __m512i xv = _mm512_set1_epi32(x4);
-          for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], w[v], xv);
-        }
-      }
-      for (int v = 0; v < V; ++v) {
-        const uint8_t* sc = pan[v] + b * j.pbb;
-        const __m512 d = f32_scales(kind) ? _mm512_loadu_ps((const float*)(sc + 64 * part))
-                                          : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sc));
-        const __m512 m = kind == KQ4 ? _mm512_loadu_ps((const float*)(sc + 64))
-                         : kind == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + 32))) : d;
-        for (int r = 0; r < R; ++r) {
-          const int64_t i = (t0 + r) * nb + b;
-          const int32_t sq = part_sum<kind>(*j.x, i, part);
-          const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], _mm512_set1_epi32(offset_times<kind>(sq, true))));
-          y[r][v] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(j.x->dx[i])), y[r][v]);
-          if (has_min(kind)) y[r][v] = _mm512_fmadd_ps(m, _mm512_set1_ps(j.x->dx[i] * (float)sq), y[r][v]);
-        }
-      }
-    }
+// into `r` (reused across calls: a step makes ~120 of them)
+void quantize_rows(const float* X, int64_t T, int64_t K, Rows& r) {
+  r.q.resize(T * K);
+  r.dx.resize(T * K / QK);
+  r.sq.resize(T * K / QK);
+  r.sq16.resize(T * K / QK);
+  r.dxsq.resize(T * K / QK);
+  if (has_avx2()) {
+    for (int64_t i = 0; i < T * K / QK; ++i) quantize_block(X + i * QK, r.q.data() + i * QK, r.dx[i], r.sq[i], r.sq16[i]);
+  } else {
+    quantize_scalar(X, T, K, r);
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) {
-      const int64_t n = (pan[v] - j.W) / (nb * j.pbb) * P;
-      __m512 out = y[r][v];
-      if (j.B) out = _mm512_add_ps(out, _mm512_loadu_ps(j.B + n));
-      _mm512_storeu_ps(j.Y + (t0 + r) * j.N + n, out);
-    }
-}
-
-// ---- AVX2: a panel is two vectors (outputs 0-7, 8-15); maddubs + madd make the int32 sums ----
-template <int64_t kind>
-AVX2 inline void group256(const uint8_t* g, __m256i* w) {
-  if (kind == KQ6) {  // q + 32 <= 63: unsigned as the nibbles
-    w[0] = _mm256_loadu_si256((const __m256i*)g);
-    w[1] = _mm256_loadu_si256((const __m256i*)(g + 32));
-    return;
-  }
-  if (kind == Q8_0) {  // back to signed q: maddubs takes |q| and moves the sign onto x
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
-    w[0] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)g), flip);
-    w[1] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(g + 32)), flip);
-    return;
-  }
-  const __m256i p = _mm256_loadu_si256((const __m256i*)g), m = _mm256_set1_epi8(15);
-  w[0] = _mm256_and_si256(p, m);
-  w[1] = _mm256_and_si256(_mm256_srli_epi16(p, 4), m);
-}
-
-template <int64_t kind>
-AVX2 inline __m256i dot256(__m256i w, __m256i xv) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  if (kind == Q8_0)  // |q| <= 128, |x| <= 127: a pair sums to at most 32512, no int16 saturation
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), ones);
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);  // q <= 63: pairs <= 16002
-}
-
-template <int64_t kind, int R>
-AVX2 void rows256(const Job& j, int64_t t0, const uint8_t* pan) {
-  const int64_t nb = j.K / QK, so = scale_bytes(kind), gb = group_bytes(kind);
-  __m256 y[R][2];
-  for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t l = 0; l < j.pbb; l += 64) _mm_prefetch((const char*)pan + b * j.pbb + PF + l, _MM_HINT_T0);
-#pragma GCC unroll 2
-    for (int part = 0; part < parts(kind); ++part) {
-      __m256i acc[R][2];
-      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-      for (int g = part * 8 / parts(kind); g < (part + 1) * 8 / parts(kind); ++g) {
-        __m256i w[2];
-        group256<kind>(pan + b * j.pbb + so + g * gb, w);
-        for (int r = 0; r < R; ++r) {
-          int32_t x4;
-          std::memcpy(&x4, j.x->q.data() + (t0 + r) * j.K + b * QK + 4 * g, 4);
-          const __m256i xv = _mm256_set1_epi32(x4);
-          for (int h = 0; h < 2; ++h)  // 4-bit q: int16 sums, widened once a block (below)
-            acc[r][h] = byte_quants(kind) ? _mm256_add_epi32(acc[r][h], dot256<kind>(w[h], xv))
-                                          : _mm256_add_epi16(acc[r][h], _mm256_maddubs_epi16(w[h], xv));
-        }
-      }
-      if (!byte_quants(kind))  // q <= 15, |x| <= 127: 16 products a lane, |sum| <= 30480, no saturation
-        for (int r = 0; r < R; ++r)
-          for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_madd_epi16(acc[r][h], _mm256_set1_epi16(1));
-      const uint8_t* sc = pan + b * j.pbb;
-      for (int h = 0; h < 2; ++h) {
-        const __m256 d = f32_scales(kind) ? _mm256_loadu_ps((const float*)(sc + 64 * part + 32 * h))
-                                          : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 16 * h)));
-        const __m256 m = kind == KQ4 ? _mm256_loadu_ps((const float*)(sc + 64 + 32 * h))
-                         : kind == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 32 + 16 * h))) : d;
-        for (int r = 0; r < R; ++r) {
-          const int64_t i = (t0 + r) * nb + b;
-          const int32_t sq = part_sum<kind>(*j.x, i, part);
-          const __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][h], _mm256_set1_epi32(offset_times<kind>(sq, false))));
-          y[r][h] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_set1_ps(j.x->dx[i])), y[r][h]);
-          if (has_min(kind)) y[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(j.x->dx[i] * (float)sq), y[r][h]);
-        }
-      }
-    }
-  }
-  const int64_t n = (pan - j.W) / (nb * j.pbb) * P;
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) {
-      __m256 out = y[r][h];
-      if (j.B) out = _mm256_add_ps(out, _mm256_loadu_ps(j.B + n + 8 * h));
-      _mm256_storeu_ps(j.Y + (t0 + r) * j.N + n + 8 * h, out);
-    }
+  for (int64_t i = 0; i < T * K / QK; ++i) r.dxsq[i] = r.dx[i] * (float)r.sq[i];  // what a min multiplies
 }
 
 constexpr int RG512 = 4, RG256 = 4;  // rows a pass (the rest of a verify re-reads the panels from L1 / L2)
@@ -265,6 +103,12 @@ constexpr int RG512 = 4, RG256 = 4;  // rows a pass (the rest of a verify re-rea
 // 1 MiB 4.9 / 9.3 / 14.8, always split 4.9 / 9.7 / 15.6, within ~5% noise of each other; without
 // -fopenmp (before 2026-11-27) the split was a serial loop: 5.6 / 12.3 / 19.6 at any threshold
 constexpr int64_t SPLIT_WORK = 256 << 10;
+
+template <int64_t kind, int R, int V>
+void pass512(const Job& j, int64_t t0, const uint8_t* const* pan) {
+  if (byte_quants(kind)) rows512<kind, R, V>(j, t0, pan);
+  else nib512<kind, R, V>(j, t0, pan);
+}
 
 template <int64_t kind>
 void run(const Job& j, int64_t panels, int64_t isa) {
@@ -277,7 +121,7 @@ void run(const Job& j, int64_t panels, int64_t isa) {
         const bool pair = 2 * u + 1 < panels;
         for (int64_t t = 0; t < j.T; t += RG512) {
           const int64_t rows = std::min<int64_t>(RG512, j.T - t);
-#define SPECSTOP_R(r) case r: pair ? rows512<kind, r, 2>(j, t, pan) : rows512<kind, r, 1>(j, t, pan); break;
+#define SPECSTOP_R(r) case r: pair ? pass512<kind, r, 2>(j, t, pan) : pass512<kind, r, 1>(j, t, pan); break;
           switch (rows) { SPECSTOP_R(1) SPECSTOP_R(2) SPECSTOP_R(3) SPECSTOP_R(4) }
 #undef SPECSTOP_R
         }
@@ -299,14 +143,12 @@ void run(const Job& j, int64_t panels, int64_t isa) {
   }
 }
 
-// GGUF blocks -> this file's panels: groups of 4 k, 16 outputs x 4 k output-major in each
+// GGUF blocks -> this file's panels (quant_q8_kernels.h): lane o holds 4 k of output o
 at::Tensor pack_q8(const at::Tensor& w, int64_t kind, int64_t K) {
-  const int64_t gb = group_bytes(kind);
-  return pack_panels(w, kind, K, [kind, gb](uint8_t* q, int64_t o, int k, int v) {
-    const int64_t i = o * 4 + (k & 3);  // value index inside group k / 4
-    uint8_t* g = q + (k >> 2) * gb;
-    if (byte_quants(kind)) g[i] = (uint8_t)(v + (kind == Q8_0 ? 128 : 32));
-    else g[i & 31] |= (uint8_t)(v << (i < 32 ? 0 : 4));
+  return pack_panels(w, kind, K, [kind](uint8_t* q, int64_t o, int k, int v) {
+    const int64_t lane = o * 4 + (k & 3);
+    if (byte_quants(kind)) q[(k >> 2) * 64 + lane] = (uint8_t)(v + (kind == Q8_0 ? 128 : 32));
+    else q[(k >> 3) * 64 + lane] |= (uint8_t)(v << ((k >> 2) & 1 ? 4 : 0));  // pair k / 8, odd group high
   });
 }
 
@@ -315,11 +157,11 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t kind, int
   const int64_t pbb = panel_block_bytes(kind);
   check_linear(x, w, kind, K, "quant linear_q8");
   const int64_t T0 = x.size(0);
-  // auto: up to 3 rows run faster on the AVX2 path here (2-core AVX512-VNNI EPYC, a step's 121
-  // linears streamed from memory, 1 thread, AVX2 vs AVX512: 3.4 vs 4.2 ms at 1 row, 3.7 vs 5.1 at
-  // 2, 4.9 vs 5.5 at 3, 6.4 vs 5.7 at 4, 12.4 vs 8.8 at 8; 2 threads: 2.6 / 3.2, 3.1 / 3.2 at 3,
-  // 3.6 / 3.5 at 4); both give the same bits
-  isa = isa == 0 && has_avx512() ? (T0 <= 3 ? 1 : 2) : resolve_isa(isa);
+  // auto: 1-2 rows run faster on the AVX2 path here (2-core AVX512-VNNI EPYC, a step's 121
+  // linears streamed from memory, 1 thread, AVX2 vs AVX512: 2.6 vs 3.7 ms at 1 row, 3.4 vs 4.2 at
+  // 2, 4.8 vs 4.4 at 3, 6.0 vs 4.2 at 4, 11.8 vs 6.7 at 8; 2 threads: 2.3 / 2.5 at 1, 2.2 / 2.6
+  // at 2, 2.8 / 2.7 at 3, 3.5 / 2.9 at 4); both give the same bits
+  isa = isa == 0 && has_avx512() ? (T0 <= 2 ? 1 : 2) : resolve_isa(isa);
   const at::Tensor xc = x.contiguous();
   at::Tensor b;
   if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
