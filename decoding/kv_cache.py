@@ -39,6 +39,10 @@ def _growing_layer_class():
             """For a kernel that writes `t` new keys and values itself (like: the new keys, or
             any [B, KV, t, D] tensor of their dtype): (key buffer, value buffer, where the cached
             rows start in them, how many there are); then `grown(t)`."""
+            fast = getattr(self, "_fast", None)  # what the last grown() left, while nothing replaced it
+            if fast is not None and fast[0] is self.keys and fast[1] is self.values \
+                    and fast[2] + fast[3] + t <= self._kb.shape[-2]:
+                return self._kb, self._vb, fast[2], fast[3]
             if not self.is_initialized:
                 self.lazy_initialization(like, like)
             self.keys, self._kb, start = _room(self.keys, getattr(self, "_kb", None), like, t)
@@ -49,6 +53,8 @@ def _growing_layer_class():
             """The kernel wrote its rows: the views cover `length` rows from `start`."""
             self.keys = self._kb.narrow(-2, start, length)
             self.values = self._vb.narrow(-2, start, length)
+            # a kernel's next room() needs no storage checks (a Python call per layer and request)
+            self._fast = (self.keys, self.values, start, length)
 
     return GrowingLayer
 
@@ -166,6 +172,8 @@ def keep_path(cache, start: int, path: Sequence[int], fed: int, front: Sequence[
         if not layer.is_initialized:
             continue
         s = start - front[n] if front else start
+        if not kept and layer.keys.shape[-2] == s:  # nothing to move or cut (a plain round)
+            continue
         if kept:
             idx = torch.tensor(kept, device=layer.keys.device) + s
             # advanced indexing copies first, so the in-place write cannot alias its source

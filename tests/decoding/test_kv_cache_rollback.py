@@ -40,6 +40,26 @@ def test_append_after_a_cut_overwrites_the_dropped_rows_only():
     assert buf4 is not buf and torch.equal(view4[..., :3, :], other) and (view4[..., 3, :] == 1).all()
 
 
+def test_room_after_a_kernel_write_and_after_a_rollback():
+    """room() skips its storage checks only while the views grown() left are the layer's: a
+    rollback (a new view) or a full buffer takes the checked path."""
+    model = tiny_llama(0, vocab=32, layers=1)
+    layer = new_cache(model).layers[0]
+    like = _kv(1)
+    kb, vb, start, n = layer.room(like, 5)
+    kb[..., start:start + 5, :] = _kv(5, seed=1)
+    layer.grown(start, n + 5)
+    kb2, _, start2, n2 = layer.room(like, 1)  # the fast path: same buffer, the same offsets
+    assert kb2 is kb and (start2, n2) == (start, 5)
+    layer.keys, layer.values = layer.keys[..., :3, :], layer.values[..., :3, :]  # keep_path / crop
+    _, _, start3, n3 = layer.room(like, 1)
+    assert (start3, n3) == (start, 3)
+    layer.grown(start3, 3)
+    kb4, _, _, n4 = layer.room(like, kb.shape[-2])  # no room left: a bigger buffer, the rows copied
+    assert kb4 is not kb and kb4.shape[-2] >= 3 + kb.shape[-2] and n4 == 3
+    assert torch.equal(layer.keys, kb[..., start:start + 3, :])
+
+
 def test_the_engine_cache_on_growing_layers_equals_a_fresh_forward():
     """Feed, keep a path, crop and cut as rounds do; logits of the next token equal those of one
     forward over the committed sequence."""
