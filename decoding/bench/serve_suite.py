@@ -4,8 +4,10 @@ and the load test (`--suite serve-load`: 8 clients x 50 requests, mixed lengths,
 
 Every server is a subprocess on a loopback port, driven over HTTP by client threads, each client
 sending its share of the held-out chat prompts one after another, greedy, streamed (time to first
-token, time per token after it). Every server is up at once and each repeat runs every row in turn,
-so a drift of the shared machine's speed hits all rows alike:
+token, time per token after it). Each repeat starts its own servers, all up at once, and runs every
+row in turn: a drift of the shared machine's speed hits all rows alike, and each row's spread
+includes the process's own (two processes of one server ran 15-20% apart for their whole lives
+here, 2026-11-28; repeats on one process hid that):
   ours, joint        decoding.serve, one grow budget across requests (the default)
   ours, independent  decoding.serve --budget independent
   ours, ar           decoding.serve --strategy ar (plain decoding, batched)
@@ -154,21 +156,21 @@ def serve_suite(clients: list[int], prompts: int, new_tokens: int, threads: int 
                                                                          Path(head_gguf), parallel=n)
     out = {"clients": clients, "prompts": len(texts), "new_tokens": new_tokens, "threads": threads,
            "repeats": repeats, "runs": []}
-    servers: dict = {}
-    try:  # every server up at once (idle ones wait on a condition): the repeats interleave the rows
-        for name, cmd in rows.items():
-            progress(f"[serve] starting {name}")
-            servers[name] = cmd() if callable(cmd) else Server(name, cmd)
-            ask(servers[name].port, "specstop", texts[0], 4)  # warm-up: kernels, caches, the cost curve
-        for rep in range(repeats):
+    for rep in range(repeats):
+        servers: dict = {}
+        try:  # every server up at once (idle ones wait on a condition), fresh each repeat
+            for name, cmd in rows.items():
+                progress(f"[serve] starting {name} (repeat {rep})")
+                servers[name] = cmd() if callable(cmd) else Server(name, cmd)
+                ask(servers[name].port, "specstop", texts[0], 4)  # warm-up: kernels, caches, the cost curve
             for name, srv in servers.items():
                 for n in clients if not name.startswith("llama") else [int(name.rsplit(" ", 1)[1])]:
                     r = drive(srv.port, texts, n, new_tokens, count)
                     out["runs"].append({"row": name, "repeat": rep, **r})
                     progress(f"[serve] {name} clients={n} rep={rep}: {r['tok_s']} tok/s, errors {len(r['errors'])}")
-    finally:
-        for srv in servers.values():
-            srv.close()
+        finally:
+            for srv in servers.values():
+                srv.close()
     return out
 
 
@@ -218,7 +220,7 @@ def serve_markdown(res: dict) -> str:
     lines = ["# Serving: concurrent clients, our server vs llama-server", "",
              f"{res['prompts']} held-out chat prompts shared round-robin by the clients, greedy, "
              f"{res['new_tokens']} new tokens, {res['threads'] or 'all'} threads, {res['repeats']} repeats "
-             "(every server up at once, each repeat running every row in turn); tokens/s = completion tokens / wall from first send to last answer, median "
+             "(each repeat starts its own servers, all up at once, and runs every row in turn); tokens/s = completion tokens / wall from first send to last answer, median "
              "[min, max] over repeats; x = over `ours, one by one` at the same clients.", "",
              "| row @ clients | tok/s [min, max] | x one-by-one | TTFT p50 / p90 ms | per token p50 / p90 ms | errors |",
              "|---|---|---|---|---|---|"]
