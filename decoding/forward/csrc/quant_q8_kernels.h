@@ -84,6 +84,15 @@ AVX512 inline void store512(const Job& j, int64_t t0, const uint8_t* const* pan,
     }
 }
 
+// block b of each panel, its lines PF bytes on fetched ahead (the hardware prefetcher stops at pages)
+template <int V>
+AVX512 inline void block512(const Job& j, const uint8_t* const* pan, int64_t b, const uint8_t** blk) {
+  for (int v = 0; v < V; ++v) {
+    blk[v] = pan[v] + b * j.pbb;
+    for (int64_t l = 0; l < j.pbb; l += 64) _mm_prefetch((const char*)blk[v] + PF + l, _MM_HINT_T0);
+  }
+}
+
 // byte kinds: a group is one load
 template <int64_t kind, int R, int V>
 AVX512 void rows512(const Job& j, int64_t t0, const uint8_t* const* pan) {
@@ -93,10 +102,7 @@ AVX512 void rows512(const Job& j, int64_t t0, const uint8_t* const* pan) {
     for (int v = 0; v < V; ++v) y[r][v] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk[V];
-    for (int v = 0; v < V; ++v) {
-      blk[v] = pan[v] + b * j.pbb;
-      for (int64_t l = 0; l < j.pbb; l += 64) _mm_prefetch((const char*)blk[v] + PF + l, _MM_HINT_T0);
-    }
+    block512<V>(j, pan, b, blk);
 #pragma GCC unroll 2
     for (int part = 0; part < parts(kind); ++part) {
       __m512i acc[R][V];
@@ -128,10 +134,7 @@ AVX512 void nib512(const Job& j, int64_t t0, const uint8_t* const* pan) {
     for (int v = 0; v < V; ++v) y[r][v] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk[V];
-    for (int v = 0; v < V; ++v) {
-      blk[v] = pan[v] + b * j.pbb;
-      for (int64_t l = 0; l < j.pbb; l += 64) _mm_prefetch((const char*)blk[v] + PF + l, _MM_HINT_T0);
-    }
+    block512<V>(j, pan, b, blk);
     __m512i acc[R][V];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_si512();
