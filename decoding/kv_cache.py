@@ -35,14 +35,61 @@ def _growing_layer_class():
             self.values, self._vb = append_kv(self.values, getattr(self, "_vb", None), value_states)
             return self.keys, self.values
 
+        _span: tuple[int, int] | None = None
+        """(start, length) of the views in the buffers that grown() recorded and nothing has read
+        or replaced since: made into `keys` / `values` on first use (a kernel call a layer and
+        request would otherwise make two views nobody reads before the next round)."""
+
+        @property
+        def keys(self):
+            if self._span is not None:
+                self._views()
+            return self._keys
+
+        @keys.setter
+        def keys(self, t):
+            if self._span is not None:
+                self._views()
+            self._keys = t
+
+        @property
+        def values(self):
+            if self._span is not None:
+                self._views()
+            return self._values
+
+        @values.setter
+        def values(self, t):
+            if self._span is not None:
+                self._views()
+            self._values = t
+
+        def _views(self):
+            start, n = self._span
+            self._span = None
+            self._keys, self._values = self._kb.narrow(-2, start, n), self._vb.narrow(-2, start, n)
+
+        @property
+        def rows(self) -> int:
+            """Cached rows, without making the views."""
+            if self._span is not None:
+                return self._span[1]
+            return self._keys.shape[-2] if self._keys is not None and self._keys.dim() > 1 else 0
+
+        def cut(self, n: int) -> None:
+            """Keep the first `n` cached rows."""
+            if self._span is not None:
+                self._span = (self._span[0], n)
+            else:
+                self.keys, self.values = self.keys[..., :n, :], self.values[..., :n, :]
+
         def room(self, like: torch.Tensor, t: int):
             """For a kernel that writes `t` new keys and values itself (like: the new keys, or
             any [B, KV, t, D] tensor of their dtype): (key buffer, value buffer, where the cached
             rows start in them, how many there are); then `grown(t)`."""
-            fast = getattr(self, "_fast", None)  # what the last grown() left, while nothing replaced it
-            if fast is not None and fast[0] is self.keys and fast[1] is self.values \
-                    and fast[2] + fast[3] + t <= self._kb.shape[-2]:
-                return self._kb, self._vb, fast[2], fast[3]
+            span = self._span  # what the last grown() left, while nothing read or replaced it
+            if span is not None and span[0] + span[1] + t <= self._kb.shape[-2]:
+                return self._kb, self._vb, span[0], span[1]
             if not self.is_initialized:
                 self.lazy_initialization(like, like)
             self.keys, self._kb, start = _room(self.keys, getattr(self, "_kb", None), like, t)
@@ -50,11 +97,9 @@ def _growing_layer_class():
             return self._kb, self._vb, start, self.keys.shape[-2] if self.keys.dim() == like.dim() else 0
 
         def grown(self, start: int, length: int):
-            """The kernel wrote its rows: the views cover `length` rows from `start`."""
-            self.keys = self._kb.narrow(-2, start, length)
-            self.values = self._vb.narrow(-2, start, length)
-            # a kernel's next room() needs no storage checks (a Python call per layer and request)
-            self._fast = (self.keys, self.values, start, length)
+            """The kernel wrote its rows: the views cover `length` rows from `start` (made when
+            first read)."""
+            self._span = (start, length)
 
     return GrowingLayer
 
@@ -172,6 +217,10 @@ def keep_path(cache, start: int, path: Sequence[int], fed: int, front: Sequence[
         if not layer.is_initialized:
             continue
         s = start - front[n] if front else start
+        if not kept and hasattr(layer, "cut"):  # a growing layer: no view made (a plain round)
+            if layer.rows != s:
+                layer.cut(s)
+            continue
         if not kept and layer.keys.shape[-2] == s:  # nothing to move or cut (a plain round)
             continue
         if kept:

@@ -109,14 +109,18 @@ def verify_many(model, segments: list[Segment]) -> list[torch.Tensor]:
     one = _one_call_masks(model, segments, spans, masks)
     if one is not None:  # every layer in one kernel call (the weights read once, per-request attention inside)
         x, pe = x[0], tuple(c.reshape(x.shape[1], -1).contiguous() for c in pe)
-    for i, layer in enumerate(model.model.layers):
-        if i in want:
-            got[i] = x if one is not None else x[0]
-        if one is not None:
-            x = _one_call_layer(layer, x, pe, segments, spans, one)
-            continue
-        body = _lean_layer if hasattr(layer, "_lean") else _reference_layer
-        x = body(layer, x, pe, segments, spans, masks)
+    if one is not None and _stack(model) is not None:
+        x, caps = _one_call_stack(model, x, pe, segments, spans, one, want)
+        got = dict(zip(want, caps))
+    else:
+        for i, layer in enumerate(model.model.layers):
+            if i in want:
+                got[i] = x if one is not None else x[0]
+            if one is not None:
+                x = _one_call_layer(layer, x, pe, segments, spans, one)
+                continue
+            body = _lean_layer if hasattr(layer, "_lean") else _reference_layer
+            x = body(layer, x, pe, segments, spans, masks)
     x = x[None] if one is not None else x
     keep = torch.cat([torch.arange(b - s.kept, b) for s, (a, b, _, _) in zip(segments, spans)]).to(dev)
     logits = model.lm_head(model.model.norm(x[:, keep]))[0].float()
@@ -187,6 +191,44 @@ def _one_call_layer(layer, x, pe, segments, spans, masks):
     for c, g, (lo, hi, *_) in zip(rooms, got, spans):
         c.grown(g[2], g[3] + hi - lo)
     return y
+
+
+def _stack(model) -> dict | None:
+    """What `decoder_stack_segments` takes of every layer, laid out layer after layer (built once
+    per lean binding), or None where the layers do not all run one-call on one library."""
+    fs = [getattr(layer, "_lean", None) for layer in model.model.layers]
+    if not fs or any(not f or not f.get("one_call") for f in fs):
+        return None
+    if "stack" not in fs[0]:
+        ops = fs[0]["ops"]
+        ok = all(f["ops"] is ops and f["scaling"] == fs[0]["scaling"] for f in fs) \
+            and hasattr(ops, "decoder_stack_segments")
+        fs[0]["stack"] = dict(
+            op=ops.decoder_stack_segments, w=[t for f in fs for t in f["weights"]], bias=[f["qkv"].bias for f in fs],
+            dims=[d for f in fs for d in (1, *f["dims"])], eps1=[float(f["norm1"][1]) for f in fs],
+            eps2=[float(f["norm2"][1]) for f in fs], scale=fs[0]["scaling"],
+            rooms=[(f["layer"], f["kv_like"]) for f in fs]) if ok else None
+    return fs[0]["stack"]
+
+
+def _one_call_stack(model, x, pe, segments, spans, masks, want):
+    """Every layer of every segment in one `decoder_stack_segments` call: what _one_call_layer
+    does a layer, bit for bit, without a trip through Python a layer. Returns (x, the inputs of
+    the layers in `want`)."""
+    st = _stack(model)
+    rows = [hi - lo for lo, hi, *_ in spans]
+    caches = [s.cache.cache.layers for s in segments]
+    rooms, got = [], []
+    for layer, like in st["rooms"]:
+        for c, t in zip(caches, rows):
+            rooms.append(c[layer])
+            got.append(c[layer].room(like, t))
+    y, caps = st["op"](x, *pe, [g[0] for g in got], [g[1] for g in got], [g[2] for g in got],
+                       [g[3] for g in got], rows, masks, st["w"], st["bias"], st["dims"], st["eps1"],
+                       st["eps2"], st["scale"], want)
+    for c, g, t in zip(rooms, got, rows * len(st["rooms"])):
+        c.grown(g[2], g[3] + t)
+    return y, caps
 
 
 def _reference_layer(layer, x, pe, segments, spans, masks):

@@ -207,6 +207,9 @@ TORCH_LIBRARY_FRAGMENT(specstop_quant, m) {
   m.def("decoder_layer_segments(Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] kbufs, Tensor(b!)[] vbufs, "
         "int[] starts, int[] ns, int[] rows, Tensor?[] masks, Tensor[] w, Tensor? qkv_bias, int[] dims, "
         "float eps1, float eps2, float scale) -> Tensor");
+  m.def("decoder_stack_segments(Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] kbufs, Tensor(b!)[] vbufs, "
+        "int[] starts, int[] ns, int[] rows, Tensor?[] masks, Tensor[] w, Tensor?[] qkv_bias, int[] dims, "
+        "float[] eps1, float[] eps2, float scale, int[] capture) -> (Tensor, Tensor[])");
 }
 TORCH_LIBRARY_IMPL(specstop_quant, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
@@ -214,4 +217,5 @@ TORCH_LIBRARY_IMPL(specstop_quant, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("decoder_layer", &decoder_layer);
   m.impl("decoder_layer_segments", &decoder_layer_segments);
+  m.impl("decoder_stack_segments", &decoder_stack_segments<&decoder_layer_segments>);
 }
