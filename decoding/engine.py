@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from decoding import acceptance as acc
+from decoding.batch.forward import feed_one
 from decoding.forward.static import cached_model
 from decoding.proposers import DraftTree, TreeProposer, empty_tree
 from decoding.sampling import SamplingConfig, argmax_rows, warp
@@ -67,7 +68,7 @@ class SpeculativeEngine:
             tree = self._propose(committed, gen, anchor_p, len(committed) - n0)  # propose
             t1 = time.perf_counter()
             with self._verifying():
-                logits, _ = self.target.feed(committed, tree.layout, tree.tokens, 0, tree.size)  # verify
+                logits = feed_one(self.target, committed, tree.layout, tree.tokens)          # verify
             t2 = time.perf_counter()
             out = self._decide(tree, logits, gen)                                      # decide
             if self.observer is not None and tree.size:

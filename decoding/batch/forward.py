@@ -134,6 +134,25 @@ def verify_many(model, segments: list[Segment]) -> list[torch.Tensor]:
     return out
 
 
+def feed_one(cache: CachedModel, committed: list[int], layout: TreeLayout, tokens: list[int]) -> torch.Tensor:
+    """The batch-1 engine's verify: `cache.feed(committed, layout, tokens, 0, len(tokens))[0]`,
+    through verify_many where the target's lean layers take the whole-stack call (one kernel call
+    for every layer, not transformers' model forward and a Python call a layer), else feed itself.
+    Under capture_aux the layer inputs a feature head reads are published as taps, as the static
+    forward publishes them (its hooks do not run here)."""
+    model = cache.model
+    if type(cache) is not CachedModel or cache.plan.window is not None or stackable(model) is not None \
+            or _stack(model) is None:
+        return cache.feed(committed, layout, tokens, 0, len(tokens))[0]
+    layers = tuple(getattr(model, "_specstop_capturing", ()) or ())
+    seg = Segment(cache, list(committed), layout, list(tokens), capture=layers)
+    logits = verify_many(model, [seg])[0]
+    if layers:
+        c = seg.captured.shape[-1] // len(layers)
+        model._specstop_taps = {i: seg.captured[None, :, k * c:(k + 1) * c] for k, i in enumerate(layers)}
+    return logits
+
+
 def _one(model, s: Segment) -> torch.Tensor:
     """The fallback: this request's own forward (CachedModel.feed), capturing by pre-hooks."""
     if not s.capture:

@@ -73,3 +73,36 @@ def test_one_call_for_all_layers_equals_a_call_a_layer(blocks, monkeypatch):
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("draft", ["none", "head"])
+def test_the_batch1_engine_verifies_through_the_stack(draft, monkeypatch):
+    """decoding.engine's verify goes through the whole-stack call (feed_one) and gives what
+    transformers' model forward gives: the same tokens and, with a feature head reading the
+    target's layer inputs (published as taps, no hooks run), the same accepted lengths."""
+    from support.head import fit_head
+
+    from decoding.sampling import SamplingConfig
+    from decoding.strategies import StrategyConfig, build_engine
+
+    target = tiny_llama(0, vocab=40, layers=4, hidden=32, scale=6)
+    head = fit_head(target) if draft == "head" else None
+    set_forward(target, "lean")
+    cfg = StrategyConfig(strategy="ti-mcsd", width=3, depth=4) if head else StrategyConfig(strategy="ar")
+    runs = []
+    for stacked in (True, False):
+        calls = []
+        real = batch_forward._one_call_stack
+        monkeypatch.setattr(batch_forward, "_one_call_stack", lambda *a, c=calls, f=real: c.append(1) or f(*a))
+        if not stacked:
+            monkeypatch.setattr(batch_forward, "_stack", lambda model: None)
+        eng = build_engine(target, head, cfg, SamplingConfig(temperature=0.0))
+        runs.append([eng.generate(p, 24) for p in ([1, 5, 7], [9, 9, 4, 4, 11, 30, 17])])
+        monkeypatch.undo()
+        assert bool(calls) == stacked
+    (a, b) = runs
+    for (out_a, st_a), (out_b, st_b) in zip(a, b):
+        assert out_a == out_b
+        assert st_a.accepted_lengths == st_b.accepted_lengths
+        if head is not None:
+            assert st_a.accepted > 0
