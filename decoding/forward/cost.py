@@ -70,13 +70,15 @@ on a 2-core Xeon: about 42 ms for 3 tokens, 57 for 4), then sparser (the curve i
 
 
 @torch.inference_mode()
-def time_forwards(model, sizes, repeats: int = 3, context: int = 256) -> list[float]:
-    """Median ms of one CachedModel.feed of n NEW TOKENS after `context` tokens, for each n: the
-    pending committed token plus n - 1 tree nodes (n = 1 is a plain decoding step), the unit
-    the cost curve is read in (`target(1 + nodes)`). Sizes are interleaved within each repeat,
-    so a burst of load hits several sizes once; the first pass warms up and is dropped; the
-    result is made non-decreasing in n."""
+def time_forwards(model, sizes, repeats: int = 3, context: int = 256, verify: bool = True) -> list[float]:
+    """Median ms of one forward of n NEW TOKENS after `context` tokens, for each n: the pending
+    committed token plus n - 1 tree nodes (n = 1 is a plain decoding step), the unit the cost
+    curve is read in (`target(1 + nodes)`); `verify`: as the engine verifies (batch.forward.feed_one:
+    the whole-stack call where it runs), else as a draft model is fed (CachedModel.feed). Sizes are
+    interleaved within each repeat, so a burst of load hits several sizes once; the first pass
+    warms up and is dropped; the result is made non-decreasing in n."""
     from decoding.forward.static import cached_model
+    from decoding.batch.forward import feed_one
     from decoding.drafts.feature import FeatureDraft
     from decoding.tree import TreeLayout, layout_from_k_config
 
@@ -98,7 +100,8 @@ def time_forwards(model, sizes, repeats: int = 3, context: int = 256) -> list[fl
             lay = layout_from_k_config([n - 1]) if n > 1 else TreeLayout(())
             seq.append((10 + len(seq)) % vocab)
             t = time.perf_counter()
-            m.feed(seq, lay, [(1 + i) % vocab for i in range(n - 1)], 0, n - 1)
+            toks = [(1 + i) % vocab for i in range(n - 1)]
+            feed_one(m, seq, lay, toks) if verify else m.feed(seq, lay, toks, 0, n - 1)
             times[n].append(1000 * (time.perf_counter() - t))
             m.commit([], n - 1)  # drop the nodes, keep the pending token
     return monotone([float(np.median(times[n][1:])) for n in sizes])
@@ -137,4 +140,5 @@ def _time_feature_head(head, sizes, repeats: int, context: int) -> list[float]:
 def measure_cost(target, draft, sizes=COST_SIZES, repeats: int = 3) -> CostCurve:
     """This machine's cost curve, in the dtype the models are in (~10-30 s on a CPU)."""
     sizes = list(sizes)
-    return CostCurve(sizes, time_forwards(target, sizes, repeats), time_forwards(draft, sizes, repeats), unit=TOKENS)
+    return CostCurve(sizes, time_forwards(target, sizes, repeats), time_forwards(draft, sizes, repeats, verify=False),
+                     unit=TOKENS)

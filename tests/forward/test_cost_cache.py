@@ -65,7 +65,7 @@ def test_a_hit_is_trusted_and_re_timed_only_when_asked(tmp_path, monkeypatch):
     today = {n: 30.0 + n for n in range(1, 65)}
     calls = []
 
-    def fake(model, sizes, repeats=3, context=256):
+    def fake(model, sizes, repeats=3, context=256, verify=True):
         calls.append(list(sizes))
         return [today[n] for n in sizes]
 
