@@ -82,9 +82,10 @@ template <class T>
 void rope_rows(const T* y, const T* cs, const T* sn, T* q, T* k, T* v, int64_t B, int64_t Tn, int64_t H,
                int64_t KV, int64_t D) {
   const int64_t W = (H + 2 * KV) * D, half = D / 2;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < Tn; ++t) {
-      const int64_t r = b * Tn + t;
+  // a prompt's rows split across the threads (a step's few stay on one: no parallel region)
+  at::parallel_for(0, B * Tn, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / Tn, t = r % Tn;
       const T* yr = y + r * W;
       const T* c = cs + r * D;
       const T* s = sn + r * D;
@@ -102,6 +103,7 @@ void rope_rows(const T* y, const T* cs, const T* sn, T* q, T* k, T* v, int64_t B
         }
       }
     }
+  });
 }
 
 }  // namespace
@@ -151,9 +153,13 @@ at::Tensor silu_mul(const at::Tensor& g) {
   TORCH_CHECK(g.dim() == 2 && g.is_contiguous() && g.size(1) % 2 == 0, "silu_mul: contiguous g [R, 2I]");
   const int64_t R = g.size(0), I = g.size(1) / 2;
   at::Tensor out = at::empty({R, I}, g.options());
-  if (g.scalar_type() == at::kBFloat16) silu_mul_rows<at::BFloat16>(g.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), R, I);
-  else if (g.scalar_type() == at::kFloat) silu_mul_rows<float>(g.data_ptr<float>(), out.data_ptr<float>(), R, I);
-  else TORCH_CHECK(false, "silu_mul: bfloat16 or float32");
+  TORCH_CHECK(g.scalar_type() == at::kBFloat16 || g.scalar_type() == at::kFloat, "silu_mul: bfloat16 or float32");
+  at::parallel_for(0, R, 32, [&](int64_t r0, int64_t r1) {  // a prompt's rows across the threads
+    if (g.scalar_type() == at::kBFloat16)
+      silu_mul_rows<at::BFloat16>(g.data_ptr<at::BFloat16>() + r0 * 2 * I, out.data_ptr<at::BFloat16>() + r0 * I, r1 - r0, I);
+    else
+      silu_mul_rows<float>(g.data_ptr<float>() + r0 * 2 * I, out.data_ptr<float>() + r0 * I, r1 - r0, I);
+  });
   return out;
 }
 }  // namespace specstop

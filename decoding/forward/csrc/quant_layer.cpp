@@ -96,9 +96,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& y, con
              v = at::empty({B, KV, Tn, D}, y.options());
   const float *Y = y.data_ptr<float>(), *CS = cos.data_ptr<float>(), *SN = sin.data_ptr<float>();
   float *Q = q.data_ptr<float>(), *K = k.data_ptr<float>(), *V = v.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < Tn; ++t) {
-      const int64_t r = b * Tn + t;
+  // a prompt's rows split across the threads (a step's few stay on one: no parallel region)
+  at::parallel_for(0, B * Tn, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / Tn, t = r % Tn;
       const float *c = CS + r * D, *s = SN + r * D;
       for (int64_t h = 0; h < H + 2 * KV; ++h) {
         const float* src = Y + r * W + h * D;
@@ -111,6 +112,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& y, con
         }
       }
     }
+  });
   return {q, k, v};
 }
 
@@ -133,7 +135,12 @@ at::Tensor silu_mul(const at::Tensor& g) {
   TORCH_CHECK(g.dim() == 2 && g.is_contiguous() && g.scalar_type() == at::kFloat && g.size(1) % 2 == 0,
               "quant silu_mul: contiguous float32 g [R, 2I]");
   at::Tensor out = at::empty({g.size(0), g.size(1) / 2}, g.options());
-  silu_rows(g.data_ptr<float>(), out.data_ptr<float>(), g.size(0), g.size(1) / 2);
+  const float* G = g.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  const int64_t I = g.size(1) / 2;
+  at::parallel_for(0, g.size(0), 32, [&](int64_t r0, int64_t r1) {  // a prompt's rows across the threads
+    silu_rows(G + r0 * 2 * I, O + r0 * I, r1 - r0, I);
+  });
   return out;
 }
 
