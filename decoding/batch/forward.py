@@ -109,8 +109,9 @@ def verify_many(model, segments: list[Segment]) -> list[torch.Tensor]:
     one = _one_call_masks(model, segments, spans, masks)
     if one is not None:  # every layer in one kernel call (the weights read once, per-request attention inside)
         x, pe = x[0], tuple(c.reshape(x.shape[1], -1).contiguous() for c in pe)
-    if one is not None and _stack(model) is not None:
-        x, caps = _one_call_stack(model, x, pe, segments, spans, one, want)
+    st = _stack(model) if one is not None else None
+    if st is not None:
+        x, caps = _one_call_stack(st, x, pe, segments, spans, one, want)
         got = dict(zip(want, caps))
     else:
         for i, layer in enumerate(model.model.layers):
@@ -230,11 +231,10 @@ def _stack(model) -> dict | None:
     return fs[0]["stack"]
 
 
-def _one_call_stack(model, x, pe, segments, spans, masks, want):
-    """Every layer of every segment in one `decoder_stack_segments` call: what _one_call_layer
-    does a layer, bit for bit, without a trip through Python a layer. Returns (x, the inputs of
-    the layers in `want`)."""
-    st = _stack(model)
+def _one_call_stack(st: dict, x, pe, segments, spans, masks, want):
+    """Every layer of every segment in one `decoder_stack_segments` call (st: _stack's): what
+    _one_call_layer does a layer, bit for bit, without a trip through Python a layer. Returns (x,
+    the inputs of the layers in `want`)."""
     rows = [hi - lo for lo, hi, *_ in spans]
     caches = [s.cache.cache.layers for s in segments]
     rooms, got = [], []
