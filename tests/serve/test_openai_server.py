@@ -129,9 +129,22 @@ def test_bad_input_gets_one_error_and_the_server_goes_on(server):
                                      temperature=0).choices[0].text == alone(dec, "w1 w2 w3", 8)
 
 
-def test_a_client_that_leaves_mid_stream_is_cancelled_and_nothing_leaks(server):
+def test_a_client_that_leaves_mid_stream_is_cancelled_and_nothing_leaks(server, monkeypatch):
     dec, worker, client, port = server
     before = worker.counters.requests["cancelled"]
+    # After its first round the request waits until the server has heard the client leave, so it
+    # cannot end on its own first (a sampled end of text, or its last token on a fast machine)
+    gone, rounds, step, cancel = threading.Event(), [], worker.engine.step, worker.cancel
+
+    def held_step():
+        rounds.append(1)
+        if len(rounds) > 1 and not gone.is_set():
+            gone.wait(20)
+            return []  # no round: the next seam drops the cancelled request
+        return step()
+
+    monkeypatch.setattr(worker.engine, "step", held_step)
+    monkeypatch.setattr(worker, "cancel", lambda job: (cancel(job), gone.set()))
     conn = http.client.HTTPConnection("127.0.0.1", port)
     conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "w1 w2", "max_tokens": 50,
                                                         "stream": True, "temperature": 0.7}),
