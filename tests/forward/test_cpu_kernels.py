@@ -252,6 +252,31 @@ def test_row_attention_of_a_row_depends_on_its_visible_keys_only(dtype, H, KV, T
         torch.set_num_threads(before)
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N", [0, 13])
+def test_a_causal_prompt_row_equals_the_row_alone_over_its_keys(dtype, N):
+    """A prompt's causal block (after N cached keys): a task reads keys only up to the last one its
+    rows see, and tasks run in a zigzag order across threads. Row t equals the row attended alone
+    over keys [0, N + t], bit for bit, on 1 and 2 threads (70 rows x 3 query heads: 7 tasks)."""
+    g = torch.Generator().manual_seed(9 + N)
+    H, KV, T, D = 9, 3, 70, 64
+    q = torch.randn(1, H, T, D, generator=g).to(dtype)
+    k, v = (torch.randn(1, KV, N + T, D, generator=g).to(dtype) for _ in range(2))
+    visible = torch.ones(T, N + T, dtype=torch.bool).tril(N)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            both = torch.ops.specstop.row_attention(q, k, v, visible[None, None], 0.125)
+            for t in range(T):
+                alone = torch.ops.specstop.row_attention(q[:, :, t:t + 1].contiguous(), k[:, :, :N + t + 1],
+                                                         v[:, :, :N + t + 1], None, 0.125)
+                assert torch.equal(both[:, t], alone[:, 0]), (threads, t)
+    finally:
+        torch.set_num_threads(before)
+
+
 @needs_amx
 def test_bf16_verify_rows_equal_the_plain_steps_bit_for_bit(monkeypatch):
     """By default, with AMX linears, the row-wise kernels and row attention, a bf16 verify of a

@@ -21,6 +21,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "attention_mask.h"
 #include "attention_scores.h"
 #include "ops.h"
 #include "vec.h"
@@ -36,43 +37,6 @@ namespace {
 using namespace specstop_vec;
 
 constexpr int CH = 2;  // lane vectors (16 query rows each) per task
-
-template <class M> inline bool plain(M x) {  // visible with nothing added
-  if constexpr (std::is_same_v<M, bool>) return x;
-  else return to_f(x) == 0.0f;
-}
-template <class M> inline float additive(M x) {  // -inf: masked
-  if constexpr (std::is_same_v<M, bool>) return x ? 0.0f : -INFINITY;
-  else { const float f = to_f(x); return f <= -1e30f ? -INFINITY : f; }
-}
-
-// The mask of batch b, once per call: keys [0, full) are visible to every row with nothing added
-// (a verify's cached prefix); for the rest, add[(j - full) * TP + t] (TP: T padded by 16 lanes).
-struct MaskView {
-  int64_t full = 0, TP = 0;
-  std::vector<float> add;
-};
-
-template <class M>
-MaskView mask_view(const at::Tensor& mask, int64_t b, int64_t Tn, int64_t N) {
-  MaskView mv;
-  mv.TP = Tn + 16;
-  if (!mask.defined()) { mv.full = N; return mv; }
-  const M* base = mask.data_ptr<M>() + (mask.size(0) > 1 ? b * mask.stride(0) : 0);
-  const int64_t mt = mask.stride(2), mn = mask.stride(3);
-  int64_t full = N;
-  for (int64_t t = 0; t < Tn; ++t) {
-    const M* row = base + t * mt;
-    int64_t j = 0;
-    while (j < full && plain(row[j * mn])) ++j;
-    full = j;
-  }
-  mv.full = full;
-  mv.add.assign((size_t)(N - full) * mv.TP, 0.0f);
-  for (int64_t t = 0; t < Tn; ++t)
-    for (int64_t j = full; j < N; ++j) mv.add[(j - full) * mv.TP + t] = additive(base[t * mt + j * mn]);
-  return mv;
-}
 
 struct Scratch {  // per thread, reused across calls
   std::vector<float> S, QT, VF, KF;
@@ -90,11 +54,11 @@ Scratch& scratch() {
 template <class T, class M, int DV, class KT = T>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, double scale,
             bool tiles, at::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), Tn = q.size(2), D = q.size(3), KV = k.size(1), N = k.size(2);
+  const int64_t B = q.size(0), H = q.size(1), Tn = q.size(2), D = q.size(3), KV = k.size(1), NK = k.size(2);
   const int64_t rep = H / KV, NL = Tn * rep, chunk = 16 * CH, nch = (NL + chunk - 1) / chunk;
   constexpr int G = DV >= 16 ? 1 : 16 / DV;  // output rows per pass over the values
   std::vector<MaskView> mv;
-  for (int64_t b = 0; b < B; ++b) mv.push_back(mask_view<M>(mask, b, Tn, N));
+  for (int64_t b = 0; b < B; ++b) mv.push_back(mask_view<M>(mask, b, Tn, NK));
   const T* Q = q.data_ptr<T>();
   const KT* K = k.data_ptr<KT>();
   const KT* V = v.data_ptr<KT>();
@@ -103,9 +67,13 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   at::parallel_for(0, B * KV * nch, 1, [&](int64_t i0, int64_t i1) {
     Scratch& s = scratch();
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / (KV * nch), g = (i / nch) % KV, l0 = (i % nch) * chunk;
+      // chunks in the order first, last, second, ...: under a causal mask a chunk's keys grow with
+      // its rows, and the threads take contiguous runs of tasks
+      const int64_t b = i / (KV * nch), g = (i / nch) % KV, ci = i % nch;
+      const int64_t l0 = (ci % 2 ? nch - 1 - ci / 2 : ci / 2) * chunk;
       const int64_t nl = std::min(chunk, NL - l0), nv = (nl + 15) / 16, LW = 16 * nv;
       const MaskView& m = mv[b];
+      const int64_t N = m.keys(l0 / rep, (l0 + nl - 1) / rep, NK);  // the keys this task reads
       const KT* Kb = K + b * k.stride(0) + g * k.stride(1);
       const KT* Vb = V + b * v.stride(0) + g * v.stride(1);
       auto qrow = [&](int64_t l) {  // lane l of this task: row t, query head g * rep + r

@@ -6,6 +6,7 @@
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
+#include "attention_mask.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -16,10 +17,6 @@ namespace {
 using namespace specstop_vec;
 
 constexpr int MAXD = 256;  // head_dim up to 256
-
-inline float to_f(float x) { return x; }
-inline float to_f(at::BFloat16 x) { return (float)x; }
-inline float to_f(c10::Half x) { return (float)x; }
 
 struct TileCfg {
   uint8_t palette, start;
