@@ -115,7 +115,7 @@ did nothing in these kernels)."""
 def revision() -> str:
     """The kernel's source and flags hash: a cost curve timed on another kernel is a miss
     (decoding.forward.cost_cache)."""
-    files = [*SOURCES, *(CSRC / h for h in ("quant.h", "quant_q8_kernels.h", "segments.h"))]  # torch's loader rebuilds on a changed source, not a header
+    files = [*SOURCES, *(CSRC / h for h in ("quant.h", "quant_q8_kernels.h", "segments.h", "attention_mask.h"))]  # torch's loader rebuilds on a changed source, not a header
     return hashlib.sha256(b"".join(p.read_bytes() for p in files) + " ".join(CFLAGS).encode()).hexdigest()[:12]
 
 

@@ -383,6 +383,38 @@ def test_avx2_row_attention_is_sdpa_row_by_row():
             assert torch.equal(alone[:, 0], out[:, t])
 
 
+@pytest.mark.parametrize("T, D, N, tree", [(1, 64, 45, False), (5, 48, 37, False), (20, 36, 29, True),
+                                           (70, 64, 0, False), (24, 128, 17, True)])
+def test_avx2_row_attention_a_row_depends_on_its_visible_keys_only(T, D, N, tree):
+    """Every path of csrc/quant_attention.cpp (a task of 16 query lanes with the rows as lanes, of up
+    to 8 with 8 keys as lanes, a head dimension of whole vectors or not, a prompt's causal block
+    where a task stops at its rows' last key, tasks across threads): row t inside the call equals
+    the row alone over the keys it sees (a plain step), bit for bit, on 1 and 2 threads; and both
+    match float64 attention to float32 rounding."""
+    g = torch.Generator().manual_seed(T + D)
+    H, KV = 9, 3
+    q = torch.randn(1, H, T, D, generator=g)
+    k, v = (torch.randn(1, KV, N + T, D, generator=g) for _ in range(2))
+    vis = torch.ones(T, N + T, dtype=torch.bool).tril(N)  # a prompt's causal block after N keys
+    if tree:
+        vis[:, N:] = (torch.rand(T, T, generator=g) < 0.4).tril() | torch.eye(T, dtype=torch.bool)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(3, 1), v.double().repeat_interleave(3, 1),
+        attn_mask=vis[None, None], scale=D ** -0.5).transpose(1, 2)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = quant.row_attention(q, k, v, vis[None, None], D ** -0.5)
+            assert (out.double() - want).abs().max() < 1e-5
+            for t in range(T):
+                keys = vis[t].nonzero()[:, 0]
+                alone = quant.row_attention(q[:, :, t:t + 1], k[:, :, keys], v[:, :, keys], None, D ** -0.5)
+                assert torch.equal(alone[:, 0], out[:, t]), (threads, t)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("act", quant.ACTS)
 def test_without_the_avx512_kernels_speculation_still_equals_ar(act, monkeypatch):
     """set_forward(kernels=False), as on an AVX2-only CPU: the lean layers attend with the AVX2
