@@ -164,9 +164,11 @@ class GrowPolicy(StopPolicy):
 
     def widths(self, fr: Frontier) -> list[int]:
         if fr.depth == 1:  # a new round: only the pending token is sure to be committed
-            self._round = {"value": {-1: 1.0}, "E": 1.0, "N": 0,
-                           "feeds": self.cost.draft(2) + self.cost.policy_ms}
+            cost = self.cost.at_context(fr.context.upto) if fr.context is not None else self.cost
+            self._round = {"value": {-1: 1.0}, "E": 1.0, "N": 0, "cost": cost,
+                           "feeds": cost.draft(2) + cost.policy_ms}
         st = self._round
+        cost = st.get("cost", self.cost)
         width = self.max_width
         if self.level_widths is not None:
             width = min(width, self.level_widths[fr.depth - 1] if fr.depth <= len(self.level_widths) else 0)
@@ -178,9 +180,9 @@ class GrowPolicy(StopPolicy):
                       zip(cand.parent_nodes, cand.tokens, cand.branch, scores.tolist())}
         vals = child_values([st["value"].get(n, 0.0) for n in fr.nodes], cand.parent_of, cand.valid, scores)
         order = candidate_order(vals, cand.parent_of, cand.branch)
-        feeds = st["feeds"] + self.cost.policy_ms
+        feeds = st["feeds"] + cost.policy_ms
         room = min(self.max_nodes, MAX_TREE_NODES) - st["N"]
-        best_k = best_count([vals[i] for i in order], st["E"], st["N"], feeds, self.cost, room)
+        best_k = best_count([vals[i] for i in order], st["E"], st["N"], feeds, cost, room)
         counts = [0] * len(fr.nodes)
         for i in order[:best_k]:
             counts[cand.parent_of[i]] += 1
@@ -200,8 +202,9 @@ class GrowPolicy(StopPolicy):
         st["value"].update(zip(level.nodes, vals))
         st["E"] += sum(vals)
         guess = sorted((v * float(s) for v, s in zip(vals, scores.tolist())), reverse=True)
-        next_feeds = st["feeds"] + self.cost.draft(max(len(level.nodes), 1))
-        go = worth_a_level(guess, st["E"], st["N"], st["feeds"], next_feeds, self.cost, self.max_nodes - st["N"])
+        cost = st.get("cost", self.cost)
+        next_feeds = st["feeds"] + cost.draft(max(len(level.nodes), 1))
+        go = worth_a_level(guess, st["E"], st["N"], st["feeds"], next_feeds, cost, self.max_nodes - st["N"])
         if go:  # the round pays that forward: every later rate counts it
             st["feeds"] = next_feeds
         return [go and ok and v > 0.0 for ok, v in zip(level.valid, vals)]

@@ -106,8 +106,13 @@ class JointGrow:
             raise ValueError(f"max_nodes must be in 1..{MAX_TREE_NODES} (got {self.max_nodes})")
         self._cost = RoundCost(self.cost)
 
-    def begin(self, pending_rows: list[int], drafting: list[bool]) -> None:
-        """A new round: request r feeds pending_rows[r] committed tokens and drafts if drafting[r]."""
+    def begin(self, pending_rows: list[int], drafting: list[bool], contexts: list[int] | None = None) -> None:
+        """A new round: request r feeds pending_rows[r] committed tokens and drafts if drafting[r];
+        contexts[r]: its cached tokens (the curve is read at their mean: each row reads its own
+        request's keys)."""
+        curve = self.cost.at_context(sum(contexts) // len(contexts)) if contexts else self.cost
+        if self._cost.curve is not curve:
+            self._cost = RoundCost(curve)
         self._reqs = [_Req() for _ in pending_rows]
         self._rows = sum(pending_rows)
         n = sum(map(bool, drafting))

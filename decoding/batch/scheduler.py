@@ -188,7 +188,8 @@ class BatchEngine:
             return [r.proposer.propose(r.committed, r.stop, r.gen, None, len(r.out),
                                        r.stop.needs_hidden) for r in reqs]
         ds = [Drafting(r.proposer, r.committed, r.gen, len(r.out), self.budget.needs_hidden) for r in reqs]
-        self.budget.begin([len(r.committed) - r.cache.length for r in reqs], [not d.done for d in ds])
+        self.budget.begin([len(r.committed) - r.cache.length for r in reqs], [not d.done for d in ds],
+                          [r.cache.length for r in reqs])
         return draft_jointly(ds, self.budget)
 
     def _plain(self, reqs: list[Request]) -> list[DraftTree]:

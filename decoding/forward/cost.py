@@ -4,7 +4,7 @@ place: what the grow rule and the decider's threshold replay price a tree with."
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -27,6 +27,15 @@ class CostCurve:
     policy_ms: float = 0.0
     unit: str = TOKENS
     """What a size counts: see `at`."""
+    context: int = 0
+    """Cached tokens the curve was timed after (0: not recorded, no context term)."""
+    key_sizes: list[int] = field(default_factory=list)
+    target_key_ms: list[float] = field(default_factory=list)
+    draft_key_ms: list[float] = field(default_factory=list)
+    """ms a forward of key_sizes[i] tokens adds per cached token beyond `context`: every row reads
+    every cached key, so a verify of many rows costs more at a long context than the curve says
+    (1,328 cached tokens, 2-core EPYC: 8 rows' attention 5.0 ms a forward, a step's 1.5)."""
+    _shifted: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_dict(cls, d: dict) -> CostCurve:
@@ -35,8 +44,38 @@ class CostCurve:
                 or not len(d["sizes"]) == len(d["target_ms"]) == len(d["draft_ms"]):
             raise ValueError("a cost model needs equal-length sizes, target_ms and draft_ms "
                              f"(got {sorted(d) if isinstance(d, dict) else d!r})")
+        ks = [list(d.get(k) or []) for k in ("key_sizes", "target_key_ms", "draft_key_ms")]
+        if not len(ks[0]) == len(ks[1]) == len(ks[2]):
+            raise ValueError("a cost model's key_sizes, target_key_ms and draft_key_ms need equal lengths")
         return cls(list(d["sizes"]), [float(x) for x in d["target_ms"]], [float(x) for x in d["draft_ms"]],
-                   float(d.get("overhead_ms", 0.0)), float(d.get("policy_ms", 0.0)), d.get("unit", NODES))
+                   float(d.get("overhead_ms", 0.0)), float(d.get("policy_ms", 0.0)), d.get("unit", NODES),
+                   int(d.get("context", 0)), [int(x) for x in ks[0]], [float(x) for x in ks[1]],
+                   [float(x) for x in ks[2]])
+
+    def at_context(self, cached: int) -> CostCurve:
+        """The curve for forwards after `cached` tokens: the per-key term added to every size. The
+        same curve where no term was timed, and at or below the context it was timed at (read
+        lower, the line priced rows under their timed cost; on 50-250-token chat prompts the
+        default then looked 3-11% slower, inside the noise of a process: not done)."""
+        if not self.key_sizes or not self.context:
+            return self
+        cached = cached // 16 * 16  # rounds each read one of few curves (kept: one a step of 16)
+        if cached <= self.context:
+            return self
+        if cached not in self._shifted:
+            def shift(ms, per_key):
+                slope = np.interp(self.sizes, self.key_sizes, per_key)
+                return monotone([m + (cached - self.context) * k for m, k in zip(ms, slope)])
+
+            self._shifted[cached] = replace(self, target_ms=shift(self.target_ms, self.target_key_ms),
+                                            draft_ms=shift(self.draft_ms, self.draft_key_ms), context=cached,
+                                            key_sizes=[])
+        return self._shifted[cached]
+
+    def to_dict(self) -> dict:
+        return {"sizes": self.sizes, "target_ms": self.target_ms, "draft_ms": self.draft_ms, "unit": self.unit,
+                "context": self.context, "key_sizes": self.key_sizes, "target_key_ms": self.target_key_ms,
+                "draft_key_ms": self.draft_key_ms}
 
     def target(self, n: int) -> float:
         return float(at(n, self.sizes, self.target_ms, self.unit))
@@ -69,6 +108,15 @@ COST_SIZES = (*range(1, 17), 20, 24, 32, 48, 64)
 on a 2-core Xeon: about 42 ms for 3 tokens, 57 for 4), then sparser (the curve is smooth there)."""
 
 
+def fit_context(model, context: int, sizes, repeats: int) -> int:
+    """The context time_forwards times after: within the model's positions (learned positions
+    end there; each forward commits its pending token, so the context grows by one a forward)."""
+    from decoding.drafts.feature import FeatureDraft
+
+    limit = None if isinstance(model, FeatureDraft) else getattr(model.config, "max_position_embeddings", None)
+    return max(2, min(context, limit - max(sizes) - (repeats + 1) * len(sizes))) if limit else context
+
+
 @torch.inference_mode()
 def time_forwards(model, sizes, repeats: int = 3, context: int = 256, verify: bool = True) -> list[float]:
     """Median ms of one forward of n NEW TOKENS after `context` tokens, for each n: the pending
@@ -87,9 +135,7 @@ def time_forwards(model, sizes, repeats: int = 3, context: int = 256, verify: bo
     if min(sizes) < 1:
         raise ValueError(f"forward sizes must be >= 1 (got {sorted(sizes)})")
     vocab = model.get_output_embeddings().weight.shape[0]
-    limit = getattr(model.config, "max_position_embeddings", None)  # learned positions end there
-    grows = (repeats + 1) * len(sizes)  # each forward commits its pending token: the context grows by one
-    context = max(2, min(context, limit - max(sizes) - grows)) if limit else context
+    context = fit_context(model, context, sizes, repeats)
     seq = [(10 + i) % vocab for i in range(context - 1)]
     m = cached_model(model)
     m.feed(seq, TreeLayout(()), [], 0, 0)  # the context once (a prompt's forward per size cost ~20 s)
@@ -137,8 +183,30 @@ def _time_feature_head(head, sizes, repeats: int, context: int) -> list[float]:
     return monotone([float(np.median(times[n][1:])) for n in sizes])
 
 
-def measure_cost(target, draft, sizes=COST_SIZES, repeats: int = 3) -> CostCurve:
-    """This machine's cost curve, in the dtype the models are in (~10-30 s on a CPU)."""
-    sizes = list(sizes)
-    return CostCurve(sizes, time_forwards(target, sizes, repeats), time_forwards(draft, sizes, repeats, verify=False),
-                     unit=TOKENS)
+CONTEXTS = (256, 1280)
+"""Cached tokens a curve is timed after: every size at the first, KEY_SIZES at the second too
+(the slope per cached key)."""
+KEY_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def per_key(sizes, ms, key_sizes, long_ms, span: int) -> list[float]:
+    """ms per cached key at key_sizes: (the time at the long context - the curve's) / span,
+    non-negative and non-decreasing in the tokens fed (a row never reads keys for less)."""
+    base = np.interp(key_sizes, sizes, ms)
+    return monotone([max(float(b2 - b1) / span, 0.0) for b1, b2 in zip(base, long_ms)])
+
+
+def measure_cost(target, draft, sizes=COST_SIZES, repeats: int = 3, contexts=CONTEXTS,
+                 key_sizes=KEY_SIZES) -> CostCurve:
+    """This machine's cost curve, in the dtype the models are in (~15-40 s on a CPU): every size
+    after contexts[0] cached tokens, key_sizes after contexts[1] too."""
+    sizes, ks = list(sizes), [n for n in key_sizes if n <= max(sizes)]
+    short, long = (min(fit_context(m, c, sizes, repeats) for m in (target, draft)) for c in contexts)
+    if long <= short:  # a model of few positions: no second context to fit a slope between
+        return CostCurve(sizes, time_forwards(target, sizes, repeats, short),
+                         time_forwards(draft, sizes, repeats, short, verify=False), unit=TOKENS, context=short)
+    t, d = time_forwards(target, sizes, repeats, short), time_forwards(draft, sizes, repeats, short, verify=False)
+    tl, dl = time_forwards(target, ks, repeats, long), time_forwards(draft, ks, repeats, long, verify=False)
+    return CostCurve(sizes, t, d, unit=TOKENS, context=short, key_sizes=ks,
+                     target_key_ms=per_key(sizes, t, ks, tl, long - short),
+                     draft_key_ms=per_key(sizes, d, ks, dl, long - short))

@@ -1,5 +1,5 @@
 """This machine's cost curve for a pair, timed once and kept: a grown tree (`grow_cost:
-measure`) loaded through `decoding.Decoder` / `python -m decoding.generate` pays the 10-30 s of
+measure`) loaded through `decoding.Decoder` / `python -m decoding.generate` pays the 15-40 s of
 timing on its first load only.
 
 The key is everything the curve depends on: both models' fingerprints, dtype, device, torch
@@ -25,7 +25,7 @@ import torch
 from decoding.forward import cpu, kernels, quant
 from decoding.forward.packed import REVISION, forward_kind
 from decoding.models.fingerprint import fingerprint
-from decoding.forward.cost import COST_SIZES, TOKENS, CostCurve, measure_cost
+from decoding.forward.cost import CONTEXTS, COST_SIZES, KEY_SIZES, TOKENS, CostCurve, measure_cost
 from decoding.models import cache_root
 from decoding.kv_cache import kv_dtype
 
@@ -67,6 +67,7 @@ def cost_key(target, draft) -> dict:
         "draft_step": _draft_step(draft),
         **({"kv_dtype": "float16"} if kv_dtype(target) is not None else {}),  # (absent: older curves still hit)
         "sizes": list(COST_SIZES), "unit": TOKENS,  # how it is timed: a curve of another kind is a miss
+        "contexts": list(CONTEXTS), "key_sizes": list(KEY_SIZES),
     }
 
 
@@ -94,8 +95,7 @@ def cached_cost(target, draft, root: Path | None = None, retime: bool | None = N
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump({"key": key, "curve": {"sizes": curve.sizes, "target_ms": curve.target_ms,
-                                             "draft_ms": curve.draft_ms, "unit": curve.unit}}, f, indent=1)
+            json.dump({"key": key, "curve": curve.to_dict()}, f, indent=1)
         os.replace(tmp, path)
     except OSError:  # an unwritable cache costs a re-timing at the next load, nothing else
         if tmp:
