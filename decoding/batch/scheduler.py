@@ -196,9 +196,8 @@ class BatchEngine:
         """No tree this round (one row a request); a feature head still takes in the target's
         features of what was committed, so it can draft again next round."""
         for r in reqs:
-            if isinstance(r.proposer, FeatureProposer):
-                r.proposer.model.ingest()
-                r.proposer.model.tree_size = 0
+            if r.proposer is not None:
+                r.proposer.plain()
         return [empty_tree() for _ in reqs]
 
     def _commit(self, r: Request, tree: DraftTree, seg: Segment, logits, draft_s: float, verify_s: float) -> bool:

@@ -190,6 +190,12 @@ class FeatureProposer(TreeProposer):
             yield
         self.model.captured = cap.aux()[0]
 
+    def plain(self) -> None:
+        """No tree this round: still take in the target's features of what was committed, so
+        the head can draft again next round."""
+        self.model.ingest()
+        self.model.tree_size = 0
+
     def propose(self, committed, stop, generator, anchor_p=None, position: int = 0,
                 hidden: bool = False) -> DraftTree:
         self.model.ingest()
