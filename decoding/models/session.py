@@ -20,7 +20,6 @@ from decoding.defaults import DEFAULT_DRAFT, resolve_dtype
 from decoding.forward.cost_cache import cached_cost
 from decoding.forward.packed import default_forward, set_forward
 from decoding.kv_cache import set_kv_dtype
-from decoding.batch.measured import MeasuredChoice
 from decoding.forward.cost import CostCurve, measure_cost
 from decoding.growth import GrowPolicy, q_scores
 from decoding.sampling import SamplingConfig
@@ -123,12 +122,7 @@ class Session:
             stop = self.grow_policy(cfg, decider, scorer=None)
         else:
             stop = make_stop_policy(cfg.stop, cfg.confidence_threshold, cfg.confidence_rule)
-        eng = build_engine(self.target, self.draft, cfg, sampling, stop)
-        if isinstance(stop, GrowPolicy) and cfg.grow_cost == "measure" and not eng.longest_branch:
-            # a tree priced by this machine's timings also skips drafting where its own rounds
-            # have been slower than plain ones at this context (a long one, most often)
-            eng.measured = MeasuredChoice()
-        return eng
+        return build_engine(self.target, self.draft, cfg, sampling, stop)
 
     def decider_stop(self, decider=None, rule=None, threshold=None,
                      cfg: StrategyConfig | None = None) -> DeciderStop | GrowPolicy:
