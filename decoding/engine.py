@@ -15,7 +15,6 @@ import torch
 
 from decoding import acceptance as acc
 from decoding.batch.forward import feed_one
-from decoding.batch.measured import MeasuredChoice
 from decoding.forward.static import cached_model
 from decoding.proposers import DraftTree, TreeProposer, empty_tree
 from decoding.sampling import SamplingConfig, argmax_rows, warp
@@ -44,10 +43,6 @@ class SpeculativeEngine:
         self.observer = None
         """Optional callable(tree, target_logits, outcome, position) after each verified round
         (trace collection); with `observer.hidden` set the draft also returns hidden states."""
-        self.measured: MeasuredChoice | None = None
-        """Whether a round drafts at all, by this engine's own timings per context length
-        (decoding.batch.measured, its request count read as a context bucket: a longer context
-        gains less from a tree, every row reading every key). None: every round drafts."""
         self.commit_limit: int | None = None
         """Commit at most this many tokens a round (trace collection: 1 starts a round at every
         position, so a replay can follow any policy's own rounds). The committed text keeps its
@@ -68,12 +63,9 @@ class SpeculativeEngine:
         stats = RunStats(self.name, self.lossless)
         anchor_p = None
         t_start = time.perf_counter()
-        caught_up = False  # the first drafted round after the prompt's feeds the draft the whole prompt
         while len(committed) - n0 < max_new_tokens:
             t0 = time.perf_counter()
-            bucket = context_bucket(len(committed))
-            drafts = self.measured is None or self.measured.drafts(bucket)
-            tree = self._propose(committed, gen, anchor_p, len(committed) - n0, drafts)  # propose
+            tree = self._propose(committed, gen, anchor_p, len(committed) - n0)  # propose
             t1 = time.perf_counter()
             with self._verifying():
                 logits = feed_one(self.target, committed, tree.layout, tree.tokens)          # verify
@@ -94,11 +86,6 @@ class SpeculativeEngine:
             new = new if hit is None else new[: hit + 1]
             committed += new
             stats.add_round(tree, out.path, len(new), t1 - t0, t2 - t1, time.perf_counter() - t2)
-            # timed: steady rounds (the first verify holds the prompt; the first drafted round,
-            # the draft's catch-up over it, paid once a request whichever kind wins)
-            if self.measured is not None and stats.rounds > 1 and (caught_up or not drafts):
-                self.measured.record(bucket, drafts, len(new), 1000 * (time.perf_counter() - t0))
-            caught_up = caught_up or (drafts and stats.rounds > 1)
             if on_tokens and new:
                 on_tokens(new)
             if hit is not None:
@@ -114,11 +101,8 @@ class SpeculativeEngine:
         hook = getattr(self.proposer, "verifying", None)
         return hook() if hook is not None else nullcontext()
 
-    def _propose(self, committed, gen, anchor_p, position, drafts: bool = True) -> DraftTree:
+    def _propose(self, committed, gen, anchor_p, position) -> DraftTree:
         if self.proposer is None or (self.longest_branch and anchor_p is None):
-            return empty_tree()
-        if not drafts:
-            self.proposer.plain()
             return empty_tree()
         hidden = self.stop.needs_hidden or getattr(self.observer, "hidden", False)
         return self.proposer.propose(committed, self.stop, gen, anchor_p, position, hidden)
@@ -143,7 +127,3 @@ class SpeculativeEngine:
             w = acc.walk_sampling(ch, tree.tokens, tree.valid, p_at, q_at, self.replacement, gen)
         return Outcome(w.path, [tree.tokens[i] for i in w.path] + [w.next_token])
 
-
-def context_bucket(cached: int) -> int:
-    """1 below 256 tokens, then one more for each doubling (256-511: 2, 512-1023: 3, ...)."""
-    return max(1, cached.bit_length() - 7)

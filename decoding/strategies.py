@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from decoding.batch.measured import MeasuredChoice
 from decoding.engine import SpeculativeEngine
 from decoding.drafts.feature import FeatureDraft
 from decoding.drafts.proposer import FeatureProposer
@@ -27,9 +26,4 @@ def build_engine(target, draft, cfg: StrategyConfig, sampling: SamplingConfig,
     if stop is None and cfg.stop == "decider":
         raise ValueError("--stop decider needs a decider checkpoint (see Session.engine)")
     stop = stop or make_stop_policy(cfg.stop, cfg.confidence_threshold, cfg.confidence_rule)
-    eng = SpeculativeEngine(target, proposer, sampling, stop, cfg.replacement, lossy, cfg.name)
-    if stop.sizes_children and cfg.grow_cost == "measure" and not lossy:
-        # a tree priced by this machine's timings also skips drafting where its own rounds have
-        # been slower than plain ones at this context (a long one, most often)
-        eng.measured = MeasuredChoice()
-    return eng
+    return SpeculativeEngine(target, proposer, sampling, stop, cfg.replacement, lossy, cfg.name)
