@@ -152,7 +152,7 @@ class StrategyOptions:
     """grow rules only: cap on the draft tree's nodes (width caps children per node, depth levels)."""
     grow_cost: str = "decider"
     """grow rules only: decider (the cost model stored with the decider checkpoint) or measure
-    (time this machine's forwards once, in the dtype loaded: ~10-30 s on a CPU)."""
+    (time this machine's forwards once, in the dtype loaded: seconds on a CPU, stored)."""
 
 
 @dataclass
