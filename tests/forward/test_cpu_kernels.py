@@ -238,15 +238,21 @@ def test_row_attention_of_a_row_depends_on_its_visible_keys_only(dtype, H, KV, T
             a = parent[a]
         path.append(path_t[::-1])  # root .. t
         visible[t, [N + a for a in path_t]] = True
+    _each_row_as_alone(q, k, v, visible, 0.2, lambda t: list(range(N)) + [N + a for a in path[t]])
+
+
+def _each_row_as_alone(q, k, v, visible, scale, keys_of):
+    """Row t of one call (mask `visible` [T, N]) equals row t attended alone over keys_of(t), with
+    no mask (a plain step), bit for bit, on 1 and 2 threads."""
     before = torch.get_num_threads()
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            both = torch.ops.specstop.row_attention(q, k, v, visible[None, None], 0.2)
-            for t in range(T):
-                idx = list(range(N)) + [N + a for a in path[t]]
+            both = torch.ops.specstop.row_attention(q, k, v, visible[None, None], scale)
+            for t in range(q.shape[2]):
+                idx = keys_of(t)
                 alone = torch.ops.specstop.row_attention(q[:, :, t:t + 1].contiguous(), k[:, :, idx], v[:, :, idx],
-                                                         None, 0.2)
+                                                         None, scale)
                 assert torch.equal(both[:, t], alone[:, 0]), (threads, t)
     finally:
         torch.set_num_threads(before)
@@ -264,17 +270,7 @@ def test_a_causal_prompt_row_equals_the_row_alone_over_its_keys(dtype, N):
     q = torch.randn(1, H, T, D, generator=g).to(dtype)
     k, v = (torch.randn(1, KV, N + T, D, generator=g).to(dtype) for _ in range(2))
     visible = torch.ones(T, N + T, dtype=torch.bool).tril(N)
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            both = torch.ops.specstop.row_attention(q, k, v, visible[None, None], 0.125)
-            for t in range(T):
-                alone = torch.ops.specstop.row_attention(q[:, :, t:t + 1].contiguous(), k[:, :, :N + t + 1],
-                                                         v[:, :, :N + t + 1], None, 0.125)
-                assert torch.equal(both[:, t], alone[:, 0]), (threads, t)
-    finally:
-        torch.set_num_threads(before)
+    _each_row_as_alone(q, k, v, visible, 0.125, lambda t: list(range(N + t + 1)))
 
 
 @needs_amx
