@@ -184,6 +184,17 @@ AVX2 void weigh_slice(int dv, const float* S, int64_t LW, int64_t l, const VT* V
   }
 }
 
+// rows [0, N) of src (row stride ss) as float32 rows of stride ds, 8 lanes at a time (float16
+// widens exactly)
+template <class KT>
+AVX2 void widen(const KT* src, int64_t ss, int64_t N, int64_t D, float* dst, int64_t ds) {
+  for (int64_t j = 0; j < N; ++j) {
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + j * ds + d, load8(src + j * ss + d));
+    for (; d < D; ++d) dst[j * ds + d] = to_f(src[j * ss + d]);
+  }
+}
+
 struct Scratch {  // per thread, reused across calls
   std::vector<float> S, QT, KF, VF, kt, o;
 };
@@ -234,8 +245,7 @@ AVX2 void attend_task(const Call<KT>& c, int64_t i, Scratch& s) {
     int64_t kfs = ks;
     if constexpr (!std::is_same_v<KT, float>) {  // float16 keys: widened once (exactly)
       s.KF.resize((size_t)N * D);
-      for (int64_t j = 0; j < N; ++j)
-        for (int64_t d = 0; d < D; ++d) s.KF[j * D + d] = to_f(Kb[j * ks + d]);
+      widen(Kb, ks, N, D, s.KF.data(), D);
       KF = s.KF.data();
       kfs = D;
     }
@@ -274,8 +284,7 @@ AVX2 void attend_task(const Call<KT>& c, int64_t i, Scratch& s) {
   const float* VF = nullptr;
   if (D != DP) {
     s.VF.assign((size_t)N * DP, 0.0f);
-    for (int64_t j = 0; j < N; ++j)
-      for (int64_t d = 0; d < D; ++d) s.VF[j * DP + d] = to_f(Vb[j * vs + d]);
+    widen(Vb, vs, N, D, s.VF.data(), DP);
     VF = s.VF.data();
   }
   s.o.resize(DP);
