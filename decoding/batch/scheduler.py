@@ -29,6 +29,7 @@ from decoding.batch.forward import Segment, verify_many
 from decoding.batch.measured import MeasuredChoice
 from decoding.drafts.feature import FeatureDraft
 from decoding.drafts.proposer import FeatureProposer
+from decoding.engine import Outcome
 from decoding.forward.packed import forward_kind
 from decoding.kv_cache import CachedModel
 from decoding.proposers import DraftTree, TreeProposer, empty_tree
@@ -113,6 +114,10 @@ class BatchEngine:
         """Rows of each recent round's verify forward (all requests together; bounded: a server
         runs rounds for ever)."""
         self._ids = itertools.count()
+        self.observer: Callable | None = None
+        """Optional callable(request, tree, logits, outcome, position) after each request's verified
+        round with a tree: trace collection (training.decider.collect), as SpeculativeEngine.observer
+        with the request first."""
 
     def add(self, prompt, max_new_tokens: int = 128, sampling: SamplingConfig | None = None, seed: int = 0,
             eos_token_id=None, on_tokens=None) -> Request:
@@ -204,6 +209,8 @@ class BatchEngine:
         """Decide and commit one request's round; True when it is done."""
         t = time.perf_counter()
         path, toks = decide(tree, logits, r.sampling, self.replacement, r.gen)
+        if self.observer is not None and tree.size:
+            self.observer(r, tree, logits, Outcome(path, toks), len(r.out))
         r.cache.commit(path, tree.size)
         if r.proposer is not None:
             if isinstance(r.proposer, FeatureProposer):

@@ -26,6 +26,7 @@ from decoding.strategies import StrategyConfig, build_engine
 from training.cli import parse_config
 from training.corpus.teacher import prompt_seed, read_prompts
 from training.shards import ShardWriter
+from training.decider import batched
 from training.decider.traces import KIND, SCHEMA, SCHEMA_VERSION, TraceRecorder
 
 
@@ -58,6 +59,10 @@ class CollectConfig:
     """Start a round at every position (commit one token a round; ~2.5x the work). A replay of
     such traces follows each policy's own rounds, as deployment runs them, instead of the rounds
     the full tree happened to leave (training.decider.replay walks them)."""
+    batched: int = 0
+    """N > 0: run the prompts N at a time through batched rounds, the joint grow budget over q
+    sizing every round's trees across the requests (the server's job: training.decider.batched);
+    0: one prompt at a time, full trees."""
     shard_size: int = 16
     """Prompts per shard: the most work an interruption can lose."""
     seed: int = 0
@@ -69,6 +74,11 @@ class CollectConfig:
     def __post_init__(self):
         if not 0 <= self.shard_index < self.num_shards:
             raise ValueError(f"--shard-index must be in [0, {self.num_shards})")
+        if self.batched < 0:
+            raise ValueError(f"--batched must be >= 0 (got {self.batched})")
+        if self.batched and (self.strategy != "ti-mcsd" or self.every_position or self.hidden):
+            raise ValueError("--batched runs the joint grow budget and records features: strategy ti-mcsd, "
+                             "every_position false, hidden false")
 
 
 def out_dir(cfg: CollectConfig) -> Path:
@@ -93,6 +103,9 @@ def collect(cfg: CollectConfig, session, prompts, progress: bool = True) -> dict
     if cfg.every_position:  # recorded only when set: older trace sets still resume
         settings["every_position"] = True
         engine.commit_limit = 1
+    if cfg.batched:  # likewise
+        settings["batched"], settings["budget"] = cfg.batched, "joint over q"
+        engine = batched.joint_engine(session, scfg)
     identity = {"feature_schema": FEATURE_SCHEMA_VERSION, "feature_names": list(FEATURE_NAMES),
                 "model_pair": {"target": fingerprint(session.target), "draft": fingerprint(session.draft)},
                 "collect": settings}
@@ -102,14 +115,24 @@ def collect(cfg: CollectConfig, session, prompts, progress: bool = True) -> dict
         bar = tqdm(total=len(todo), unit="prompt", disable=not progress, dynamic_ncols=True)
         for i in range(0, len(todo), cfg.shard_size):
             chunk = todo[i : i + cfg.shard_size]
-            for p in chunk:
-                rec.start(p.id)
-                ids = session.encode(p.text, chat=cfg.chat, max_new_tokens=cfg.max_new_tokens,
-                                     tree_depth=len(scfg.k_levels))
-                engine.generate(ids, cfg.max_new_tokens, session.eos_token_id, prompt_seed(cfg.seed, p.id))
+            jobs = [(p.id, session.encode(p.text, chat=cfg.chat, max_new_tokens=cfg.max_new_tokens,
+                                          tree_depth=len(scfg.k_levels)), prompt_seed(cfg.seed, p.id)) for p in chunk]
+
+            def done(_):
                 bar.set_postfix(acceptance=f"{rec.accepted / max(rec.drafted, 1):.3f}", refresh=False)
                 bar.update(1)
-            w.write(pa.table(rec.take(), schema=SCHEMA), [p.id for p in chunk])
+
+            if cfg.batched:
+                batched.run_batched(engine, batched.PerRequest(rec), jobs, cfg.batched, cfg.max_new_tokens,
+                                    sampling, session.eos_token_id, done)
+                rows = batched.in_prompt_order(rec.take(), [p.id for p in chunk])
+            else:
+                for name, ids, seed in jobs:
+                    rec.start(name)
+                    engine.generate(ids, cfg.max_new_tokens, session.eos_token_id, seed)
+                    done(name)
+                rows = rec.take()
+            w.write(pa.table(rows, schema=SCHEMA), [p.id for p in chunk])
         bar.close()
         total = sum(s["rows"] for s in w.manifest["shards"])
     return {"new_prompts": len(todo), "rows": total, "acceptance_rate": rec.accepted / max(rec.drafted, 1)}
