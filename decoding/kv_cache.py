@@ -213,7 +213,10 @@ def keep_path(cache, start: int, path: Sequence[int], fed: int, front: Sequence[
     sliding layer, see `CachedModel.commit`). Returns the new cache length.
     """
     kept = [i for i in path if i < fed]
-    for n, layer in enumerate(_layers(cache)):
+    layers = _layers(cache)
+    if kept and not any(front or ()) and _keep_in_place(layers, start, kept):
+        return start + len(kept)
+    for n, layer in enumerate(layers):
         if not layer.is_initialized:
             continue
         s = start - front[n] if front else start
@@ -231,6 +234,37 @@ def keep_path(cache, start: int, path: Sequence[int], fed: int, front: Sequence[
         layer.keys = layer.keys[..., : s + len(kept), :]
         layer.values = layer.values[..., : s + len(kept), :]
     return start + len(kept)
+
+
+_KEEP_ROWS = []
+
+
+def _keep_rows_op():
+    """csrc/segments.h keep_rows from whichever kernel library is loaded (None: neither)."""
+    if not _KEEP_ROWS:
+        for ns in ("specstop", "specstop_quant"):
+            try:
+                _KEEP_ROWS.append(getattr(getattr(torch.ops, ns), "keep_rows"))
+                break
+            except (AttributeError, RuntimeError):
+                continue
+    return _KEEP_ROWS[0] if _KEEP_ROWS else None
+
+
+def _keep_in_place(layers, start: int, kept: list[int]) -> bool:
+    """keep_path's row moves for every layer in ONE kernel call, where every layer is a growing
+    layer whose rows a kernel wrote and nothing has viewed since (the lean forward's rounds);
+    False (nothing done) otherwise."""
+    if not all(getattr(layer, "_span", None) is not None for layer in layers):
+        return False
+    op = _keep_rows_op()
+    if op is None:
+        return False
+    op([layer._kb for layer in layers], [layer._vb for layer in layers],
+       [layer._span[0] for layer in layers], start, kept)
+    for layer in layers:
+        layer._span = (layer._span[0], start + len(kept))
+    return True
 
 
 def cut_front(cache, layers: Sequence[int], n: int) -> None:

@@ -1,6 +1,7 @@
 """decoding.kv_cache: growing layers append in place and roll back by slicing, like transformers'
 concatenating DynamicLayer, through the engine's commits (keep_path, cut_front, crop)."""
 
+import pytest
 import torch
 
 from support.models import tiny_llama
@@ -83,3 +84,34 @@ def test_the_engine_cache_on_growing_layers_equals_a_fresh_forward():
     assert keep_path(cm.cache, n, [], 0) == n  # nothing fed beyond: unchanged
     cut_front(cm.cache, [0], 2)
     assert cm.cache.layers[0].keys.shape[-2] == n - 2 and cm.cache.layers[1].keys.shape[-2] == n
+
+
+def test_keep_path_in_one_kernel_call_equals_the_per_layer_moves():
+    """Layers a kernel wrote (spans, no views) keep a tree's path through csrc keep_rows in one
+    call: the same rows as the per-layer gathers keep_path makes over views, float32 and float16,
+    and the next kernel write lands right after them."""
+    from decoding.forward import quant
+
+    if not quant.available():  # it registers keep_rows (the AVX512 kernels register it too)
+        pytest.skip(f"quantized kernel: {quant.why_not()}")
+    model = tiny_llama(0, vocab=32, layers=3)
+    for dtype in (torch.float32, torch.float16):
+        like = _kv(1).to(dtype)
+        fast, slow = new_cache(model), new_cache(model)
+        for c in (fast, slow):
+            for i, layer in enumerate(c.layers):
+                kb, vb, start, n = layer.room(like, 9)  # 4 cached rows + a tree of 5, as a kernel writes
+                kb[..., start:start + 9, :] = _kv(9, seed=i).to(dtype)
+                vb[..., start:start + 9, :] = _kv(9, seed=10 + i).to(dtype)
+                layer.grown(start, n + 9)
+        for layer in slow.layers:
+            layer.keys  # a view made: the per-layer path
+        assert keep_path(fast, 4, [1, 3, 4], 5) == keep_path(slow, 4, [1, 3, 4], 5) == 7
+        for a, b in zip(fast.layers, slow.layers):
+            assert a._span is not None and a.rows == 7
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        ref = _kv(9, seed=0).to(dtype)
+        assert torch.equal(fast.layers[0].keys[..., 4:, :], ref[..., [5, 7, 8], :])
+        layer = fast.layers[0]
+        kb, _, start, n = layer.room(like, 1)
+        assert n == 7 and kb is layer._kb

@@ -103,9 +103,11 @@ TORCH_LIBRARY_FRAGMENT(specstop, m) {
   m.def("decoder_stack_segments(Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] kbufs, Tensor(b!)[] vbufs, "
         "int[] starts, int[] ns, int[] rows, Tensor?[] masks, Tensor[] w, Tensor?[] qkv_bias, int[] dims, "
         "float[] eps1, float[] eps2, float scale, int[] capture) -> (Tensor, Tensor[])");
+  m.def("keep_rows(Tensor(a!)[] kbufs, Tensor(b!)[] vbufs, int[] starts, int s, int[] kept) -> ()");
 }
 TORCH_LIBRARY_IMPL(specstop, CPU, m) {
   m.impl("decoder_layer", &specstop::decoder_layer);
   m.impl("decoder_layer_segments", &specstop::decoder_layer_segments);
   m.impl("decoder_stack_segments", &decoder_stack_segments<&specstop::decoder_layer_segments>);
+  m.impl("keep_rows", &keep_rows);
 }

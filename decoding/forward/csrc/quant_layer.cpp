@@ -217,6 +217,7 @@ TORCH_LIBRARY_FRAGMENT(specstop_quant, m) {
   m.def("decoder_stack_segments(Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] kbufs, Tensor(b!)[] vbufs, "
         "int[] starts, int[] ns, int[] rows, Tensor?[] masks, Tensor[] w, Tensor?[] qkv_bias, int[] dims, "
         "float[] eps1, float[] eps2, float scale, int[] capture) -> (Tensor, Tensor[])");
+  m.def("keep_rows(Tensor(a!)[] kbufs, Tensor(b!)[] vbufs, int[] starts, int s, int[] kept) -> ()");
 }
 TORCH_LIBRARY_IMPL(specstop_quant, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
@@ -225,4 +226,5 @@ TORCH_LIBRARY_IMPL(specstop_quant, CPU, m) {
   m.impl("decoder_layer", &decoder_layer);
   m.impl("decoder_layer_segments", &decoder_layer_segments);
   m.impl("decoder_stack_segments", &decoder_stack_segments<&decoder_layer_segments>);
+  m.impl("keep_rows", &keep_rows);
 }

@@ -149,3 +149,26 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_stack_segments(
   TORCH_CHECK(c == capture.size(), "decoder_stack_segments: capture must list layers in order, each below ", L);
   return {h, caps};
 }
+
+// After a verified tree: in every cache buffer [1, KV, T, D] (kbufs[i] / vbufs[i], its cached rows
+// from starts[i]), the kept tree rows s + kept[j] move to s + j (kept ascending, so a row never
+// lands on one still to be read). What decoding/kv_cache.py keep_path does a layer with two
+// gathers and two copies, for every layer in one call (a round's 30 layers x requests were ~0.4 ms
+// of dispatch a request).
+inline void keep_rows(at::TensorList kbufs, at::TensorList vbufs, at::IntArrayRef starts, int64_t s,
+                      at::IntArrayRef kept) {
+  TORCH_CHECK(kbufs.size() == vbufs.size() && kbufs.size() == starts.size(), "keep_rows: one start a buffer pair");
+  for (size_t j = 0; j < kept.size(); ++j)
+    TORCH_CHECK(kept[j] >= (int64_t)j && (j == 0 || kept[j] > kept[j - 1]), "keep_rows: kept must ascend from 0");
+  for (size_t i = 0; i < kbufs.size(); ++i)
+    for (const at::Tensor* b : {&kbufs[i], &vbufs[i]}) {
+      TORCH_CHECK(b->dim() == 4 && b->size(0) == 1 && b->is_contiguous(), "keep_rows: buffers are contiguous [1, KV, T, D]");
+      const int64_t T = b->size(2), row = b->size(3) * b->element_size(), base = starts[i] + s;
+      TORCH_CHECK(kept.empty() || base + kept.back() < T, "keep_rows: a kept row is past the buffer");
+      char* p = static_cast<char*>(b->data_ptr());
+      for (int64_t h = 0; h < b->size(1); ++h)
+        for (size_t j = 0; j < kept.size(); ++j)
+          if (kept[j] != (int64_t)j)
+            std::memmove(p + (h * T + base + j) * row, p + (h * T + base + kept[j]) * row, row);
+    }
+}
