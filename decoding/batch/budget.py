@@ -95,18 +95,9 @@ class JointGrow:
     """The draft's forward of a level runs every request's rows at once (a feature head on the lean
     step, decoding.batch.drafting.read_level): a request going deeper pays what its rows add to
     that one forward, not a forward of its own."""
-    calibrate: bool = False
-    """Learn `level_ms` from the engine's own drafted rounds (observe())."""
-    level_ms: float = 0.0
-    """ms a request's drafted level costs beyond the curve's draft forward: its top-k, warp, draws
-    and bookkeeping, which the curve does not time (on a 2-core EPYC at 4 requests, drafted rounds
-    took 11.7 ms where the curve said 6.8: reports/joint-decider-2026-11-28/pricing.py)."""
-    alpha: float = 0.1
-    """Weight of the newest round in level_ms's running mean."""
     _reqs: list = field(default_factory=list, repr=False)
     _rows: int = 0
     _feeds: float = 0.0
-    _levels: int = 0
 
     def __post_init__(self):
         if not 1 <= self.max_width <= 64:
@@ -125,22 +116,8 @@ class JointGrow:
         self._reqs = [_Req() for _ in pending_rows]
         self._rows = sum(pending_rows)
         n = sum(map(bool, drafting))
-        self._levels = n
-        self._feeds = n * (self._cost.policy_ms + self.level_ms) + (
+        self._feeds = n * self._cost.policy_ms + (
             (self._cost.draft(2 * n) if n else 0.0) if self.shared_draft else n * self._cost.draft(2))
-
-    def predicted_ms(self) -> float:
-        """What the round drafted so far costs by this budget's pricing."""
-        return float(self._cost.target(self._rows + self.nodes)) + self._feeds + self._cost.overhead_ms
-
-    def observe(self, ms: float) -> None:
-        """A steady drafted round took `ms` (the scheduler, after it): with `calibrate`, the part its
-        pricing missed, spread over the round's drafted levels, moves level_ms. Read by the next
-        round's begin(), before any node is drawn: a policy of the past, lossless as any."""
-        if not self.calibrate or self._levels <= 0 or ms <= 0:
-            return
-        seen = (ms - (self.predicted_ms() - self._levels * self.level_ms)) / self._levels
-        self.level_ms = max(0.0, (1 - self.alpha) * self.level_ms + self.alpha * seen)
 
     @property
     def expected(self) -> float:
@@ -208,12 +185,11 @@ class JointGrow:
             n = max(len(level.nodes), 1)
             add = (self._cost.draft(rows + n) - (self._cost.draft(rows) if rows else 0.0)) if self.shared_draft \
                 else self._cost.draft(n)
-            nxt = self._feeds + add + self.level_ms  # the level's own work, charged once it is read
+            nxt = self._feeds + add
             room = min(self.max_nodes - st.N, self.max_rows - self._rows - self.nodes)
             go = worth_a_level(guesses[r], self.expected, self._n(), self._feeds, nxt, self._cost, room)
             if go:
                 self._feeds, rows = nxt, rows + n
-                self._levels += 1
             out[r] = [go and ok and v > 0.0 for ok, v in zip(level.valid, keep_val[r])]
         return out
 

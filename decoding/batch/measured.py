@@ -8,12 +8,6 @@ times its own rounds: tokens per ms of drafted rounds and of plain rounds (no tr
 request), per number of requests, and drafts while that wins, trying the other now and then. A
 count not yet timed takes plain rounds where plain won at fewer requests.
 
-A round is timed only after a round of its own kind. A feature head takes in the target's
-features of every committed token; a plain round leaves that to the next drafted round, which
-then pays for the plain rounds before it: timed, it made drafting look slow, and at 1 request the
-default server kept plain rounds that were 13% slower than drafting every round
-(reports/joint-decider-2026-11-28). So each kind runs at least two rounds in a row.
-
 Lossless as any tree policy that looks only at the past: whether this round drafts is decided
 before any of its nodes is drawn, from earlier rounds' timings (decoding/batch/budget.py).
 """
@@ -38,31 +32,25 @@ class MeasuredChoice:
     """(requests, drafted) -> tokens per ms (running mean)."""
     timed: dict = field(default_factory=dict)
     _turn: dict = field(default_factory=dict)
-    _kinds: list = field(default_factory=lambda: [None, None])
-    """The kinds drafts() gave the round before and this one."""
 
     def drafts(self, n: int) -> bool:
         """Does a round of `n` requests draft?"""
-        kind = self._choose(min(n, self.max_count))
-        self._kinds = [self._kinds[1], kind]
-        return kind
-
-    def _choose(self, n: int) -> bool:
+        n = min(n, self.max_count)
         self._turn[n] = self._turn.get(n, 0) + 1
-        turn = self._turn[n]
         if not self._warm(n):
             m = max((m for m in self.rate if m[0] < n and self._warm(m[0])), default=None)
             if m is None or self._faster_drafted(m[0]):  # nothing learnt below: time both kinds here
-                return (turn - 1) // 2 % 2 == 0  # two drafted, two plain, ... until both are timed
+                a, b = self.timed.get((n, True), 0), self.timed.get((n, False), 0)
+                return a <= b  # drafted first, then alternate until both are timed
             # plain won at fewer requests: a round of more gains less from its tree (the weights are
             # read for more rows already), so plain here too until drafting is timed by exploring
-            return turn % self.explore_every in (0, 1)
+            return self._turn[n] % self.explore_every == 0
         best = self._faster_drafted(n)
         hi, lo = sorted((self.rate[(n, True)], self.rate[(n, False)]), reverse=True)
-        # the slower kind for two rounds every `explore_every`, rarer the further behind it is (a
+        # the slower kind once every `explore_every` rounds, rarer the further behind it is (a
         # drafted round at 8 requests here took 2.2x a plain one: every 16th cost ~7%)
         every = int(self.explore_every * min(8.0, (hi / lo) ** 2)) if lo > 0 else 8 * self.explore_every
-        return best != (turn % every in (0, 1))
+        return best != (self._turn[n] % every == 0)
 
     def _warm(self, n: int) -> bool:
         return min(self.timed.get((n, True), 0), self.timed.get((n, False), 0)) >= self.warmup
@@ -72,7 +60,7 @@ class MeasuredChoice:
 
     def record(self, n: int, drafted: bool, tokens: int, ms: float) -> None:
         """A round of `n` requests, steady (no prompt in it), committed `tokens` in `ms`."""
-        if tokens <= 0 or ms <= 0 or self._kinds[0] != drafted:  # after the other kind: not its cost
+        if tokens <= 0 or ms <= 0:
             return
         key = (min(n, self.max_count), drafted)
         r = tokens / ms

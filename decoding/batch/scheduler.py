@@ -170,8 +170,6 @@ class BatchEngine:
         t3 = time.perf_counter()
         if self.measured is not None and steady:
             self.measured.record(len(reqs), drafts, sum(len(r.out) for r in reqs) - before, 1000 * (t3 - t0))
-        if self.budget is not None and drafts and steady:
-            self.budget.observe(1000 * (t3 - t0))
         for r in reqs:  # the shared times, split evenly, so per-request stats add up to the wall
             r.stats.wall_s += (t3 - t0) / len(reqs)
         for r in finished:
