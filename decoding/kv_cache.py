@@ -244,7 +244,7 @@ def _keep_rows_op():
     if not _KEEP_ROWS:
         for ns in ("specstop", "specstop_quant"):
             try:
-                _KEEP_ROWS.append(getattr(getattr(torch.ops, ns), "keep_rows"))
+                _KEEP_ROWS.append(getattr(torch.ops, ns).keep_rows)
                 break
             except (AttributeError, RuntimeError):
                 continue

@@ -105,7 +105,7 @@ def test_keep_path_in_one_kernel_call_equals_the_per_layer_moves():
                 vb[..., start:start + 9, :] = _kv(9, seed=10 + i).to(dtype)
                 layer.grown(start, n + 9)
         for layer in slow.layers:
-            layer.keys  # a view made: the per-layer path
+            assert layer.keys.shape[-2] == 9  # a view made: the per-layer path
         assert keep_path(fast, 4, [1, 3, 4], 5) == keep_path(slow, 4, [1, 3, 4], 5) == 7
         for a, b in zip(fast.layers, slow.layers):
             assert a._span is not None and a.rows == 7
