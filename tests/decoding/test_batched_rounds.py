@@ -375,6 +375,35 @@ def test_measured_choice_drafts_while_drafting_measures_faster():
     assert (2, True) not in m.timed  # an empty or zero-time round teaches nothing
 
 
+class _NeverDrafts:
+    """A measured choice that always says plain, and counts what it was asked."""
+
+    def __init__(self):
+        self.asked = []
+
+    def drafts(self, n):
+        self.asked.append(n)
+        return False
+
+    def record(self, *a):
+        pass
+
+
+def test_one_request_drafts_every_round_whatever_the_measured_choice(pair):
+    """Alone, a request drafts as the batch-1 engine does (its rounds are not the measured choice's
+    to make); with another beside it the choice decides."""
+    target, draft = pair
+    m = _NeverDrafts()
+    eng = BatchEngine(target, draft, LAYOUT, budget=JointGrow(q_scores, COST, max_width=3), measured=m)
+    alone = eng.add(PROMPTS[0], 8)
+    while eng.active:
+        eng.step()
+    assert m.asked == [] and alone.stats.drafted > 0
+    reqs = [eng.add(p, 8) for p in PROMPTS[:2]]
+    eng.step()
+    assert m.asked == [2] and all(r.stats.drafted == 0 for r in reqs)
+
+
 def test_measured_rounds_stay_lossless_and_the_head_drafts_after_plain_rounds(head_pair):
     """A joint budget whose rounds are sometimes plain (no tree): each output equals ar's, and a
     feature head that skipped rounds still drafts (its features were taken in)."""
