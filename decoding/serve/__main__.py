@@ -32,7 +32,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget", choices=BUDGETS, default="joint",
                     help="joint: one grow budget spends each round's rows across the requests "
                          "(decoding.batch.budget), and a round drafts at all only while drafted rounds "
-                         "have measured faster at that many requests (decoding.batch.measured); "
+                         "have measured faster at that many requests (decoding.batch.measured; a round of one "
+                         "request always drafts, as the batch-1 engine does); "
                          "joint-always: the budget every round; independent: each request sizes its own tree")
     ap.add_argument("--max-batch", type=int, default=8, help="most requests in one round")
     ap.add_argument("--max-queue", type=int, default=64, help="most requests waiting (more: 503)")
