@@ -57,7 +57,7 @@ class Drafting:
     def plan(self):
         """read() cut at the feature head's one step (FeatureCache.plan): (the step's arguments or
         None, done((logits, h) or None) -> read()'s frontier); None for another draft."""
-        if not isinstance(self.p, FeatureProposer) or (self.tree.fed == 0 and self.tree.size):
+        if not isinstance(self.p, FeatureProposer):
             return None
         tree = self.tree
         start, end = tree.fed, tree.size

@@ -96,7 +96,7 @@ class FeatureCache:
         (decoding.batch.drafting): (the step's arguments after the cache, or None when it takes
         none; finish(logits, h, hidden) -> what feed returns). For the two feeds a drafted level
         makes: the anchor's (start == end == 0: the committed entries caught up) and a level's
-        nodes (start > 0)."""
+        nodes (after the anchor's: for the first level's, start == 0, nothing is left to catch up)."""
         if start == 0 and end == 0:
             self.node_h = {}
             args = self._catch_up_args(committed)
@@ -106,8 +106,9 @@ class FeatureCache:
                     self._caught_up(len(committed), logits, h)
                 return self._anchor(hidden)
             return args, anchor
-        if start == 0:
-            raise ValueError("plan: a level's nodes start after the anchor's feed")
+        if start == 0:  # as feed: the catch-up first (a step of its own only if the anchor's left one)
+            self._catch_up(committed)
+            self.node_h = {}
         return (self._node_args(committed, layout, node_tokens, start, end),
                 lambda logits, h, hidden: self._nodes_fed(start, end, logits, h, hidden))
 
