@@ -11,6 +11,9 @@ here, 2026-11-28; repeats on one process hid that):
   ours, joint        decoding.serve, one grow budget across requests (the default)
   ours, independent  decoding.serve --budget independent
   ours, ar           decoding.serve --strategy ar (plain decoding, batched)
+  ours, fixed chain  decoding.serve --strategy sd --gamma 2 --budget independent (every request a
+                     chain of 2 every round: the fastest fixed chain in process, 1 and 4 clients,
+                     reports/serve-ceiling-2026-11-28)
   ours, joint, f16 KV  the default with --kv-dtype float16 (a GGUF target: its KV cache in float16)
   ours, one by one   decoding.serve --max-batch 1: the batch-1 engine serving requests in turn
   llama.cpp -np N    llama-server plain, and with our head (-md HEAD --spec-type draft-eagle3)
@@ -141,6 +144,7 @@ def serve_suite(clients: list[int], prompts: int, new_tokens: int, threads: int 
     texts = held_out(max(prompts, max(clients)))
     rows = {"ours, joint": ours([], threads, target), "ours, independent": ours(["--budget", "independent"], threads, target),
             "ours, ar": ours(["--strategy", "ar"], threads, target),
+            "ours, fixed chain": ours(["--strategy", "sd", "--gamma", "2", "--budget", "independent"], threads, target),
             "ours, one by one": ours(["--max-batch", "1"], threads, target)}
     if target is None or str(target).endswith(".gguf"):  # a float32 target on the lean forward
         rows["ours, joint, f16 KV"] = ours(["--kv-dtype", "float16"], threads, target)
