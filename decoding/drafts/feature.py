@@ -340,10 +340,12 @@ class FeatureDraft(nn.Module):
         out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), fill)
         return out.index_copy_(-1, self.used_ids, logits)
 
-    def step(self, tokens, hidden, positions, cache: DraftKV | None = None, mask=None):
+    def step(self, tokens, hidden, positions, cache: DraftKV | None = None, mask=None, last: bool = False):
         """One inference forward. tokens [B, T], hidden [B, T, H] (fused or a previous h),
         positions [B, T]; mask bool [T, len(cache) + T] (True = attend), causal when None.
-        Appends to `cache`. Returns (draft-vocab logits [B, T, N], pre-norm h [B, T, H])."""
+        Appends to `cache`. Returns (draft-vocab logits [B, T, N], pre-norm h [B, T, H]); last:
+        the last row's logits only, [B, 1, N] (a catch-up reads no other: the output layer is
+        ~45% of a long one's time)."""
         m = self.midlayer
         q, k, v = m.self_attn.qkv(m.attn_input(self.embed(tokens), hidden), positions)
         if cache is not None:
@@ -354,7 +356,7 @@ class FeatureDraft(nn.Module):
         a = nn.functional.scaled_dot_product_attention(
             q, m.self_attn.expand(k), m.self_attn.expand(v), attn_mask=mask.to(q.device))
         h = m.finish(hidden, a)
-        return self.head(h), h
+        return self.head(h[:, -1:] if last else h), h
 
     def unroll(self, input_ids, aux, steps: int, attention_mask=None, skip: int = 0,
                logits: bool = True):

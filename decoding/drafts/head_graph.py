@@ -152,13 +152,15 @@ def head_cache(draft):
     return HeadGraphs(draft, capture=kind == "graph") if kind in STATIC_KINDS else DraftKV()
 
 
-def head_step(draft, cache, tokens, hidden, positions, mask=None):
-    """One head step on `cache`: HeadGraphs' own, else decoding.drafts.lean_step's."""
+def head_step(draft, cache, tokens, hidden, positions, mask=None, last: bool = False):
+    """One head step on `cache`: HeadGraphs' own, else decoding.drafts.lean_step's (last: only the
+    last row's logits, [B, 1, N])."""
     if isinstance(cache, HeadGraphs):
-        return cache.step(tokens, hidden, positions, mask)
+        logits, h = cache.step(tokens, hidden, positions, mask)
+        return (logits[:, -1:] if last else logits), h
     from decoding.drafts import lean_step
 
-    return lean_step.step(draft, tokens, hidden, positions, cache, mask)
+    return lean_step.step(draft, tokens, hidden, positions, cache, mask, last)
 
 
 def head_steps(draft, caches, calls):

@@ -49,37 +49,40 @@ class LeanStep:
     def _norm(self, x, name):
         return self.ops.add_rms_norm(x, None, *self.norms[name])[1]
 
-    def __call__(self, draft, tokens, hidden, positions, cache, mask):
-        """As FeatureDraft.step: (draft-vocab logits [B, T, N], pre-norm h [B, T, H])."""
+    def __call__(self, draft, tokens, hidden, positions, cache, mask, last: bool = False):
+        """As FeatureDraft.step: (draft-vocab logits [B, T, N], pre-norm h [B, T, H]); last: the
+        logits of each sequence's last row only, [B, 1, N] (a catch-up reads no other row's)."""
         B, T = tokens.shape
         H = hidden.shape[-1]
         h0 = hidden.reshape(B * T, H).contiguous()
         q, k, v = self._qkv(draft, tokens.reshape(B * T), h0, positions.reshape(B * T), B)
         att = self._attend(q, k, v, cache, mask).reshape(B * T, -1)
-        logits, h = self._finish(draft, h0, att)
-        return logits.view(B, T, -1), h.view(B, T, H)
+        logits, h = self._finish(draft, h0, att, torch.arange(T - 1, B * T, T) if last else None)
+        return logits.view(B, 1 if last else T, -1), h.view(B, T, H)
 
     def many(self, draft, caches, calls):
         """Several requests' steps in one: calls[i] = (tokens [1, T], hidden [1, T, H], positions
-        [1, T], mask) on caches[i]. The linears run once over every row (the head's weights read
-        once a level, not once a request); attention per request over its own cache. Each row is
-        what __call__ gives it alone (the few-row kernels and the attention are row-invariant)."""
+        [1, T], mask[, last]) on caches[i]. The linears run once over every row (the head's weights
+        read once a level, not once a request); attention per request over its own cache. Each row
+        is what __call__ gives it alone (the few-row kernels and the attention are row-invariant)."""
         H = calls[0][1].shape[-1]
         h0 = torch.cat([c[1].reshape(-1, H) for c in calls]).contiguous()
         q, k, v = self._qkv(draft, torch.cat([c[0].reshape(-1) for c in calls]), h0,
                             torch.cat([c[2].reshape(-1) for c in calls]), 1)
-        atts, at = [], 0
-        for cache, (tokens, _, _, mask) in zip(caches, calls):
+        atts, spans, at = [], [], 0
+        for cache, (tokens, _, _, mask, *last) in zip(caches, calls):
             T = tokens.shape[1]
             atts.append(self._attend(q[:, :, at:at + T], k[:, :, at:at + T], v[:, :, at:at + T], cache, mask)
                         .reshape(T, -1))
+            spans.append((at, T, 1 if last and last[0] else T))
             at += T
-        logits, h = self._finish(draft, h0, torch.cat(atts))
-        out, at = [], 0
-        for tokens, *_ in calls:
-            T = tokens.shape[1]
-            out.append((logits[at:at + T][None], h[at:at + T][None]))
-            at += T
+        rows = None if all(T == n for _, T, n in spans) else \
+            torch.cat([torch.arange(a + T - n, a + T) for a, T, n in spans])
+        logits, h = self._finish(draft, h0, torch.cat(atts), rows)
+        out, lo = [], 0
+        for a, T, n in spans:
+            out.append((logits[lo:lo + n][None], h[a:a + T][None]))
+            lo += n
         return out
 
     def _qkv(self, draft, tokens, h0, positions, B: int):
@@ -101,11 +104,12 @@ class LeanStep:
             mask = torch.ones(T, S, dtype=torch.bool).tril_(S - T)
         return self.ops.row_attention(q, k, v, mask[None, None], self.head_dim ** -0.5)
 
-    def _finish(self, draft, h0, att):
-        """o, residual, MLP, final norm and the head's output layer over every row: (logits, h)."""
+    def _finish(self, draft, h0, att, rows=None):
+        """o, residual, MLP over every row, then the final norm and the head's output layer over
+        `rows` (None: every row): (logits, h)."""
         h, post = self.ops.add_rms_norm(h0, self.o(att), *self.norms["post"])  # h + attention, then its norm
         h = h + self.down(self.ops.silu_mul(self.gate_up(post)))
-        return draft.lm_head(self._norm(h, "final")), h
+        return draft.lm_head(self._norm(h if rows is None else h[rows].contiguous(), "final")), h
 
 
 def _fused(*linears):
@@ -117,13 +121,14 @@ def _fused(*linears):
     return kernels.FewRowWeight(torch.cat([lin.weight.detach() for lin in linears]).contiguous())
 
 
-def step(draft, tokens, hidden, positions, cache=None, mask=None):
+def step(draft, tokens, hidden, positions, cache=None, mask=None, last: bool = False):
     """`draft.step(...)`, on the lean step where it applies: the head runs a fast forward (packed /
     lean, decoding.forward.packed; eager stays the modules: the reference), the kernels run here,
-    the step has few enough rows, and nothing is being trained."""
+    the step has few enough rows, and nothing is being trained. last: only the last row's logits
+    ([B, 1, N]; the lean step computes no other)."""
     if shares_steps(draft) and tokens.shape[1] <= draft._lean_step.rows and not torch.is_grad_enabled():
-        return draft._lean_step(draft, tokens, hidden, positions, cache, mask)
-    return draft.step(tokens, hidden, positions, cache, mask)
+        return draft._lean_step(draft, tokens, hidden, positions, cache, mask, last)
+    return draft.step(tokens, hidden, positions, cache, mask, last)
 
 
 def shares_steps(draft) -> bool:
@@ -135,12 +140,12 @@ def shares_steps(draft) -> bool:
 
 
 def steps(draft, caches, calls):
-    """[step(draft, *call[:3], cache, call[3]) for each], every request's rows in one lean step
+    """[step(draft, *call[:3], cache, *call[3:]) for each], every request's rows in one lean step
     (LeanStep.many) where the lean step applies to all of them."""
     if (len(calls) > 1 and shares_steps(draft) and all(c[0].shape[1] <= draft._lean_step.rows for c in calls)
             and not torch.is_grad_enabled()):
         return draft._lean_step.many(draft, caches, calls)
-    return [step(draft, c[0], c[1], c[2], cache, c[3]) for cache, c in zip(caches, calls)]
+    return [step(draft, *c[:3], cache, *c[3:]) for cache, c in zip(caches, calls)]
 
 
 def _build(draft):

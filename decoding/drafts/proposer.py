@@ -141,7 +141,8 @@ class FeatureCache:
             self._caught_up(len(committed), *head_step(self.draft, self.cache, *args))
 
     def _catch_up_args(self, committed):
-        """The catch-up step's (tokens, hidden, positions, mask), or None when nothing is new."""
+        """The catch-up step's (tokens, hidden, positions, mask, last), or None when nothing is
+        new; last: only the newest entry's logits are read (the anchor's)."""
         self.cache.crop(self.length)  # a cut-short round may have left tree entries behind
         e = min(self.known, len(committed) - 1)
         if e <= self.length:
@@ -150,7 +151,7 @@ class FeatureCache:
         k = e - self.length
         toks = torch.tensor([committed[self.length + 1: e + 1]], device=dev)
         pos = torch.arange(self.length, e, device=dev)[None]
-        return toks, d.fuse(self.rows[:k].to(dev))[None], pos, None
+        return toks, d.fuse(self.rows[:k].to(dev))[None], pos, None, True
 
     def _caught_up(self, n: int, logits, h) -> None:
         k = h.shape[1]

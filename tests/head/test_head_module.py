@@ -91,6 +91,21 @@ def test_cache_matches_no_cache(target):
     assert len(cache) == 5
 
 
+def test_a_step_can_leave_all_but_the_last_row_s_logits(target):
+    """last=True (a catch-up, which reads only the anchor's logits): [B, 1, N], the whole step's
+    last row; h and the cache as without it."""
+    d = tiny_feature_draft(target)
+    ids, aux = torch.randint(0, 40, (2, 6)), torch.randn(2, 6, 96)
+    with torch.no_grad():
+        h, pos = d.fuse(aux), torch.arange(6)[None].expand(2, 6)
+        c1, c2 = DraftKV(), DraftKV()
+        full, hf = d.step(ids, h, pos, c1)
+        last, hl = d.step(ids, h, pos, c2, last=True)
+    assert last.shape == (2, 1, full.shape[-1])
+    torch.testing.assert_close(last, full[:, -1:], rtol=1e-6, atol=1e-6)
+    assert torch.equal(hl, hf) and torch.equal(c1.k, c2.k) and torch.equal(c1.v, c2.v)
+
+
 def test_unroll_matches_cached_chain_decoding(target):
     """Step j of the training-time test = drafting a chain of depth j+1 at inference."""
     d = tiny_feature_draft(target)

@@ -85,6 +85,24 @@ def test_several_requests_in_one_step_equal_their_own_steps(feature_pair, thread
         torch.set_num_threads(before)
 
 
+def test_a_catch_up_computes_only_its_last_row_s_logits(feature_pair):
+    """last=True (a catch-up: only the anchor's logits are read) gives the last row's logits of the
+    whole step, bit for bit, alone and beside other requests' full levels; h and the cache as ever."""
+    head = fast((feature_pair[1],))[0]
+    g = torch.Generator().manual_seed(2)
+    H = head.config.hidden_size
+    calls = [(torch.randint(0, 40, (1, n), generator=g), torch.randn(1, n, H, generator=g), torch.arange(n)[None], None)
+             for n in (6, 3, 5)]
+    with torch.inference_mode():
+        full = [lean_step.step(head, *c[:3], DraftKV(), None) for c in calls]
+        for i, (t, hid, pos, m) in enumerate(calls):
+            lg, h = lean_step.step(head, t, hid, pos, DraftKV(), m, last=True)
+            assert lg.shape[1] == 1 and torch.equal(lg[0, 0], full[i][0][0, -1]) and torch.equal(h, full[i][1])
+        got = lean_step.steps(head, [DraftKV() for _ in calls], [c + (i != 1,) for i, c in enumerate(calls)])
+    for i, ((lg, h), (lw, hw)) in enumerate(zip(got, full)):
+        assert torch.equal(lg, lw[:, -1:] if i != 1 else lw) and torch.equal(h, hw)
+
+
 @pytest.mark.parametrize("cfg", CASES, ids=lambda c: c.name)
 def test_greedy_with_the_lean_head_equals_ar(feature_pair, cfg):
     target, draft = fast(feature_pair)
