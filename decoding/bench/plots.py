@@ -121,3 +121,35 @@ def _rows_vs_size(conds: list[dict], out: Path, plt) -> bool:
     _save(fig, out / "rate_vs_tree_size.png")
     plt.close(fig)
     return True
+
+
+def serve_plot(summary: dict, path: Path) -> str:
+    """The serve suite's tokens/s by concurrent clients, a line a server (llama.cpp's -np N rows
+    joined across N), the repeats' [min, max] as error bars; summary: serve_suite.summary's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines: dict[str, list[tuple]] = {}
+    for key, v in summary.items():
+        row, n = key.rsplit(" @ ", 1)
+        row = row.rsplit(" -np ", 1)[0] + " -np N" if " -np " in row else row
+        lines.setdefault(row, []).append((int(n), v["tok_s"], *v["range"]))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for row, pts in sorted(lines.items()):
+        pts.sort()
+        x, y = [p[0] for p in pts], [p[1] for p in pts]
+        err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=row,
+                    linestyle="--" if row.startswith("llama") else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({n for pts in lines.values() for n, *_ in pts}))
+    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("tokens/s, all requests (median of repeats)")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+    _save(fig, path)
+    plt.close(fig)
+    return path.name

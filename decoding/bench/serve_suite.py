@@ -271,5 +271,9 @@ def main(a, command: str, progress=print) -> int:
     out = Path(a.out or f"reports/{name}-{time.strftime('%Y-%m-%d')}")
     write_atomic(out / "results.json", json.dumps(res, indent=2))
     write_atomic(out / "results.md", md + f"\nCommand: `{command}`\n")
+    if a.suite == "serve":
+        from decoding.bench.plots import serve_plot
+
+        serve_plot(summary(res), out / "serve.png")
     print(md)
     return 0
