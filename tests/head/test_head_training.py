@@ -205,6 +205,7 @@ def test_skipped_prompt_rows_leave_the_loss_unchanged(head_corpus, monkeypatch):
 
 def test_freeze_output_trains_only_fc_and_midlayer(head_corpus):
     dm = data(head_corpus)
+    dm.prepare_data()  # the cache: on its own (an xdist worker without the module's earlier tests) none is there
     dm.setup("fit")
     module = FeatureDistillModule(target=dm.target, steps=2, init="output", freeze_output=True)
     head = module.build_head(dm.layers, dm.vocab.used)
