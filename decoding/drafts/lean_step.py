@@ -109,7 +109,7 @@ class LeanStep:
         `rows` (None: every row): (logits, h)."""
         h, post = self.ops.add_rms_norm(h0, self.o(att), *self.norms["post"])  # h + attention, then its norm
         h = h + self.down(self.ops.silu_mul(self.gate_up(post)))
-        return draft.lm_head(self._norm(h if rows is None else h[rows].contiguous(), "final")), h
+        return draft.lm_head(self._norm(h if rows is None else h[rows], "final")), h
 
 
 def _fused(*linears):
