@@ -15,7 +15,7 @@ import sys
 from dataclasses import fields
 
 from decoding import defaults as dflt
-from decoding.options import (ALL_FORWARDS, CONFIDENCE_RULES, MODES, RULES, STRATEGIES, SamplingConfig, StrategyOptions,
+from decoding.options import (ALL_FORWARDS, CONFIDENCE_RULES, MODES, ROUNDS, RULES, STRATEGIES, SamplingConfig, StrategyOptions,
                               check_threshold)
 
 
@@ -70,6 +70,10 @@ def add_strategy_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-nodes", type=int, default=None,
                     help="grow rules: cap on draft tree nodes (default 64; --width caps children per node, "
                          "--depth the levels)")
+    ap.add_argument("--round", choices=ROUNDS, default=None,
+                    help="host (default): every policy, Python between a round's steps; device: the fixed tree's "
+                         "whole round as one tensor program (one CUDA graph replay and one host read a round on "
+                         "CUDA; a feature head, --stop fixed)")
     ap.add_argument("--decider-threshold", type=float, default=None,
                     help="override the threshold chosen at fit time by trace replay")
 

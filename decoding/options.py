@@ -116,6 +116,9 @@ CUDA_FORWARDS = ("graph",)
 """Forwards that need a CUDA device: graph, the static forward captured as CUDA graphs."""
 ALL_FORWARDS = (*FORWARDS, *CUDA_FORWARDS)
 STRATEGIES = ("ar", "sd", "mcsd", "ti-mcsd")
+ROUNDS = ("host", "device")
+"""Where a round runs: host (the engine's steps with Python between them, every policy) or device
+(decoding.round: one fixed-shape tensor program a round, a CUDA graph replay on CUDA)."""
 MODES = ("lossless", "longest-branch")
 
 
@@ -153,6 +156,9 @@ class StrategyOptions:
     grow_cost: str = "decider"
     """grow rules only: decider (the cost model stored with the decider checkpoint) or measure
     (time this machine's forwards once, in the dtype loaded: seconds on a CPU, stored)."""
+    round: str = "host"
+    """host or device (ROUNDS): device runs each round's fixed tree (fixed stop, a feature head,
+    without replacement) as one tensor program, captured whole on CUDA (decoding.round)."""
 
 
 @dataclass
@@ -173,6 +179,10 @@ class StrategyConfig(StrategyOptions):
         check_threshold("confidence threshold", self.confidence_threshold)
         if self.grow_cost not in ("decider", "measure"):
             raise ValueError(f"grow_cost must be decider or measure (got {self.grow_cost!r})")
+        if self.round not in ROUNDS:
+            raise ValueError(f"unknown round {self.round!r}; choose host or device")
+        if self.round == "device" and (self.stop != "fixed" or self.replacement or self.mode != "lossless"):
+            raise ValueError("the device round drafts a fixed tree: --stop fixed, without --replacement, lossless")
         if not 1 <= self.max_nodes <= MAX_TREE_NODES:
             raise ValueError(f"max_nodes must be in 1..{MAX_TREE_NODES} (got {self.max_nodes})")
 
@@ -196,6 +206,6 @@ class StrategyConfig(StrategyOptions):
             n += f"+{self.stop}" + (f"({rule})" if rule else "")
         if self.mode == "longest-branch":
             n += "+longest-branch(LOSSY)"
-        return n
+        return n + ("+device" if self.round == "device" else "")
 
 

@@ -46,6 +46,29 @@ class RunStats:
         self.drafted_depths[tree.layout.max_depth] += 1
         self.tree_sizes[tree.size] += 1
 
+    def add_plain_round(self, seconds: float) -> None:
+        """A target call that drafted nothing (a prompt's forward)."""
+        self.rounds += 1
+        self.target_calls += 1
+        self.new_tokens += 1
+        self.verify_s += seconds
+        self.accepted_lengths[0] += 1
+        self.drafted_depths[0] += 1
+        self.tree_sizes[0] += 1
+
+    def add_device_round(self, depth: int, size: int, accepted: int, committed: int, seconds: float) -> None:
+        """A round run whole on the device (decoding.round): its time is not split by step."""
+        self.rounds += 1
+        self.target_calls += 1
+        self.draft_calls += max(depth - 1, 0)
+        self.drafted += size
+        self.accepted += accepted
+        self.new_tokens += committed
+        self.bookkeeping_s += seconds
+        self.accepted_lengths[accepted] += 1
+        self.drafted_depths[depth] += 1
+        self.tree_sizes[size] += 1
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0

@@ -12,6 +12,8 @@ from decoding.tree import layout_from_k_config
 
 def build_engine(target, draft, cfg: StrategyConfig, sampling: SamplingConfig,
                  stop: StopPolicy | None = None) -> SpeculativeEngine:
+    if cfg.round == "device":
+        return device_engine(target, draft, cfg, sampling)
     if cfg.strategy == "ar":
         return SpeculativeEngine(target, None, sampling, name=cfg.name)
     if draft is None:
@@ -27,3 +29,18 @@ def build_engine(target, draft, cfg: StrategyConfig, sampling: SamplingConfig,
         raise ValueError("--stop decider needs a decider checkpoint (see Session.engine)")
     stop = stop or make_stop_policy(cfg.stop, cfg.confidence_threshold, cfg.confidence_rule)
     return SpeculativeEngine(target, proposer, sampling, stop, cfg.replacement, lossy, cfg.name)
+
+
+def device_engine(target, draft, cfg: StrategyConfig, sampling: SamplingConfig):
+    """The round of `cfg`'s fixed tree run whole on the device (decoding.round), a feature head drafting."""
+    from decoding.round.engine import RoundEngine
+    from decoding.round.shape import shape_for
+
+    forward = getattr(target, "_specstop_forward", "eager")
+    if forward not in ("eager", "static", "graph"):
+        raise ValueError(f"the device round runs transformers' modules over a static cache: --forward static "
+                         f"(or graph on CUDA), not {forward}")
+    if cfg.strategy != "ar" and not isinstance(draft, FeatureDraft):
+        raise ValueError("the device round drafts with a feature head (an EAGLE-3 head directory as --draft)")
+    return RoundEngine(target, draft if cfg.strategy != "ar" else None, shape_for(cfg.strategy, cfg.k_levels),
+                       sampling, cfg.name)

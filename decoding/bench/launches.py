@@ -25,8 +25,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 ITEM_READS = ("_local_scalar_dense", "item")
-"""aten ops of a `.item()` / `float(t)`: each waits for the device. (A `.tolist()` waits too but
-dispatches no aten op: it is not counted.)"""
+"""aten ops of a `.item()` / `float(t)`: each waits for the device."""
+HOST_READS = (*ITEM_READS, "tolist")
+"""Every read of device data: the aten reads and `.tolist()` calls (counted by a patch, as they
+dispatch no aten op)."""
 
 
 def launches(name: str, is_view: bool) -> bool:
@@ -80,6 +82,8 @@ def counting():
     from decoding import engine
     from decoding.drafts import head_graph
     from decoding.forward import static
+    from decoding.round.engine import RoundEngine
+    from decoding.round.runner import DeviceRound
 
     c = _Counter()
 
@@ -94,7 +98,8 @@ def counting():
     def phase(name):
         @contextmanager
         def enter():
-            old, c.phase = c.phase, name
+            old = c.phase
+            c.phase = old if old == "prefill" else name  # a prompt's forward stays the prompt's
             try:
                 yield
             finally:
@@ -104,21 +109,31 @@ def counting():
     E = engine.SpeculativeEngine
     patches = [(static.StaticCachedModel, "_run", replayed), (head_graph.HeadGraphs, "_run", replayed),
                (E, "_propose", phase("propose")), (E, "_decide", phase("decide")),
-               (static.StaticCachedModel, "feed", phase("verify")), (static.StaticCachedModel, "commit", phase("commit"))]
+               (static.StaticCachedModel, "feed", phase("verify")), (static.StaticCachedModel, "commit", phase("commit")),
+               (RoundEngine, "run", replayed), (DeviceRound, "prefill", phase("prefill"))]
     saved = [(owner, name, _wrap(owner, name, enter)) for owner, name, enter in patches]
+    tolist = torch.Tensor.tolist
+
+    def reading(self, *a, **k):  # a read of device data (a sync on a GPU); no aten op to count
+        if not c.inside:
+            c.ops[c.phase]["tolist"] += 1
+        return tolist(self, *a, **k)
+    torch.Tensor.tolist = reading
     try:
         with c:
             yield c
     finally:
         for owner, name, orig in saved:
             setattr(owner, name, orig)
+        torch.Tensor.tolist = tolist
 
 
 def per_round(engine, prompts: list[list[int]], new_tokens: int, eos=None) -> dict:
     """{"rounds", "tokens_per_round", "ops_per_round", "kernels_per_round" (ops that are not views:
     launches on a GPU where their tensors live there), "device_kernels_per_round" (those that
     touched a tensor off the CPU: on a GPU run, the launches counted), "item_reads_per_round",
-    "by_phase": {phase: kernels per round}, "top": {phase: [(op, kernels per round)]}} over
+    "host_reads_per_round" (reads of device data outside a prompt's forward: item reads and
+    `.tolist()` calls), "by_phase": {phase: kernels per round}, "top": {phase: [(op, kernels per round)]}} over
     `prompts` (token ids)."""
     rounds = tokens = 0
     with counting() as c:
@@ -127,17 +142,20 @@ def per_round(engine, prompts: list[list[int]], new_tokens: int, eos=None) -> di
             rounds, tokens = rounds + st.rounds, tokens + st.new_tokens
     r = max(1, rounds)
     ops = c.ops
-    work = {p: collections.Counter({k: n for k, n in v.items() if launches(k, k in c.views)}) for p, v in ops.items()}
+    work = {p: collections.Counter({k: n for k, n in v.items() if launches(k, k in c.views) and k != "tolist"})
+            for p, v in ops.items()}
     return {"rounds": rounds, "tokens_per_round": tokens / r,
             "ops_per_round": sum(sum(v.values()) for v in ops.values()) / r,
             "kernels_per_round": sum(sum(v.values()) for v in work.values()) / r,
             "device_kernels_per_round": c.on_device / r,
             "item_reads_per_round": sum(v[s] for v in ops.values() for s in ITEM_READS) / r,
+            "host_reads_per_round": sum(v[s] for p, v in ops.items() if p != "prefill" for s in HOST_READS) / r,
             "by_phase": {p: sum(v.values()) / r for p, v in sorted(work.items())},
             "top": {p: [(k, n / r) for k, n in v.most_common(6)] for p, v in sorted(work.items())}}
 
 
-SUMMARY = ("tokens_per_round", "kernels_per_round", "device_kernels_per_round", "item_reads_per_round", "by_phase")
+SUMMARY = ("tokens_per_round", "kernels_per_round", "device_kernels_per_round", "item_reads_per_round",
+           "host_reads_per_round", "by_phase")
 
 
 def for_rows(engines: dict, prompts: list[list[int]], new_tokens: int, eos, left) -> dict:

@@ -97,7 +97,7 @@ def _slot_layer_class():
                 self.allocate(key_states, self.where.capacity)
             self.buf_k.index_copy_(2, self.where.slots, key_states)
             self.buf_v.index_copy_(2, self.where.slots, value_states)
-            self.writes += 1
+            self.writes = 1  # a flag, not a count: a count would change every call of a traced round
             c = self.where.cols
             return self.buf_k[:, :, :c], self.buf_v[:, :, :c]
 
