@@ -12,6 +12,10 @@ def _ratio(r: dict | None) -> str:
     return f"{r['median']:.2f}x [{lo:.2f}, {hi:.2f}]"
 
 
+def _equal(r: dict) -> str:
+    return "-" if r.get("equal_to_hf_generate") is None else f"{r['equal_to_hf_generate']}/{r['prompts']}"
+
+
 def markdown(res: dict) -> str:
     m = res["meta"]
     lines = [f"# GPU suite ({m['date']})", "",
@@ -24,7 +28,7 @@ def markdown(res: dict) -> str:
         for name, r in cond.items():
             per = (f"{r['tokens_per_round']:.2f} | {r['ms_per_round']:.2f}" if "tokens_per_round" in r else "- | -")
             lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {_ratio(r.get('over_hf_generate'))} | "
-                         f"{_ratio(r.get('over_ar'))} | {r['equal_to_hf_generate']}/{r['prompts']} | {per} |")
+                         f"{_ratio(r.get('over_ar'))} | {_equal(r)} | {per} |")
         lines.append("")
     for name, why in res.get("failed_rows", {}).items():
         lines += [f"Row {name} failed and was dropped: {why}", ""]
@@ -34,10 +38,18 @@ def markdown(res: dict) -> str:
     counts = {k: v for k, v in res.get("launches", {}).items() if isinstance(v, dict)}
     if counts:
         lines += ["## A round's eager work besides the graph replays (`decoding.bench.launches`, untimed)", "",
-                  "| row | tokens / round | kernels / round | of which on the device | `.item()` reads / round |",
+                  "| row | tokens / round | kernels / round | of which on the device | host reads / round |",
                   "|---|---|---|---|---|"]
         lines += [f"| {k} | {v['tokens_per_round']:.2f} | {v['kernels_per_round']:.0f} | "
-                  f"{v['device_kernels_per_round']:.0f} | {v['item_reads_per_round']:.1f} |" for k, v in counts.items()]
+                  f"{v['device_kernels_per_round']:.0f} | {v.get('host_reads_per_round', v['item_reads_per_round']):.1f} |"
+                  for k, v in counts.items()]
+        lines.append("")
+    split = {k: v for k, v in res.get("round_split", {}).items() if isinstance(v, dict)}
+    if split:
+        lines += ["## A device round's ms by step (each step captured alone, median of 30 replays)", "",
+                  "| row | draft | verify | accept + commit | whole round |", "|---|---|---|---|---|"]
+        lines += [f"| {k} | {v['draft_ms']:.3f} | {v['verify_ms']:.3f} | {v['accept_commit_ms']:.3f} | {v['round_ms']:.3f} |"
+                  for k, v in split.items()]
         lines.append("")
     c = {k: v for k, v in res["cost"].items() if k != "failed"}
     lines += ["## Cost of one target forward by tokens fed (ms)", "", "![cost](cost.png)", "",

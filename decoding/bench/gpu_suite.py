@@ -47,15 +47,26 @@ class GpuSuiteConfig:
     """Seconds for the whole suite (loading included); parts past it are skipped."""
     sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
     candidates: tuple[dict, ...] = (
-        {"strategy": "sd", "gamma": 2},
         {"strategy": "sd", "gamma": 3},
-        {"strategy": "ti-mcsd", "width": 4, "depth": 8, "stop": "confidence", "confidence_rule": "grow",
-         "max_nodes": 16, "grow_cost": "measure"},
-        {"strategy": "ti-mcsd", "width": 4, "depth": 8, "stop": "confidence", "confidence_rule": "grow",
-         "max_nodes": 32, "grow_cost": "measure"},
+        {"strategy": "ar", "round": "device"},
+        {"strategy": "sd", "gamma": 2, "round": "device"},
+        {"strategy": "sd", "gamma": 3, "round": "device"},
+        {"strategy": "sd", "gamma": 4, "round": "device"},
+        {"strategy": "sd", "gamma": 6, "round": "device"},
+        {"strategy": "ti-mcsd", "width": 4, "depth": 4, "round": "device"},
+        {"strategy": "ti-mcsd", "width": 4, "depth": 6, "round": "device"},
+        {"strategy": "mcsd", "k_config": "4,2,2,1,1", "round": "device"},
     )
-    """Further lossless rows for the `cuda` entry (and the defaults row unless it is `ar`). On the
-    H100 (reports/gpu-2026-11-27) sd γ=3 came closest to `ar`, the trees lost more: shallow first."""
+    """Further lossless rows for the `cuda` entry (and the defaults row unless it is `ar`): the host
+    round's best earlier row (sd γ=3), and fixed trees run whole on the device (decoding.round)."""
+    sampled: tuple[str, ...] = ("ar", "ar+device", "sd[g=3]+device", "sd[g=4]+device", "ti-mcsd[W=4,D=4]+device",
+                                "mcsd[4,2,2,1,1]+device")
+    """Rows run again at temperature 1.0 (named NAME@T1, compared with ar@T1)."""
+    hf_tokens: int = 96
+    """HF's rows run at lengths up to this only (an eager HF generate costs minutes at 512)."""
+    hf_compiled: bool = True
+    """A row of HF generate with its static cache and torch.compile (what a transformers user tries
+    first on a GPU), compiled in the warm-up when the budget allows."""
     prompt_sets: dict = field(default_factory=lambda: {"general": "data/prompts/heldout_general.jsonl",
                                                        "code": "data/prompts/heldout_code.jsonl"})
 
@@ -118,11 +129,32 @@ def load_rows(cfg: GpuSuiteConfig):
         def run(ids, n):
             _sync(cfg.device)
             t = time.perf_counter()
-            out, st = engine.generate(ids, n, eos)
+            out, st = engine.generate(ids, n, eos, seed=len(ids))
             _sync(cfg.device)
             run.last_rounds = st.rounds
             return out, time.perf_counter() - t
         run.engine = engine
+        return run
+
+    def hf_compiled():
+        import copy
+
+        from decoding.forward.packed import set_forward
+
+        model = copy.deepcopy(target)
+        set_forward(model, "eager")
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
+
+        def run(ids, n):
+            x = torch.tensor([ids], device=model.device)
+            _sync(cfg.device)
+            t = time.perf_counter()
+            with torch.inference_mode():
+                y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                                   cache_implementation="static", eos_token_id=eos,
+                                   pad_token_id=eos if isinstance(eos, int) else None)
+            _sync(cfg.device)
+            return y[0, len(ids):].tolist(), time.perf_counter() - t
         return run
 
     entry = defaults_for(cfg.device)
@@ -138,6 +170,11 @@ def load_rows(cfg: GpuSuiteConfig):
         sc = strategy_config(entry, None, {}) if name == "default" else strategy_config(entry, spec["strategy"], opts)
         rows[name] = ours(sess.engine(sc, greedy, rule=spec.get("decider_rule")))
         rows[name].spec = spec
+        if name in cfg.sampled:
+            rows[name + "@T1"] = ours(sess.engine(sc, SamplingConfig(temperature=1.0), rule=spec.get("decider_rule")))
+            rows[name + "@T1"].spec = dict(spec, temperature=1.0)
+    if cfg.hf_compiled and cfg.device.startswith("cuda"):
+        rows["hf-generate-static-compiled"] = hf_compiled()
     if cfg.draft:
         d = load_model(cfg.draft, cfg.dtype, cfg.device)
         rows["hf-assisted"] = hf(d)
@@ -148,6 +185,9 @@ def warm(rows: dict, ids, cfg: GpuSuiteConfig, clock: Clock, failed: dict) -> No
     """One short run per row (kernels, allocator), then every graph the runs will need, captured
     now (columns up to the longest prompt + tokens + tree). A row that raises is dropped."""
     for name, run in rows.items():
+        if name == "hf-generate-static-compiled" and clock.left() < 0.6 * cfg.budget_s:
+            failed[name] = "skipped: its compile did not fit the budget"
+            continue
         try:
             run(ids, 8)
         except Exception as e:
@@ -156,7 +196,10 @@ def warm(rows: dict, ids, cfg: GpuSuiteConfig, clock: Clock, failed: dict) -> No
             continue
         eng = getattr(run, "engine", None)
         m = getattr(eng, "target", None)
-        if m is not None and hasattr(m, "precapture"):
+        if hasattr(eng, "precapture"):  # a device round: every column bucket of the longest run
+            n = eng.precapture(ids, len(ids) + max(cfg.new_tokens) + 64)
+            clock.say(f"warm {name}: {n} graphs")
+        elif m is not None and hasattr(m, "precapture"):
             n = m.precapture(len(ids) + max(cfg.new_tokens) + 128, taps=getattr(eng.proposer, "verifying", None) is not None)
             clock.say(f"warm {name}: {n} graphs")
 
@@ -196,7 +239,7 @@ def timed_runs(rows: dict, prompts: list[dict], cfg: GpuSuiteConfig, clock: Cloc
     interval), else it is skipped. A row that raises is dropped (its error kept in `failed`)."""
     res = {}
     for n in cfg.new_tokens:
-        names = [k for k in rows if k not in failed]
+        names = [k for k in rows if k not in failed and (not k.startswith("hf-") or n <= cfg.hf_tokens)]
         got = {k: [] for k in names}
         for i, p in enumerate(prompts):
             need = _per_prompt(got, res, n)
@@ -216,7 +259,7 @@ def timed_runs(rows: dict, prompts: list[dict], cfg: GpuSuiteConfig, clock: Cloc
             clock.say(f"{n} tokens, prompt {i + 1}/{len(prompts)}: " + ", ".join(
                 f"{k} {got[k][-1][0] / got[k][-1][1]:.0f} tok/s" for k in names if k not in failed))
         got = {k: v for k, v in got.items() if k not in failed}
-        if min((len(v) for v in got.values()), default=0) >= 2 and "hf-generate" in got:
+        if min((len(v) for v in got.values()), default=0) >= 2 and "ar" in got:
             res[n] = got
             save(res)
         else:
@@ -242,12 +285,14 @@ def summarize(runs: dict, rows: dict) -> dict:
     for n, got in runs.items():
         k = min(len(v) for v in got.values())  # a row that failed late ran fewer prompts
         got = {name: v[:k] for name, v in got.items()}
-        base, ar = got["hf-generate"], got.get("ar")
+        base = got.get("hf-generate")
         cond = {}
         for name, r in got.items():
+            ar = got.get("ar@T1" if name.endswith("@T1") else "ar")
             tok, wall = [[x[0] for x in r]], [[x[1] for x in r]]
             row = {"tokens_per_s": sum(tok[0]) / sum(wall[0]), "tokens": tok[0], "wall_s": wall[0],
-                   "equal_to_hf_generate": sum(a[2] == b[2] for a, b in zip(r, base)), "prompts": len(r),
+                   "equal_to_hf_generate": sum(a[2] == b[2] for a, b in zip(r, base or r)) if base else None,
+                   "prompts": len(r),
                    "spec": getattr(rows[name], "spec", None)}
             rounds = [x[3] for x in r]
             if all(isinstance(x, int) and x > 0 for x in rounds):  # our rows: what one round buys and costs
@@ -267,7 +312,7 @@ def pick_cuda(summary: dict, dtype: str, forward: str, date: str) -> dict:
     mean of the medians); plain ar when none does."""
     best, score = {"strategy": "ar"}, 0.0
     names = set.intersection(*(set(c) for c in summary.values())) if summary else set()
-    for name in sorted(names - {"hf-generate", "hf-assisted", "ar"}):
+    for name in sorted(n for n in names - {"hf-generate", "hf-assisted", "ar"} if not n.startswith("hf-") and "@" not in n):
         sp = [summary[n][name].get("over_ar") for n in summary]
         if not sp or any(s is None or not s["ci95"][0] > 1.0 for s in sp):
             continue
@@ -324,6 +369,14 @@ def gpu_suite(cfg: GpuSuiteConfig, out: Path, progress=print) -> dict:
         res["launches"] = for_rows(ours, [p["ids"] for p in prompts[::cfg.prompts]], 64, sess.eos_token_id, clock.left)
     except Exception as e:  # the report goes ahead without them
         res["launches"] = {"failed": f"{type(e).__name__}: {e}"}
+    try:  # a device round's ms by step (decoding.round.timing), each step's own graph: untimed runs
+        from decoding.round.timing import split_ms
+
+        ids0 = prompts[0]["ids"]
+        res["round_split"] = {k: split_ms(r.engine, ids0) for k, r in rows.items()
+                              if k not in failed and hasattr(getattr(r, "engine", None), "runner") and "@" not in k}
+    except Exception as e:  # the report goes ahead without it
+        res["round_split"] = {"failed": f"{type(e).__name__}: {e}"}
     write_json(out / "results.json", res)  # kept up to date: a run cut short leaves what it measured
 
     def save(runs):
@@ -381,6 +434,7 @@ def main(argv=None) -> int:
                          device=a.device, dtype=a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32"))
     if a.quick:
         cfg.prompts, cfg.new_tokens, cfg.sizes = 1, (8, 16), (1, 2, 4)
+        cfg.candidates, cfg.sampled, cfg.hf_tokens = cfg.candidates[:3], ("ar", "ar+device"), 16
     if a.prompts:
         cfg.prompts = a.prompts
     if a.new_tokens:

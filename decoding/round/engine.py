@@ -81,24 +81,30 @@ class RoundEngine:
         g.replay()
 
     def _capture(self, cols: int):
-        """Warm up on a side stream with the state put back after (a round's writes past `length`
-        are scratch the real round overwrites), then capture."""
-        r = self.runner
+        return self.capture_fn(lambda: self.runner.round(cols))
+
+    def capture_fn(self, fn):
+        """`fn` (a part of the round, or all of it) captured as a CUDA graph: warmed up on a side
+        stream with the state put back after (a round's writes past `length` are scratch the next
+        real round overwrites), then captured."""
         state = [t.clone() for t in self._state()]
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):
-                r.round(cols)
-                for t, v in zip(self._state(), state):
-                    t.copy_(v)
+                fn()
+                self.restore(state)
         torch.cuda.current_stream().wait_stream(s)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            r.round(cols)
+            fn()
         return graph
+
+    def restore(self, state) -> None:
+        for t, v in zip(self._state(), state):
+            t.copy_(v)
 
     def _state(self):
         r = self.runner

@@ -35,8 +35,10 @@ def test_gpu_suite_runs_end_to_end_on_the_cpu(tmp_path, capsys):
     res = json.loads((out / "results.json").read_text())
     assert res["meta"]["forward"] == "static" and set(res["conditions"]) == {"8", "16"}
     rows = res["conditions"]["16"]
-    assert {"hf-generate", "ar", "default", "hf-assisted"} <= set(rows) and len(rows) == 8
-    for name in ("ar", "default"):  # greedy fp32: our rows are HF generate's text
+    assert {"hf-generate", "ar", "default", "hf-assisted", "sd[g=3]", "ar+device", "sd[g=2]+device", "ar@T1",
+            "ar+device@T1"} == set(rows)
+    assert rows["ar+device@T1"]["over_ar"]["median"] > 0 and rows["ar+device@T1"]["tokens_per_round"] == 1
+    for name in ("ar", "default", "ar+device", "sd[g=2]+device"):  # greedy fp32: our rows are HF generate's text
         assert rows[name]["equal_to_hf_generate"] == rows[name]["prompts"] == 2
         assert rows[name]["over_hf_generate"]["median"] > 0
     assert len(res["cost"]["static"]) == len(res["cost"]["sizes"]) == 3
@@ -47,6 +49,11 @@ def test_gpu_suite_runs_end_to_end_on_the_cpu(tmp_path, capsys):
     assert set(counts) == {k for k in rows if not k.startswith("hf-")}
     assert all(v["kernels_per_round"] > 0 and v["device_kernels_per_round"] == 0 for v in counts.values())
     assert "eager work besides the graph replays" in (out / "README.md").read_text()
+    for name in ("ar+device", "sd[g=2]+device"):  # the prompt's forward aside: one read a round, no op
+        assert 0.9 < counts[name]["host_reads_per_round"] <= 1
+        assert set(counts[name]["by_phase"]) <= {"prefill", "other"} and counts[name]["by_phase"].get("other", 0) == 0
+    assert set(res["round_split"]) == {"ar+device", "sd[g=2]+device"}
+    assert "by step" in (out / "README.md").read_text()
     assert "report in" in capsys.readouterr().out
 
 
@@ -83,4 +90,4 @@ def test_an_ar_entry_runs_no_separate_default_row(tmp_path, monkeypatch):
     monkeypatch.setattr(defaults, "defaults_for", lambda device="cpu", **kw: defaults.Defaults(strategy="ar"))
     _, rows = gpu_suite.load_rows(gpu_suite.GpuSuiteConfig(target=str(target), head=str(head), draft=None,
                                                            device="cpu", dtype="float32"))
-    assert "default" not in rows and {"hf-generate", "ar", "sd[g=2]", "sd[g=3]"} <= set(rows) and len(rows) == 6
+    assert "default" not in rows and {"hf-generate", "ar", "sd[g=3]", "sd[g=3]+device", "ar@T1"} <= set(rows)

@@ -123,3 +123,13 @@ def test_no_op_outside_the_round_and_one_host_read(pair):
     outside = {p: n for p, n in r["by_phase"].items() if p != "prefill"}
     assert sum(outside.values()) == 0, outside
     assert r["host_reads_per_round"] <= 1.0
+
+
+def test_the_round_splits_into_its_steps(pair):
+    from decoding.round.timing import split_ms
+
+    target, head = pair
+    eng = RoundEngine(target, head, RoundShape((2, 1, 1)), GREEDY)
+    ms = split_ms(eng, PROMPTS[0], reps=3)
+    assert set(ms) == {"draft_ms", "verify_ms", "accept_commit_ms", "round_ms"} and ms["round_ms"] > 0
+    assert eng.generate(PROMPTS[0], N)[0] == ar_output(target, PROMPTS[0])  # the timing left no trace
