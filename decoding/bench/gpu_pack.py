@@ -150,7 +150,8 @@ ENV = f"export PYTHONPATH=$PWD/{SITE} SPECSTOP_CACHE=$PWD/{CARRY}/cache PYTHONUN
 INSTALL = (f"if ls {CARRY}/part1/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps "
            f"--no-compile --no-cache-dir --upgrade --target {SITE} {CARRY}/part1/*.whl || exit 1; fi; ")
 PYTEST = "python3 -m pytest -q -p no:cacheprovider -m cuda --durations=6 "
-TESTS = {"graph": f"timeout 200 {PYTEST}-n 4 tests/forward/test_graph_on_cuda.py 2>&1 | tee $OUT/pytest-graph.log | tail -12; ",
+TESTS = {"graph": f"timeout 200 {PYTEST}-n 6 tests/forward/test_graph_on_cuda.py tests/round/test_device_round_on_cuda.py "
+                  f"2>&1 | tee $OUT/pytest-graph.log | tail -12; ",
          "lossless": f"timeout 110 {PYTEST}-n 6 tests/decoding/test_lossless_on_cuda.py 2>&1 | tee $OUT/pytest-lossless.log | tail -12; "}
 """On 2026-11-27 (one H100): the graph tests 94 s with 4 workers, the eager ones 110 s with 6 (the
 exact-sampling cases are most of it); the timeouts keep the suite's time whatever happens."""
