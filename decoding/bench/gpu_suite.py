@@ -140,6 +140,9 @@ def load_rows(cfg: GpuSuiteConfig):
 
         model = copy.deepcopy(target)
         set_forward(model, "eager")
+        for m in model.modules():  # the copies of our caches' taps belong to the original
+            m._forward_pre_hooks.clear()
+            m._forward_pre_hooks_with_kwargs.clear()
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
 
         def run(ids, n):

@@ -89,7 +89,7 @@ class HeadGraphs:
             k[:, :, :self.capacity].copy_(self.buf_k)
             v[:, :, :self.capacity].copy_(self.buf_v)
             self.buf_k, self.buf_v = k, v
-        self.capacity, self.inputs, self.graphs = cap, {}, {}
+        self.capacity, self.inputs, self.graphs, self.pool = cap, {}, {}, None  # a new pool: see static._ensure
 
     def _bucketed(self, b, tokens, hidden, positions, mask):
         t, n = tokens.shape[1], self.length

@@ -145,6 +145,7 @@ class StaticCachedModel(CachedModel):
         self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
         self.tap_hooks: list = []
         self.taps: dict[int, torch.Tensor] = {}
+        self.tapping = False
         super().__init__(model)
 
     def reset(self) -> None:
@@ -212,7 +213,9 @@ class StaticCachedModel(CachedModel):
         while cap < need:
             cap *= 2
         self.capacity = self.where.capacity = cap
-        self.graphs, self.inputs = {}, {}
+        # the old graphs' pool keeps blocks that outlive them (taps, a caller's logits): new graphs
+        # get a new pool (capturing into a pool whose graphs are gone fails inside the allocator)
+        self.graphs, self.inputs, self.taps, self.pool = {}, {}, {}, None
         for layer in self.cache.layers:
             if layer.buf_k is not None:
                 layer.allocate(layer.buf_k, cap)
@@ -239,8 +242,12 @@ class StaticCachedModel(CachedModel):
     def _run(self, ids, pos, slots, cols, masks, hidden):
         self.where.slots, self.where.cols = slots, cols
         mask = {k: m[..., :cols] for k, m in masks.items()}
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask.get(None, mask),
-                         past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
+        self.tapping = True
+        try:
+            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask.get(None, mask),
+                             past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
+        finally:
+            self.tapping = False
         return out.logits[0], (out.hidden_states[-1][0] if hidden else None)
 
     def _eager(self, tokens, qpos, base, masks, hidden):
@@ -349,7 +356,8 @@ class StaticCachedModel(CachedModel):
 
         def tap(i):
             def hook(_m, args, kwargs):
-                self.taps[i] = args[0] if args else kwargs["hidden_states"]
+                if self.tapping:  # another cache's forward of the same model (its graph pool) is not ours
+                    self.taps[i] = args[0] if args else kwargs["hidden_states"]
             return hook
 
         self.tap_hooks = [blk.register_forward_pre_hook(tap(i), with_kwargs=True)

@@ -33,6 +33,7 @@ class RoundEngine:
             raise ValueError("capturing the device round needs a CUDA device")
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
+        self.epoch = self.runner.epoch
         self.step = torch.compile(self.runner.round, fullgraph=True, dynamic=False) if compiled else self.runner.round
         self.reads = 0
         """Host reads of device data so far (one a round: the new tokens)."""
@@ -52,8 +53,7 @@ class RoundEngine:
             on_tokens(out[:])
         while len(out) < max_new_tokens and out[-1] not in eos:
             t0 = time.perf_counter()
-            if self.runner.ensure(length):
-                self.graphs.clear()
+            self.runner.ensure(length)
             self.run(self.runner.cols_for(length))
             got = self.runner.out.tolist()  # the round's one host read
             self.reads += 1
@@ -75,6 +75,8 @@ class RoundEngine:
         if not self.capture:
             self.step(cols)
             return
+        if self.epoch != self.runner.epoch:  # the buffers moved: new graphs, in a new pool (static._ensure)
+            self.graphs, self.pool, self.epoch = {}, None, self.runner.epoch
         g = self.graphs.get(cols)
         if g is None:
             g = self.graphs[cols] = self._capture(cols)
@@ -119,6 +121,8 @@ class RoundEngine:
         self.runner.prefill(list(prompt_ids))
         self.runner.ensure(max_len)
         buckets = sorted({self.runner.cols_for(n) for n in range(len(prompt_ids), max_len + 1)})
+        if self.epoch != self.runner.epoch:
+            self.graphs, self.pool, self.epoch = {}, None, self.runner.epoch
         for c in buckets:
             if c not in self.graphs:
                 self.graphs[c] = self._capture(c)

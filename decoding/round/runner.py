@@ -84,6 +84,8 @@ class DeviceRound:
             self.anchor_logits = z(head.config.draft_vocab_size, dt=wdt)
             self.anchor_h = z(head.config.hidden_size, dt=wdt)
         self.sc._install_taps()
+        self.epoch = 0
+        """Bumped whenever the buffers move: graphs captured before read the old ones."""
 
     # -- the host's side: sizes -------------------------------------------------------------
     def span(self) -> int:
@@ -104,6 +106,7 @@ class DeviceRound:
             cap *= 2
         self.sc._ensure(cap)
         self.kv.grow(cap)
+        self.epoch += 1
         return True
 
     # -- a sequence's start (eager: once a request) ---------------------------------------------

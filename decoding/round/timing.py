@@ -27,9 +27,13 @@ def split_ms(engine, prompt_ids, reps: int = 30) -> dict:
         parts = {"draft": draft, "draft+verify": draft_verify, "round": lambda: r.round(cols)}
         state = [t.clone() for t in engine._state()]
         ms = {}
-        for name, fn in parts.items():
-            run = engine.capture_fn(fn).replay if engine.capture else fn
-            ms[name] = _time(run, reps, engine.capture, lambda: engine.restore(state))
+        pool, engine.pool = engine.pool, None  # these graphs are dropped after: a pool of their own
+        try:
+            for name, fn in parts.items():
+                run = engine.capture_fn(fn).replay if engine.capture else fn
+                ms[name] = _time(run, reps, engine.capture, lambda: engine.restore(state))
+        finally:
+            engine.pool = pool if engine.epoch == r.epoch else None
     return {"draft_ms": ms["draft"], "verify_ms": ms["draft+verify"] - ms["draft"],
             "accept_commit_ms": ms["round"] - ms["draft+verify"], "round_ms": ms["round"]}
 
