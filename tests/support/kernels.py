@@ -43,3 +43,13 @@ def require_kernels() -> None:
     if why:
         pytest.skip(f"decoding.forward.kernels: {why}")
     pytest.fail(f"decoding.forward.kernels should build on this CPU: {kernels.why_not()}", pytrace=False)
+
+
+def require_quant() -> None:
+    """Skip where decoding.forward.quant's kernel may be absent; fail where it should have built."""
+    if quant.available():
+        return
+    why = quant_may_be_missing()
+    if why:
+        pytest.skip(f"decoding.forward.quant: {why}")
+    pytest.fail(f"decoding.forward.quant should build on this CPU: {quant.why_not()}", pytrace=False)
