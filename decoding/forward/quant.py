@@ -74,17 +74,23 @@ def _load() -> str | None:
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"no kernel for {platform.machine()}"
     try:
-        from torch.utils.cpp_extension import load
-
-        load(f"specstop_quant_{revision()}", [str(p) for p in SOURCES], extra_cflags=CFLAGS,
-             extra_ldflags=["-fopenmp"], is_python_module=False)
-        ops.isa(_isa_arg())  # the CPU has what the asked path needs
+        _build()
     except Exception as e:  # no compiler, an old CPU: the dequantized linears still work
         lines = str(e).splitlines() or [""]
-        why = f"the quantized kernel is unavailable ({type(e).__name__}: {lines[-1][:200]})"
+        first = next((ln for ln in lines if "error:" in ln), lines[-1])[:200]  # the compiler's, if any
+        why = f"the quantized kernel is unavailable ({type(e).__name__}: {first})"
         warnings.warn(f"decoding.forward.quant: {why}; GGUF targets run dequantized", stacklevel=3)
         return why
     return None
+
+
+def _build() -> None:
+    """Build and load the library, and check the CPU has what the asked path needs (raises)."""
+    from torch.utils.cpp_extension import load
+
+    load(f"specstop_quant_{revision()}", [str(p) for p in SOURCES], extra_cflags=CFLAGS,
+         extra_ldflags=["-fopenmp"], is_python_module=False)
+    ops.isa(_isa_arg())
 
 
 def _isa_arg() -> int:

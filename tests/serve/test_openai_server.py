@@ -1,6 +1,7 @@
 """decoding.serve through the real `openai` client on tiny models: answers equal the batch-1
-engine's, concurrent requests each keep their own answer, streaming adds up, and bad input,
-disconnects and cancellations get one error each while the server goes on serving."""
+engine's, with the finish reason and token counts it implies, concurrent requests each keep their
+own answer, streaming adds up, /metrics counts known traffic exactly, and bad input, disconnects
+and cancellations get one error each while the server goes on serving."""
 
 import http.client
 import json
@@ -63,12 +64,59 @@ def alone(dec, prompt, n):
     return dec.generate(prompt, n).text
 
 
+def reason(dec, result) -> str:
+    """The finish_reason a request must give: stop where the batch-1 engine ended on end of text."""
+    return "stop" if result.token_ids and result.token_ids[-1] == dec.session.eos_token_id else "length"
+
+
 def test_greedy_answers_equal_the_batch_1_engine(server):
     dec, _, client, _ = server
+    reasons = []
     for p in PROMPTS:
         got = client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0)
-        assert got.choices[0].text == alone(dec, p, 8)
-        assert got.usage.completion_tokens >= 1 and got.choices[0].finish_reason in ("length", "stop")
+        want = dec.generate(p, 8)
+        assert got.choices[0].text == want.text
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(want.prompt_ids), len(want.token_ids))
+        assert got.choices[0].finish_reason == reason(dec, want)
+        reasons.append(reason(dec, want))
+    assert set(reasons) == {"length", "stop"}  # the prompts end both ways ("w4 w5" on end of text)
+
+
+def scrape(port) -> dict:
+    """/metrics as {(name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn = http.client.HTTPConnection("127.0.0.1", port)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_metrics_count_known_traffic(server):
+    """Four greedy requests one after another: each counter moves by exactly what they did."""
+    dec, worker, client, port = server
+    before = scrape(port)
+    wants = [dec.generate(p, 8) for p in PROMPTS]
+    for p in PROMPTS:
+        client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0)
+    after = scrape(port)
+
+    def moved(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before[key]
+
+    for outcome in ("length", "stop", "cancelled", "error"):
+        want = sum(reason(dec, w) == outcome for w in wants)
+        assert moved("specstop_requests_total", outcome=outcome) == want, outcome
+    assert moved("specstop_generated_tokens_total") == sum(len(w.token_ids) for w in wants)
+    assert moved("specstop_prompt_tokens_total") == sum(len(w.prompt_ids) for w in wants)
+    rounds = moved("specstop_rounds_total")
+    assert rounds >= len(PROMPTS) and moved("specstop_round_requests_total") == rounds  # one request a round
+    assert moved("specstop_verify_rows_total") >= rounds
+    assert after[("specstop_tokens_per_round", ())] == after[("specstop_generated_tokens_total", ())] / after[
+        ("specstop_round_requests_total", ())]
+    assert after[("specstop_queue_depth", ())] == 0 and after[("specstop_active_requests", ())] == 0
 
 
 def test_concurrent_clients_each_get_their_own_answer(server):
@@ -82,15 +130,17 @@ def test_concurrent_clients_each_get_their_own_answer(server):
     assert worker.engine.active == []
 
 
-def test_a_stream_adds_up_to_the_answer(server):
+@pytest.mark.parametrize("content,finish", [("w1 w2", "length"), ("w4 w5", "stop")])
+def test_a_stream_adds_up_to_the_answer(server, content, finish):
     dec, _, client, _ = server
-    msgs = [{"role": "user", "content": "w1 w2"}]
+    msgs = [{"role": "user", "content": content}]
     whole = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
     chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0,
                                                  stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
-    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert reason(dec, dec.generate(content, 8, chat=True)) == finish  # what the tiny target does
+    assert whole.choices[0].finish_reason == chunks[-1].choices[0].finish_reason == finish
 
 
 def test_models_health_and_metrics(server):
