@@ -74,6 +74,9 @@ def add_strategy_args(ap: argparse.ArgumentParser) -> None:
                     help="host (default): every policy, Python between a round's steps; device: the fixed tree's "
                          "whole round as one tensor program (one CUDA graph replay and one host read a round on "
                          "CUDA; a feature head, --stop fixed)")
+    ap.add_argument("--lookahead", type=int, default=None,
+                    help="--round device: rounds queued on the device ahead of the host's read (default 1; 2 overlaps "
+                         "the read's wait with the next round on CUDA)")
     ap.add_argument("--decider-threshold", type=float, default=None,
                     help="override the threshold chosen at fit time by trace replay")
 

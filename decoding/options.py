@@ -159,6 +159,10 @@ class StrategyOptions:
     round: str = "host"
     """host or device (ROUNDS): device runs each round's fixed tree (fixed stop, a feature head,
     without replacement) as one tensor program, captured whole on CUDA (decoding.round)."""
+    lookahead: int = 1
+    """device round only: rounds queued on the device ahead of the host's read of the tokens (2: the
+    read's wait overlaps the next round's replay on CUDA; the next round is sized for the most the
+    previous one can commit)."""
 
 
 @dataclass
@@ -179,6 +183,8 @@ class StrategyConfig(StrategyOptions):
         check_threshold("confidence threshold", self.confidence_threshold)
         if self.grow_cost not in ("decider", "measure"):
             raise ValueError(f"grow_cost must be decider or measure (got {self.grow_cost!r})")
+        if not 1 <= self.lookahead <= 4:
+            raise ValueError(f"lookahead must be in 1..4 (got {self.lookahead})")
         if self.round not in ROUNDS:
             raise ValueError(f"unknown round {self.round!r}; choose host or device")
         if self.round == "device" and (self.stop != "fixed" or self.replacement or self.mode != "lossless"):
@@ -206,6 +212,6 @@ class StrategyConfig(StrategyOptions):
             n += f"+{self.stop}" + (f"({rule})" if rule else "")
         if self.mode == "longest-branch":
             n += "+longest-branch(LOSSY)"
-        return n + ("+device" if self.round == "device" else "")
+        return n + ("+device" if self.round == "device" else "") + (f"+ahead{self.lookahead}" if self.lookahead > 1 else "")
 
 

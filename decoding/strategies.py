@@ -43,4 +43,4 @@ def device_engine(target, draft, cfg: StrategyConfig, sampling: SamplingConfig):
     if cfg.strategy != "ar" and not isinstance(draft, FeatureDraft):
         raise ValueError("the device round drafts with a feature head (an EAGLE-3 head directory as --draft)")
     return RoundEngine(target, draft if cfg.strategy != "ar" else None, shape_for(cfg.strategy, cfg.k_levels),
-                       sampling, cfg.name)
+                       sampling, cfg.name, lookahead=cfg.lookahead)

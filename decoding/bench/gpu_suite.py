@@ -54,6 +54,7 @@ class GpuSuiteConfig:
         {"strategy": "sd", "gamma": 4, "round": "device"},
         {"strategy": "ti-mcsd", "width": 4, "depth": 4, "round": "device"},
         {"strategy": "mcsd", "k_config": "4,2,2,1,1", "round": "device"},
+        {"strategy": "mcsd", "k_config": "4,2,2,1,1", "round": "device", "lookahead": 2},
     )
     """Further lossless rows for the `cuda` entry (and the defaults row unless it is `ar`): the host
     round's best earlier row (sd γ=3), and fixed trees run whole on the device (decoding.round)."""

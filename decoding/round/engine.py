@@ -8,6 +8,7 @@ a graph replays them, a CUDA generator of our own could not be.
 
 from __future__ import annotations
 
+import collections
 import time
 
 import torch
@@ -24,7 +25,7 @@ class RoundEngine:
     observer = None
 
     def __init__(self, target, head, shape: RoundShape, sampling: SamplingConfig, name: str = "ar",
-                 capture: bool | None = None, compiled: bool = False):
+                 capture: bool | None = None, compiled: bool = False, lookahead: int | None = None):
         self.runner = DeviceRound(target, head, shape, sampling)
         self.target = self.runner.sc
         self.shape, self.sampling, self.name = shape, sampling, name
@@ -37,9 +38,19 @@ class RoundEngine:
         self.step = torch.compile(self.runner.round, fullgraph=True, dynamic=False) if compiled else self.runner.round
         self.reads = 0
         """Host reads of device data so far (one a round: the new tokens)."""
+        self.lookahead = lookahead or 1
+        """Rounds queued ahead of the read: 2 hides the read's wait behind the next replay on CUDA
+        (a CPU runs each op as it is called: nothing to hide there)."""
+        self._pinned = [torch.empty(shape.depth + 2, dtype=torch.long, pin_memory=True)
+                        for _ in range(self.lookahead + 1)] if self.capture and self.lookahead > 1 else []
+        self._ring = 0
 
     def generate(self, prompt_ids, max_new_tokens: int = 128, eos_token_id=None, seed: int = 0,
                  on_tokens=None) -> tuple[list[int], RunStats]:
+        """`lookahead` rounds stay queued on the device: round r + 1 is launched before round r's
+        tokens are read (its cache columns sized for the most round r can commit), so on CUDA the
+        read's wait overlaps the next replay. A round launched past EOS or the token budget is
+        dropped unread: the next request's prefill resets the state it advanced."""
         if not prompt_ids:
             raise ValueError("empty prompt")
         torch.manual_seed(seed)
@@ -48,15 +59,18 @@ class RoundEngine:
         t_start = time.perf_counter()
         out = [self.runner.prefill(list(prompt_ids))]
         stats.add_plain_round(time.perf_counter() - t_start)
-        length = len(prompt_ids)
+        length, most = len(prompt_ids), self.shape.depth + 1
+        queued: collections.deque = collections.deque()
         if on_tokens:
             on_tokens(out[:])
         while len(out) < max_new_tokens and out[-1] not in eos:
             t0 = time.perf_counter()
-            self.runner.ensure(length)
-            self.run(self.runner.cols_for(length))
-            got = self.runner.out.tolist()  # the round's one host read
-            self.reads += 1
+            while len(queued) < self.lookahead and len(out) + len(queued) < max_new_tokens:
+                bound = length + most * len(queued)  # the cache's length after the queued rounds, at most
+                self.runner.ensure(bound)
+                self.run(self.runner.cols_for(bound))
+                queued.append(self._stage())
+            got = self._read(queued.popleft())  # the round's one host read
             n = got[0]
             length += n
             new = got[1:1 + n][: max_new_tokens - len(out)]
@@ -69,6 +83,28 @@ class RoundEngine:
         stats.wall_s = time.perf_counter() - t_start
         stats.context = len(prompt_ids) + len(out)
         return out, stats
+
+    def _stage(self):
+        """The round's `out` where a later read finds it: itself when nothing is queued behind it,
+        else a copy (on CUDA into pinned memory, ordered on the stream before the next replay)."""
+        out = self.runner.out
+        if self.lookahead == 1:
+            return out
+        if not self.capture:
+            return out.clone()
+        self._ring = (self._ring + 1) % len(self._pinned)
+        buf = self._pinned[self._ring]
+        buf.copy_(out, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return buf, ev
+
+    def _read(self, staged) -> list[int]:
+        self.reads += 1
+        if isinstance(staged, tuple):
+            staged[1].synchronize()
+            staged = staged[0]
+        return staged.tolist()
 
     def run(self, cols: int) -> None:
         """One round: a replay of its graph (captured on first use) or the round's own call."""

@@ -133,3 +133,17 @@ def test_the_round_splits_into_its_steps(pair):
     ms = split_ms(eng, PROMPTS[0], reps=3)
     assert set(ms) == {"draft_ms", "verify_ms", "accept_commit_ms", "round_ms"} and ms["round_ms"] > 0
     assert eng.generate(PROMPTS[0], N)[0] == ar_output(target, PROMPTS[0])  # the timing left no trace
+
+
+@pytest.mark.parametrize("lookahead", [2, 3])
+def test_rounds_queued_ahead_of_the_read_keep_the_text(pair, lookahead):
+    """Round r + 1 launched before round r is read (as on CUDA): the same text, EOS and the token
+    budget honoured, the rounds launched past them dropped."""
+    target, head = pair
+    eng = RoundEngine(target, head, RoundShape((2, 1, 1)), GREEDY, lookahead=lookahead)
+    for prompt in PROMPTS:
+        ref = ar_output(target, prompt)
+        assert eng.generate(prompt, N)[0] == ref
+        assert eng.generate(prompt, 7)[0] == ref[:7]
+        eos = ref[9]
+        assert eng.generate(prompt, N, eos_token_id=eos)[0] == ref[:ref.index(eos) + 1]
