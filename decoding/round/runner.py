@@ -141,40 +141,40 @@ class DeviceRound:
     @torch.inference_mode()
     def round(self, cols: int) -> torch.Tensor:
         """One whole round over the first `cols` cache columns; returns `out`."""
-        L, sh = self.length, self
-        nodes, valid, q_rows, h_last = self.draft(cols)
+        nodes, valid, q_rows = self.draft(cols)
         ids = torch.cat((self.pending[None], nodes))
         logits, feats = self.verify(ids, cols)
         if self.sampling.greedy:
-            n, path, bonus = accept.greedy_walk(ids, logits.argmax(-1), self.st, sh.depth)
+            n, path, bonus = accept.greedy_walk(ids, logits.argmax(-1), self.st, self.depth)
         else:
-            u = torch.rand(max(sh.depth, 1), max(sh.ks or (1,)), device=self.dev)
+            u = torch.rand(max(self.depth, 1), max(self.ks or (1,)), device=self.dev)
             e = torch.empty(logits.shape[-1], device=self.dev).exponential_()
             p_rows = warp(logits, self.sampling)
             valid_rows = torch.cat((valid.new_ones(1), valid))
-            n, path, bonus = accept.sampling_walk(p_rows, q_rows, ids, valid_rows, self.st, sh.ks, u, e)
+            n, path, bonus = accept.sampling_walk(p_rows, q_rows, ids, valid_rows, self.st, self.ks, u, e)
         self.commit(ids, n, path, bonus, feats, cols)
         return self.out
 
     def draft(self, cols: int):
-        """The tree's tokens [N] (target ids), their validity, the q rows [R, V] each row's
-        children were drawn from (sampling only) and the last head output."""
-        sh, dev = self, self.dev
-        if not sh.depth:
-            return torch.zeros(0, dtype=torch.long, device=dev), torch.zeros(0, dtype=torch.bool, device=dev), None, None
+        """The tree's tokens [N] (target ids), their validity and the q rows [R, V] each row's
+        children were drawn from (sampling only)."""
+        dev = self.dev
+        if not self.depth:
+            return torch.zeros(0, dtype=torch.long, device=dev), torch.zeros(0, dtype=torch.bool, device=dev), None
         logits, parent_h = self.anchor_logits[None], self.anchor_h[None]
         toks, valid, qs = [], [], []
-        for d, k in enumerate(sh.ks):
-            q = warp(logits, self.sampling)  # [n_parents, N]
-            qs.append(q)
-            if self.sampling.greedy:
+        for d, k in enumerate(self.ks):
+            if self.sampling.greedy:  # any children keep greedy lossless: the top k, all valid
                 x = logits.float().topk(k, dim=-1).indices
+                valid.append(torch.ones(x.numel(), dtype=torch.bool, device=dev))
             else:  # the first k of a draw without replacement from q, in draw order
+                q = warp(logits, self.sampling)  # [n_parents, N]
+                qs.append(q)
                 x = (q / torch.empty_like(q).exponential_()).topk(k, dim=-1).indices
+                valid.append(q.gather(1, x).reshape(-1) > 0)
             toks.append(self.used[x.reshape(-1)])
-            valid.append(q.gather(1, x).reshape(-1) > 0)
-            if d + 1 < sh.depth:  # this level's nodes get children: one head step over them
-                start, end = sh.levels[d]
+            if d + 1 < self.depth:  # this level's nodes get children: one head step over them
+                start, end = self.levels[d]
                 hid = parent_h.repeat_interleave(k, 0)
                 pos = (self.length + d).expand(end - start)
                 slots = self.length + torch.arange(start - 1, end - 1, device=dev)
@@ -184,9 +184,9 @@ class DeviceRound:
         q_rows = None
         if not self.sampling.greedy:  # over the target's vocabulary: exactly 0 off the head's
             q = torch.cat(qs)
-            full = q.new_zeros(sh.rows, self.head.config.vocab_size)
-            q_rows = full.index_copy(1, self.used, torch.cat((q, q.new_zeros(sh.rows - q.shape[0], q.shape[1]))))
-        return torch.cat(toks), torch.cat(valid), q_rows, parent_h
+            full = q.new_zeros(self.rows, self.head.config.vocab_size)
+            q_rows = full.index_copy(1, self.used, torch.cat((q, q.new_zeros(self.rows - q.shape[0], q.shape[1]))))
+        return torch.cat(toks), torch.cat(valid), q_rows
 
     def _node_mask(self, start: int, end: int, cols: int) -> torch.Tensor:
         """Bool [end - start, cols]: the committed entries and each node's own ancestors (whose
@@ -199,21 +199,21 @@ class DeviceRound:
 
     def verify(self, ids, cols: int):
         """The target over the rows: logits [R, V] (float32) and the head's features [R, 3H]."""
-        sh, dev, L = self, self.dev, self.length
+        dev, L = self.dev, self.length
         c = torch.arange(cols, device=dev)
         rel = c - L
-        inside = (rel >= 0) & (rel < sh.rows)
-        seen = (c < L)[None] | (inside[None] & self.st.ancestors[:, rel.clamp(0, sh.rows - 1)])
+        inside = (rel >= 0) & (rel < self.rows)
+        seen = (c < L)[None] | (inside[None] & self.st.ancestors[:, rel.clamp(0, self.rows - 1)])
         dt = self.target.dtype
         mask = torch.zeros(seen.shape, dtype=dt, device=dev).masked_fill_(~seen, torch.finfo(dt).min)
-        slots = L + torch.arange(sh.rows, device=dev)
+        slots = L + torch.arange(self.rows, device=dev)
         logits, _ = self.sc._run(ids[None], (L + self.st.depths)[None], slots, cols, {None: mask[None, None]}, False)
         feats = torch.cat([self.sc.taps[i][0] for i in self.aux], -1) if self.aux else None
         return logits.float(), feats
 
     def commit(self, ids, n, path, bonus, feats, cols: int) -> None:
-        sh, dev, L = self, self.dev, self.length
-        D = sh.depth
+        dev, L = self.dev, self.length
+        D = self.depth
         ar = torch.arange(D + 1, device=dev)
         along = torch.cat((ids[path], bonus[None])) if D else bonus[None]
         new = torch.where(ar < n, along, torch.where(ar == n, bonus, 0))  # x_{L+1} .. x_{L+n+1}
