@@ -66,7 +66,7 @@ def add_strategy_args(ap: argparse.ArgumentParser) -> None:
                          "depth) from the scores and the checkpoint's cost model (default: the checkpoint's, or (*))")
     ap.add_argument("--grow-cost", choices=("decider", "measure"), default=None,
                     help="grow rules: the cost model stored with --decider, or measure: this machine's "
-                         "forwards, timed on the first load (~10-30 s) and stored for later ones (*)")
+                         "forwards, timed on the first load (seconds) and stored for later ones (*)")
     ap.add_argument("--max-nodes", type=int, default=None,
                     help="grow rules: cap on draft tree nodes (default 64; --width caps children per node, "
                          "--depth the levels)")

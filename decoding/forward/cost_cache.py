@@ -1,12 +1,12 @@
 """This machine's cost curve for a pair, timed once and kept: a grown tree (`grow_cost:
 measure`) loaded through `decoding.Decoder` / `python -m decoding.generate` pays the timing
-(2.3 s for the embedded GGUF target on a 2-core EPYC) on its first load only.
+(seconds) on its first load only.
 
 The key is everything the curve depends on: both models' fingerprints, dtype, device, torch
 threads, the CPU model, the torch version, and the sizes and unit it is timed in. Another
 machine, dtype, thread count or forward is a miss, never a stale hit. A hit is
 trusted as stored: it is not re-timed because the machine is busy for a moment (a spot check
-that did so cost 10-30 s on busy moments, issue 34); set $SPECSTOP_RETIME_COST=1 to re-time it.
+that did so cost more on busy moments than it saved); set $SPECSTOP_RETIME_COST=1 to re-time it.
 Files live under `$SPECSTOP_CACHE/cost/` (git-ignored, like the converted target) and are
 written atomically. Benchmarks time the curve afresh at the start of every run instead.
 """
