@@ -37,6 +37,8 @@ lean forward keeps torch's ops and oneDNN's linears.
 from __future__ import annotations
 
 import hashlib
+import shutil
+import tempfile
 import os
 import warnings
 from pathlib import Path
@@ -91,9 +93,29 @@ def _build() -> None:
     flags = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
     # the name carries a hash of every source and header: torch's loader rebuilds on a changed
     # source but not on a changed header
-    digest = source_digest(SOURCES)
-    load(f"specstop_cpu_kernels_{digest}", [str(p) for p in SOURCES], extra_cflags=flags + ["-fopenmp"],
-         extra_ldflags=["-fopenmp"], is_python_module=False)
+    name = f"specstop_cpu_kernels_{source_digest(SOURCES)}"
+    load(name, stable_sources(name, SOURCES), extra_cflags=flags + ["-fopenmp"], extra_ldflags=["-fopenmp"],
+         is_python_module=False)
+
+
+def stable_sources(name: str, sources) -> list[str]:
+    """`sources` (with every header of csrc/) copied once to a folder named after the library,
+    whose name carries their hash: torch's loader writes the sources' absolute paths into its
+    build file, so building from the checkout rebuilt the library for every checkout path (a
+    scratch clone, a worktree) and again on switching back. From these copies it builds once per
+    source and machine."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    dst = root / "specstop-src" / name
+    if not dst.is_dir():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{name}."))
+        for f in {*map(Path, sources), *CSRC.glob("*.h")}:
+            shutil.copy2(f, tmp / f.name)
+        try:
+            os.replace(tmp, dst)
+        except OSError:  # another process put the same copies there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return [str(dst / Path(p).name) for p in sources]
 
 
 def source_digest(sources) -> str:

@@ -88,8 +88,10 @@ def _build() -> None:
     """Build and load the library, and check the CPU has what the asked path needs (raises)."""
     from torch.utils.cpp_extension import load
 
-    load(f"specstop_quant_{revision()}", [str(p) for p in SOURCES], extra_cflags=CFLAGS,
-         extra_ldflags=["-fopenmp"], is_python_module=False)
+    from decoding.forward.kernels import stable_sources
+
+    name = f"specstop_quant_{revision()}"
+    load(name, stable_sources(name, SOURCES), extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False)
     ops.isa(_isa_arg())
 
 
@@ -236,11 +238,23 @@ READER = 2
 """What read_gguf keeps (2: + Q5_0 / Q4_K / Q6_K re-laid): a kept file of another version is read anew."""
 
 
+def blocks_file(target_dir: Path) -> Path:
+    """Where a converted target's blocks are kept: BESIDE its directory, never inside (an engine
+    pointed at the directory loads every *.safetensors in it). A file kept inside by an older
+    version moves out."""
+    target_dir = Path(target_dir)
+    out = target_dir.parent / f"{target_dir.name}.gguf_blocks.safetensors"
+    old = target_dir / "gguf_blocks.safetensors"
+    if old.is_file() and not out.exists():
+        os.replace(old, out)
+    return out
+
+
 def kept_stamp(cache_dir: Path) -> str | None:
-    """The source stamp of the blocks kept in `cache_dir` by this reader, None when none are."""
+    """The source stamp of the blocks kept for `cache_dir` by this reader, None when none are."""
     from safetensors import safe_open
 
-    kept = cache_dir / "gguf_blocks.safetensors"
+    kept = blocks_file(cache_dir)
     try:
         with safe_open(str(kept), "pt") as f:
             meta = f.metadata() or {}
@@ -254,7 +268,7 @@ def kept_blocks(read, stamp: str, cache_dir: Path | None) -> dict[str, QuantWeig
     file of another stamp, unreadable or absent is read anew (atomic write)."""
     from safetensors.torch import load_file, save_file
 
-    kept = cache_dir / "gguf_blocks.safetensors" if cache_dir is not None else None
+    kept = blocks_file(cache_dir) if cache_dir is not None else None
     if kept is not None and kept.is_file():
         from safetensors import safe_open
 
@@ -264,7 +278,7 @@ def kept_blocks(read, stamp: str, cache_dir: Path | None) -> dict[str, QuantWeig
             if meta.get("source") == stamp and meta.get("reader") == str(READER):
                 kinds = json.loads(meta["kinds"])
                 return {n: QuantWeight(t, kinds[n][0], kinds[n][1]) for n, t in load_file(str(kept)).items()}
-        except (OSError, ValueError, KeyError):  # unreadable or from another version: read the GGUF again
+        except Exception:  # unreadable, corrupt (safetensors' own error type) or another version: read the GGUF again
             pass
     out = read()
     if kept is not None:

@@ -95,7 +95,7 @@ def test_runs_on_its_q4_k_m_blocks_losslessly(gemma):
     assert target.dtype == torch.float32 and quant.quantized(target) == 18 * 7 + 1
     kinds = {m._quant.kind for m in target.modules() if getattr(m, "_quant", None) is not None}
     assert kinds == {quant.KINDS["Q8_0"], kquants.KQ4, kquants.KQ6}
-    assert (models.cache_root() / GEMMA3 / "gguf_blocks.safetensors").is_file()
+    assert quant.blocks_file(models.cache_root() / GEMMA3).is_file()
     ar = build_engine(target, None, StrategyConfig(strategy="ar"), SamplingConfig())
     for cfg in (StrategyConfig(strategy="sd", gamma=3), StrategyConfig(strategy="ti-mcsd", width=2, depth=3)):
         eng = build_engine(target, dense, cfg, SamplingConfig())

@@ -349,16 +349,20 @@ def test_blocks_are_kept_once_and_refreshed_with_the_file(tmp_path, monkeypatch)
     model = tiny_llama(0, vocab=32, hidden=32)
     gguf_file = tmp_path / "m.gguf"
     write_gguf(model, gguf_file)
-    first = quant.load_blocks(gguf_file, model.config, tmp_path)
-    assert (tmp_path / "gguf_blocks.safetensors").is_file()
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "gguf_blocks.safetensors").write_bytes(b"an older version kept it inside")
+    first = quant.load_blocks(gguf_file, model.config, target)
+    # beside the converted directory, never inside: an engine pointed at it loads every safetensors
+    assert (tmp_path / "target.gguf_blocks.safetensors").is_file() and not list(target.iterdir())
     monkeypatch.setattr(quant, "read_gguf", lambda *a: pytest.fail("the kept blocks were not used"))
-    kept = quant.load_blocks(gguf_file, model.config, tmp_path)
+    kept = quant.load_blocks(gguf_file, model.config, target)
     assert {n: (w.kind, w.k) for n, w in kept.items()} == {n: (w.kind, w.k) for n, w in first.items()}
     assert all(torch.equal(kept[n].w, first[n].w) for n in first)
     monkeypatch.undo()
     write_gguf(tiny_llama(3, vocab=32, hidden=32), gguf_file, kind="Q8_0")  # another file at that path
     os.utime(gguf_file, ns=(1, 1))
-    assert all(w.kind == quant.KINDS["Q8_0"] for w in quant.load_blocks(gguf_file, model.config, tmp_path).values())
+    assert all(w.kind == quant.KINDS["Q8_0"] for w in quant.load_blocks(gguf_file, model.config, target).values())
 
 
 def test_avx2_row_attention_is_sdpa_row_by_row():
