@@ -135,7 +135,7 @@ ENTRY_POINTS = {"collect": "training.decider.collect", "fit": "training.decider.
 
 
 def test_decoding_top_level_holds_at_most_15_modules():
-    top = sorted(p.stem for p in (ROOT / "decoding").glob("*.py"))
+    top = sorted(p.stem for p in (ROOT / "decoding").glob("*.py") if p.stem != "__init__")
     assert len(top) <= 15, f"{len(top)} modules at decoding/'s top: {top}"
 
 

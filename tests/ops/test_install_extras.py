@@ -43,3 +43,18 @@ def test_a_training_command_names_the_extra_in_one_line():
     assert len(lines) == 1 and "pip install 'specstop[train]'" in lines[0] and "lightning" in lines[0], r.stderr
     r = _run(BLOCK + "import training")  # as a library: an ImportError that says the same
     assert r.returncode != 0 and "specstop[train]" in r.stderr
+
+
+def test_one_command_runs_every_module():
+    from decoding.__main__ import COMMANDS
+
+    r = _run("from decoding.__main__ import main; raise SystemExit(main(['generate', '--help']))")
+    assert r.returncode == 0 and r.stdout.startswith("usage:") and "--round" in r.stdout
+    r = _run("from decoding.__main__ import main; raise SystemExit(main(['nope']))")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: unknown command 'nope'; choose from {', '.join(COMMANDS)}"]
+    r = _run(BLOCK + "from decoding.__main__ import main; raise SystemExit(main(['fit', '--help']))")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "specstop[train]" in r.stderr
+    import importlib.util
+
+    assert all(importlib.util.find_spec(m) is not None for m, _ in COMMANDS.values())
