@@ -17,7 +17,7 @@ Speculative Decoding idea: the head keeps learning the traffic it serves).
    exactly, not the product of per-step agreements, which assumes independence; exact for
    greedy continuations). Promote when the score is above the champion's and at least
    (1 + margin) times it, and step-1 agreement is at most step1_tolerance below. Then the
-   serve gate (training/serve/gate.py; decision.json's serve_check): vLLM must serve it as specstop.
+   serve gate (training/export/gate.py; decision.json's serve_check): vLLM must serve it as specstop.
 4. Promotion: decision.pending.json, then the champion directory is swapped for a copy of the
    challenger (training.swap.replace_dir) if it still holds the head it was judged against,
    then decision.json. A re-run that finds a pending record completes it, never re-compares.
@@ -94,7 +94,7 @@ class RedistillConfig:
     """torch intra-op threads (None = torch's default)."""
     serve_check_python: str | None = ".venv-vllm/bin/python"
     """vLLM's python (make serve-check): a challenger about to be promoted must serve there as in
-    specstop (training/serve/gate.py); absent = skipped and recorded, null = off."""
+    specstop (training/export/gate.py); absent = skipped and recorded, null = off."""
     serve_check_prompts: int = 4  # held-out prompts, and new tokens each, the serve gate runs
     serve_check_tokens: int = 48
 
@@ -265,7 +265,7 @@ def run(cfg: RedistillConfig, teacher=None, log=print) -> int:
 
     from training.corpus.teacher import CorpusConfig, build_corpus
     from training.logged import is_heldout, read_logged
-    from training.serve.gate import gate_promotion
+    from training.export.gate import gate_promotion
     from training.shards import write_json
     from training.head.bench import agreement
 

@@ -14,8 +14,8 @@ from decoding.drafts.feature import default_aux_layers
 from decoding.drafts.io import save_feature_draft
 from decoding.models import ModelError, load_model
 from support.head import tiny_feature_draft
-from training.serve.export import main, to_eagle3
-from training.serve.eagle3_import import from_eagle3
+from training.export.formats import main, to_eagle3
+from training.export.eagle3_import import from_eagle3
 
 LAYERS, VOCAB = 8, 40
 
