@@ -12,7 +12,7 @@ Speculative Decoding idea: the head keeps learning the traffic it serves).
    covers the corpora with THE CHAMPION'S vocabulary (`data.vocab_from`). The generated
    training config is `<run dir>/distill.yaml` (it runs by hand too).
 3. Gate: both heads on the same held-out continuations, teacher-forced
-   (feature_bench.agreement, steps 1..depth). Score = mean accepted length of a greedy chain
+   (training.head.bench.agreement, steps 1..depth). Score = mean accepted length of a greedy chain
    of depth `depth`, counted per position as the leading run of agreeing steps (conditioned
    exactly, not the product of per-step agreements, which assumes independence; exact for
    greedy continuations). Promote when the score is above the champion's and at least
