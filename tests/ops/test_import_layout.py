@@ -126,7 +126,7 @@ def test_checker_sees_circles_in_function_bodies_and_upward_arrows(tmp_path):
 ROUND = {"decoding.engine", "decoding.tree_proposer", "decoding.stopping", "decoding.growth", "decoding.acceptance",
          "decoding.strategies", "decoding.api", "decoding.generate"}
 """The round and its front ends: the forward room and model loading sit below them."""
-TRAINING_TOP = {"__init__", "cli", "logged", "shards", "swap", "demo", "collect", "fit", "retrain", "distill",
+TRAINING_TOP = {"__init__", "config_flags", "logged", "shards", "swap", "demo", "collect", "fit", "retrain", "distill",
                 "migrate_fingerprints", "convert_draft"}
 """training/'s top level: the user's commands and the helpers every pipeline shares (`python -m
 training.export` is the export room's own __main__)."""

@@ -28,7 +28,7 @@ import numpy as np
 
 from decoding.decider.policy import resolve_decider_dir
 
-from training.cli import parse_config
+from training.config_flags import parse_config
 from training.decider.grow_replay import grow_policy
 from training.decider.metrics import roc_auc
 from training.decider.replay import Q_TOKEN, CostModel, ReplaySet, baseline_table, replay

@@ -380,7 +380,7 @@ def execute(cfg: RedistillConfig, teacher=None, log=_log) -> int:
 
 def load_config(path: str) -> RedistillConfig:
     """A redistill config file (ValueError with one line when it is unusable)."""
-    from training.cli import parse_config
+    from training.config_flags import parse_config
 
     try:
         return parse_config(RedistillConfig, ["--config", str(path)], "python -m training.head.redistill")
@@ -389,7 +389,7 @@ def load_config(path: str) -> RedistillConfig:
 
 
 def main(argv=None) -> int:
-    from training.cli import parse_config
+    from training.config_flags import parse_config
 
     cfg = parse_config(RedistillConfig, argv, "python -m training.head.redistill", __doc__.split("\n")[0])
     return execute(cfg)
