@@ -1,4 +1,4 @@
-"""The exporter and importer against what the engines' loaders do (issue 31): full vocabulary
+"""The exporter and importer against what the engines' loaders do: full vocabulary
 without d2t / t2d, other aux layers written in vLLM's convention, official EAGLE-3 and
 speculators checkpoints read, mis-wiring flags refused in one line, the trained window."""
 

@@ -122,7 +122,7 @@ def test_checker_sees_circles_in_function_bodies_and_upward_arrows(tmp_path):
     assert find_cycle(import_graph(tmp_path)) is None
 
 
-# ---- the rooms (issue 43): what sits where, and who may import whom ----
+# ---- the rooms: what sits where, and who may import whom ----
 ROUND = {"decoding.engine", "decoding.tree_proposer", "decoding.stopping", "decoding.growth", "decoding.acceptance",
          "decoding.strategies", "decoding.api", "decoding.generate"}
 """The round and its front ends: the forward room and model loading sit below them."""
