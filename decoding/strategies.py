@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from decoding.engine import SpeculativeEngine
 from decoding.drafts.feature import FeatureDraft
-from decoding.drafts.proposer import FeatureProposer
-from decoding.proposers import TreeProposer
+from decoding.drafts.feature_proposer import FeatureProposer
+from decoding.tree_proposer import TreeProposer
 from decoding.options import MODES, STRATEGIES, SamplingConfig, StrategyConfig  # noqa: F401 (re-exported)
 from decoding.stopping import StopPolicy, make_stop_policy
 from decoding.tree import layout_from_k_config

@@ -1,4 +1,4 @@
-"""Speculative rounds for several requests in one target forward (issue 45's engine).
+"""Speculative rounds for several requests in one target forward (the server's engine).
 
 forward.py: the multi-request verify (rows stacked for the linears, attention per request
 against its own KV cache); scheduler.py: BatchEngine, requests joining and leaving between

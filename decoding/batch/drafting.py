@@ -15,8 +15,8 @@ import torch
 
 from decoding.decider.context import Snapshot
 from decoding.drafts.head_graph import head_steps
-from decoding.drafts.proposer import FeatureProposer
-from decoding.proposers import DraftTree, TreeProposer, Growth, empty_tree
+from decoding.drafts.feature_proposer import FeatureProposer
+from decoding.tree_proposer import DraftTree, TreeProposer, Growth, empty_tree
 from decoding.sampling import warp
 from decoding.stopping import DraftLevel, Frontier
 from decoding.tree import ANCHOR, TreeLayout

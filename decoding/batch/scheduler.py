@@ -28,11 +28,11 @@ from decoding.batch.drafting import Drafting, draft_jointly
 from decoding.batch.forward import Segment, verify_many
 from decoding.batch.measured import MeasuredChoice
 from decoding.drafts.feature import FeatureDraft
-from decoding.drafts.proposer import FeatureProposer
+from decoding.drafts.feature_proposer import FeatureProposer
 from decoding.engine import Outcome
 from decoding.forward.packed import forward_kind
 from decoding.kv_cache import CachedModel
-from decoding.proposers import DraftTree, TreeProposer, empty_tree
+from decoding.tree_proposer import DraftTree, TreeProposer, empty_tree
 from decoding.run_stats import RunStats
 from decoding.sampling import SamplingConfig, argmax_rows, warp
 from decoding.stopping import FixedDepth, StopPolicy

@@ -1,4 +1,4 @@
-"""A probe of the forward issue 34 names as a candidate: the target under torch.compile
+"""A probe of a candidate faster forward: the target under torch.compile
 (inductor, frozen weights: constants folded and linears prepacked) over a static KV cache, one
 graph per forward size (`python -m decoding.bench --suite forward --forwards eager,packed,compiled`).
 

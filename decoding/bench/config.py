@@ -130,7 +130,7 @@ class OracleConfig:
 
 @dataclass
 class GoalsConfig:
-    """Targets the greedy lossless rows are read against (issue 5)."""
+    """Targets the greedy lossless rows are read against."""
 
     vs_ar: float = 2.0
     dynamic_vs_mcsd: float = 1.25
@@ -138,11 +138,11 @@ class GoalsConfig:
     """k-config of the fixed-depth mcsd row the dynamic strategies are compared with."""
     vs_hf_assisted: float = 1.3
     dynamic_vs_best_fixed: float = 1.1
-    """Best stop policy over the fastest fixed-shape row of our engine (issue 4)."""
+    """Best stop policy over the fastest fixed-shape row of our engine."""
     learned_vs_best_fixed: float | None = None
-    """Best decider row over the fastest fixed shape (issue 13); null = not checked."""
+    """Best decider row over the fastest fixed shape; null = not checked."""
     learned_vs_confidence: float | None = None
-    """Best decider row over the best draft-confidence row, each at its tuned setting (issue 13)."""
+    """Best decider row over the best draft-confidence row, each at its tuned setting."""
 
 
 @dataclass

@@ -1,3 +1,5 @@
-"""The EAGLE-3-style feature head: the model (feature), its tree proposer (proposer), the
-target's hidden-state capture it reads (capture), its checkpoint (io) and the stand-alone
-draft's on-disk format (format)."""
+"""The drafts at inference. The EAGLE-3-style feature head: the model (feature), its tree
+proposer (feature_proposer), the target's hidden-state capture it reads (capture), its steps on
+a static cache (head_graph) and on the kernels (lean_step), its checkpoint (io). The stand-alone
+draft: its output layer pruned to the target's frequent tokens (pruned) and its on-disk format
+(format)."""

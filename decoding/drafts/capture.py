@@ -1,6 +1,6 @@
 """The target's residual stream at the input of chosen layers (EAGLE-3's low / middle / high
 features), captured with forward PRE-hooks: what a feature head reads, for decoding
-(decoding.drafts.proposer) and for training (training.head.cache)."""
+(decoding.drafts.feature_proposer) and for training (training.head.cache)."""
 
 from __future__ import annotations
 

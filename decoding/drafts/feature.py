@@ -25,7 +25,7 @@ API for training (h8):
   restricted to `t2d`. Only indices with t + 1 + j < T (and not padding) are meaningful;
   the caller masks the rest.
 - `draft.step(tokens, hidden, positions, cache=None, mask=None)` is the inference forward
-  (used by `decoding.drafts.proposer`), with a `DraftKV` cache.
+  (used by `decoding.drafts.feature_proposer`), with a `DraftKV` cache.
 """
 
 from __future__ import annotations

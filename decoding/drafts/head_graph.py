@@ -7,7 +7,7 @@ Why: on a GPU one head step is a few dozen small kernels, launch-bound like the 
 slots past the real ones and see only themselves) over the first C columns (a power of two), its
 tokens, hidden inputs, positions, slots and bool mask copied into static buffers first. Steps of
 more rows (a prompt's entries) run uncaptured on the same buffers. Same contract as DraftKV plus
-`step`: FeatureCache (decoding.drafts.proposer) calls `step` instead of the head's own.
+`step`: FeatureCache (decoding.drafts.feature_proposer) calls `step` instead of the head's own.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ def packed_forward() -> bool:
 def prefers_bf16(cpuinfo: str | None = None, packed: bool | None = None) -> bool:
     """AMX-BF16 in the CPU flags, or AVX512-BF16 where the packed forward runs (`packed` None:
     unless $SPECSTOP_FORWARD is eager). On a 2-core AVX512-BF16 EPYC without AMX (torch 2.13,
-    shared machine, interleaved, issue 34): the eager bf16 forward is no faster than fp32 at 1
+    shared machine, interleaved): the eager bf16 forward is no faster than fp32 at 1
     token (float32 decoded 1.175x faster, reports/dtype-2026-11-26), while the packed bf16
     forward costs 0.5-0.84x the fp32 eager one at 1-16 tokens (reports/forward-2026-11-26) and
     decodes 1.2-1.4x faster. On a 2-core AMX Xeon (quiet, 1 thread): bf16 eager 1.02x fp32 at 1

@@ -10,7 +10,7 @@ from decoding.batch import drafting
 from decoding.batch.budget import JointGrow
 from decoding.batch.scheduler import BatchEngine
 from decoding.drafts.lean_step import shares_steps
-from decoding.drafts.proposer import FeatureCache
+from decoding.drafts.feature_proposer import FeatureCache
 from decoding.forward import kernels
 from decoding.forward.cost import CostCurve
 from decoding.forward.packed import set_forward

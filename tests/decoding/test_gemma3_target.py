@@ -40,7 +40,7 @@ def test_feature_head_reads_gemmas_scaled_embedding(gemma):
     from decoding.drafts.capture import capture_aux
     from decoding.drafts.feature import FeatureDraft, FeatureDraftConfig
     from decoding.models.target_layout import target_layout
-    from training.serve.eagle3_layout import TOLERANCE, scale_deviation
+    from training.export.eagle3_layout import TOLERANCE, scale_deviation
 
     model, tok = gemma
     layout = target_layout(model)

@@ -150,7 +150,7 @@ def test_dynamic_tree_is_lossless_and_prunes(pair, stop):
 
 def test_dynamic_tree_layout_is_the_drafted_subtree(pair):
     """Extend only the first branch: the verified tree is one chain plus the other roots."""
-    from decoding.proposers import TreeProposer
+    from decoding.tree_proposer import TreeProposer
     from decoding.stopping import StopPolicy
     from decoding.tree import layout_from_k_config
 

@@ -104,7 +104,7 @@ def test_write_defaults_replaces_one_entry_atomically(tmp_path, monkeypatch):
 def test_device_kind_follows_amx():
     assert cpu.prefers_bf16("flags\t: fpu avx2 amx_bf16 amx_tile\n", packed=False)
     # AVX512-BF16 without AMX: float32 measured faster on the eager forward (reports/dtype-2026-11-26),
-    # bfloat16 on the packed one (issue 34, reports/forward-2026-11-26)
+    # bfloat16 on the packed one (reports/forward-2026-11-26)
     assert not cpu.prefers_bf16("flags\t: fpu avx2 avx512f avx512_bf16\n", packed=False)
     assert cpu.prefers_bf16("flags\t: fpu avx2 avx512f avx512_bf16\n", packed=True)
     assert not cpu.prefers_bf16("flags\t: fpu sse avx avx2 fma\n", packed=True)
@@ -175,7 +175,7 @@ def test_bench_write_defaults(tmp_path, capsys):
 
 
 def test_a_named_strategy_or_shape_runs_as_named():
-    """Issue 34: `--strategy sd --gamma 3` once inherited the defaults' grow rule."""
+    """`--strategy sd --gamma 3` runs as named: it once inherited the defaults' grow rule."""
     d = D.Defaults(strategy="ti-mcsd", width=4, depth=8, stop="confidence", confidence_rule="grow",
                    max_nodes=48, grow_cost="measure")
     unset = dict.fromkeys(("gamma", "k_config", "width", "depth", "stop", "confidence_rule"))

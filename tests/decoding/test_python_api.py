@@ -86,7 +86,7 @@ def test_unset_options_come_from_the_defaults_file(dirs, tmp_path):
     dec = Decoder.load(t, d, defaults_file=f)
     assert (dec.config.strategy, dec.config.gamma) == ("sd", 2) and dec.defaults.source == "test"
     assert Decoder.load(t, d, defaults_file=f, strategy="mcsd", k_config="2,1").config.k_levels == (2, 1)
-    # a named strategy and shape run as named: the entry's stop rule is not inherited (issue 34)
+    # a named strategy and shape run as named: the entry's stop rule is not inherited
     f.write_text(yaml.safe_dump({"other-pairs": {"strategy": "ti-mcsd", "width": 2, "depth": 5, "stop": "confidence",
                                                  "confidence_threshold": 0.99, "dtype": "float32"}}))
     assert Decoder.load(t, d, defaults_file=f).config.name == "ti-mcsd[W=2,D=5]+confidence"

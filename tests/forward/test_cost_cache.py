@@ -59,7 +59,7 @@ def test_a_curve_stored_in_the_old_unit_is_a_miss(tmp_path):
 
 
 def test_a_hit_is_trusted_and_re_timed_only_when_asked(tmp_path, monkeypatch):
-    """Issue 34: a stored curve is read back whatever today's timings say (a busy moment must
+    """A stored curve is read back whatever today's timings say (a busy moment must
     not cost a 10-30 s re-timing); $SPECSTOP_RETIME_COST (or retime=True) re-times and overwrites."""
     target, draft = tiny_llama(0, vocab=32, layers=2), tiny_llama(1, vocab=32, layers=1)
     today = {n: 30.0 + n for n in range(1, 65)}

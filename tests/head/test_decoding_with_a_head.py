@@ -115,7 +115,7 @@ def test_checkpoint_roundtrip_and_refusal(feature_pair, tmp_path):
 
 
 def test_grow_with_a_feature_head_equals_ar_and_varies_the_tree(feature_pair):
-    """The cost-aware grown tree works with the feature draft too (issue 13: every draft kind)."""
+    """The cost-aware grown tree works with the feature draft too (every draft kind grows)."""
     from decoding.forward.cost import CostCurve
     from decoding.growth import GrowPolicy, q_scores
 

@@ -13,7 +13,7 @@ from decoding.models import ModelError
 from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine
 from training.head.module import FeatureDistillModule
-from training.serve.export import from_eagle3, to_eagle3
+from training.export.formats import from_eagle3, to_eagle3
 
 FAMILIES = ("qwen3", "gemma3")
 

@@ -10,7 +10,7 @@ from decoding.drafts.capture import capture_aux
 from decoding.drafts.feature import FeatureDraft, FeatureDraftConfig
 from decoding.models import ModelError
 from decoding.models.target_layout import target_layout
-from training.serve.eagle3_layout import TOLERANCE, scale_deviation
+from training.export.eagle3_layout import TOLERANCE, scale_deviation
 
 IDS = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45]])
 

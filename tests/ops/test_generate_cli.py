@@ -158,7 +158,7 @@ def test_grow_rules_from_the_cli(dirs, capsys, tmp_path):
 
 
 def test_a_named_strategy_is_not_changed_by_the_defaults(dirs, capsys, tmp_path, monkeypatch):
-    """Issue 34: `--strategy sd --gamma 3` once ran the defaults' stop rule."""
+    """`--strategy sd --gamma 3` runs sd with gamma 3: it once ran the defaults' stop rule."""
     import yaml
 
     from decoding import defaults as dflt

@@ -1,4 +1,4 @@
-"""The fault table: each bad input / crash point of issues #14 and #15, run through the real
+"""The fault table: each bad input / crash point a user can hit, run through the real
 CLIs on tiny models (subprocesses), with what the user sees, the exit code and what is left
 on disk.
 

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 import pyarrow as pa
 
 from training import shards
-from training.cli import parse_config as parse_config_file
+from training.config_flags import parse_config as parse_config_file
 from training.corpus.chat_data import Conversation, load_chats
 from training.corpus.chat_template import assistant_mask, mask_runs, prompt_ids
 from training.corpus.teacher import (ARROW_SCHEMA, CORPUS_KIND, SAMPLERS, SCHEMA_VERSION, TURN_SEP, CorpusConfig,

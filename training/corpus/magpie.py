@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from training import shards
-from training.cli import parse_config as parse_config_file
+from training.config_flags import parse_config as parse_config_file
 from training.corpus.chat_data import split_of
 from training.corpus.chat_template import encode, user_prefix
 from training.corpus.teacher import CorpusConfig, Prompt, Teacher, build_corpus, load_corpus, load_teacher

@@ -38,7 +38,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from training import shards
-from training.cli import parse_config as parse_config_file
+from training.config_flags import parse_config as parse_config_file
 
 SCHEMA_VERSION = 1
 CORPUS_KIND = "specstop-teacher-corpus"

@@ -10,7 +10,7 @@ node's greedy match mixed into its logit,
 
 each calibrated on the same rows (isotonic, in sample: as well calibrated as an estimate can be).
 beta = 0 is q, calibrated; large beta is a clairvoyant. For each, the node ROC-AUC and the
-replayed tokens/s; then the AUC an estimator needs to reach each of issue 13's figures: 1.10x
+replayed tokens/s; then the AUC an estimator needs to reach each of the decider's goals: 1.10x
 the best fixed shape, 1.05x grow(q), half the node oracle's gain. A decider's measured AUC set
 against those says whether better training could get there or the signal is missing. The family
 is one model of extra information (a real decider's errors are shaped by its features): the
@@ -28,7 +28,7 @@ import numpy as np
 
 from decoding.decider.policy import resolve_decider_dir
 
-from training.cli import parse_config
+from training.config_flags import parse_config
 from training.decider.grow_replay import grow_policy
 from training.decider.metrics import roc_auc
 from training.decider.replay import Q_TOKEN, CostModel, ReplaySet, baseline_table, replay

@@ -23,7 +23,7 @@ from decoding.models import ModelError, fingerprint
 from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine
 
-from training.cli import parse_config
+from training.config_flags import parse_config
 from training.corpus.teacher import prompt_seed, read_prompts
 from training.shards import ShardWriter
 from training.decider import batched

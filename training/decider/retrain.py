@@ -47,7 +47,7 @@ from decoding.decider.policy import DECIDERS_DIR, load_decider, uses_hidden
 from decoding.drafts.io import is_feature_draft
 from decoding.models import ModelError, fingerprint, same_model
 
-from training.cli import parse_config
+from training.config_flags import parse_config
 from training.decider.collect import CollectConfig, collect
 from training.corpus.teacher import Prompt
 from training.logged import is_heldout, read_logged  # noqa: F401  (re-exported)

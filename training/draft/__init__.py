@@ -1,2 +1,5 @@
-"""The draft stage: teacher corpus and logits, distillation of a stand-alone draft and of a
-feature-level (EAGLE-3) head, their evaluation, cost and vocabulary tools."""
+"""The stand-alone draft: its distillation (`python -m training.distill`, which hands a config
+of run.kind eagle3 to the feature head's trainer in training/head/), the teacher's logits
+(teacher_cache), its batches (data), the losses aimed at acceptance (accept_metrics, shared with
+the head) and the LightningModule (module), its evaluation (evaluate), step cost (cost), data
+scaling (scaling) and output-layer shrinking (shrink_head). The corpora are training/corpus/."""

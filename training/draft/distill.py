@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import Callback
 
 from training.draft.data import CorpusDataModule
 from training.draft.module import DistillModule, DraftConfig
-from training.cli import ckpt_metrics, lightning_cli, relative_path, usage_error  # noqa: F401  (re-exported)
+from training.config_flags import ckpt_metrics, lightning_cli, relative_path, usage_error  # noqa: F401  (re-exported)
 from training.corpus.teacher import target_fingerprint  # noqa: F401  (re-exported)
 from training.swap import replace_dir
 from training.shards import sha256_file

@@ -153,7 +153,7 @@ def baseline(path: str) -> dict:
     tf = res.get("teacher_forced") if isinstance(res, dict) else None
     if not isinstance(tf, dict) or not tf or any(not isinstance(v, dict) or "per_prompt" not in v
                                                    for v in tf.values()):
-        raise ValueError(f"{path}: not a feature_bench result with per-prompt counts")
+        raise ValueError(f"{path}: not a training.head.bench result with per-prompt counts")
     return tf
 
 

@@ -1,4 +1,4 @@
-"""Reading feature_bench results: paired comparison of two heads' eval files, and plots.
+"""Reading training.head.bench results: paired comparison of two heads' eval files, and plots.
 
     python -m training.head.compare NEW.json BASE.json [--out DIR] [--name NAME]
 
@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m training.head.compare", description=__doc__.split("\n")[0])
-    p.add_argument("eval", help="feature_bench json of the new head")
-    p.add_argument("base", help="feature_bench json of the head to compare with (same prompts)")
+    p.add_argument("eval", help="training.head.bench json of the new head")
+    p.add_argument("base", help="training.head.bench json of the head to compare with (same prompts)")
     p.add_argument("--out", default="reports/draft/feature")
     p.add_argument("--name", default="compare", help="writes <out>/<name>.json and .png")
     a = p.parse_args(argv)

@@ -12,12 +12,12 @@ Speculative Decoding idea: the head keeps learning the traffic it serves).
    covers the corpora with THE CHAMPION'S vocabulary (`data.vocab_from`). The generated
    training config is `<run dir>/distill.yaml` (it runs by hand too).
 3. Gate: both heads on the same held-out continuations, teacher-forced
-   (feature_bench.agreement, steps 1..depth). Score = mean accepted length of a greedy chain
+   (training.head.bench.agreement, steps 1..depth). Score = mean accepted length of a greedy chain
    of depth `depth`, counted per position as the leading run of agreeing steps (conditioned
    exactly, not the product of per-step agreements, which assumes independence; exact for
    greedy continuations). Promote when the score is above the champion's and at least
    (1 + margin) times it, and step-1 agreement is at most step1_tolerance below. Then the
-   serve gate (training/serve/gate.py; decision.json's serve_check): vLLM must serve it as specstop.
+   serve gate (training/export/gate.py; decision.json's serve_check): vLLM must serve it as specstop.
 4. Promotion: decision.pending.json, then the champion directory is swapped for a copy of the
    challenger (training.swap.replace_dir) if it still holds the head it was judged against,
    then decision.json. A re-run that finds a pending record completes it, never re-compares.
@@ -94,7 +94,7 @@ class RedistillConfig:
     """torch intra-op threads (None = torch's default)."""
     serve_check_python: str | None = ".venv-vllm/bin/python"
     """vLLM's python (make serve-check): a challenger about to be promoted must serve there as in
-    specstop (training/serve/gate.py); absent = skipped and recorded, null = off."""
+    specstop (training/export/gate.py); absent = skipped and recorded, null = off."""
     serve_check_prompts: int = 4  # held-out prompts, and new tokens each, the serve gate runs
     serve_check_tokens: int = 48
 
@@ -265,7 +265,7 @@ def run(cfg: RedistillConfig, teacher=None, log=print) -> int:
 
     from training.corpus.teacher import CorpusConfig, build_corpus
     from training.logged import is_heldout, read_logged
-    from training.serve.gate import gate_promotion
+    from training.export.gate import gate_promotion
     from training.shards import write_json
     from training.head.bench import agreement
 
@@ -380,7 +380,7 @@ def execute(cfg: RedistillConfig, teacher=None, log=_log) -> int:
 
 def load_config(path: str) -> RedistillConfig:
     """A redistill config file (ValueError with one line when it is unusable)."""
-    from training.cli import parse_config
+    from training.config_flags import parse_config
 
     try:
         return parse_config(RedistillConfig, ["--config", str(path)], "python -m training.head.redistill")
@@ -389,7 +389,7 @@ def load_config(path: str) -> RedistillConfig:
 
 
 def main(argv=None) -> int:
-    from training.cli import parse_config
+    from training.config_flags import parse_config
 
     cfg = parse_config(RedistillConfig, argv, "python -m training.head.redistill", __doc__.split("\n")[0])
     return execute(cfg)

@@ -69,7 +69,7 @@ def export(module: FeatureDistillModule, out: Path, meta: dict, dtype: str = "fl
 
 
 def fit(argv: list[str] | None) -> None:
-    from training.cli import ckpt_metrics, lightning_cli, relative_path, usage_error
+    from training.config_flags import ckpt_metrics, lightning_cli, relative_path, usage_error
     from training.corpus.teacher import target_fingerprint
 
     run, trainer, module, data, cb, last = lightning_cli(FeatureDistillModule, FeatureDataModule, RunConfig, argv)

@@ -1,6 +1,6 @@
 """`make llama-check` (opt-in): llama.cpp serves our exported head as we do.
 
-    python -m training.serve.llama_check [--prompts 6] [--new-tokens 96] [--threads 1]
+    python -m training.export.llama_check [--prompts 6] [--new-tokens 96] [--threads 1]
         [--llama-server PATH] [--out reports/llama-check]
 
 On the float32 GGUF of the embedded target (its blocks dequantized, written once into the cache:
@@ -72,7 +72,7 @@ def check(prompts: int, new_tokens: int, threads: int, server: str | None, progr
 
     from decoding.api import Decoder
 
-    from training.serve.gguf_head import export_gguf
+    from training.export.gguf_head import export_gguf
 
     binary = find_server(server)
     work = models.cache_root() / "llama-check"
@@ -120,7 +120,7 @@ def markdown(res: dict, command: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m training.serve.llama_check", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m training.export.llama_check", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=6, help="held-out prompts per set")
     ap.add_argument("--new-tokens", type=int, default=96)
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-server", default=None, help="default $LLAMA_SERVER, else `make llama-cpp`'s")
     ap.add_argument("--out", default="reports/llama-check")
     a = ap.parse_args(argv)
-    command = "python -m training.serve.llama_check " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m training.export.llama_check " + " ".join(argv if argv is not None else sys.argv[1:])
     try:
         res = check(a.prompts, a.new_tokens, a.threads, a.llama_server,
                     progress=lambda m: print(m, file=sys.stderr, flush=True))

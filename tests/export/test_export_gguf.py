@@ -16,8 +16,8 @@ from decoding.drafts.io import save_feature_draft
 from decoding.forward import quant
 from decoding.models import ModelError, load_model
 from support.head import tiny_feature_draft
-from training.serve.export import main
-from training.serve.gguf_head import export_gguf
+from training.export.formats import main
+from training.export.gguf_head import export_gguf
 
 LAYERS, VOCAB, H = 8, 40, 32
 
@@ -160,7 +160,7 @@ def test_f32_copy_of_a_quantized_gguf(tmp_path):
 
     from support.models import tiny_llama
     from support.gguf import write_gguf
-    from training.serve.llama_check import write_f32_gguf
+    from training.export.llama_check import write_f32_gguf
 
     src = tmp_path / "q.gguf"
     write_gguf(tiny_llama(0, vocab=32, hidden=32), src)

@@ -1,4 +1,4 @@
-"""The exporter and importer against what the engines' loaders do (issue 31): full vocabulary
+"""The exporter and importer against what the engines' loaders do: full vocabulary
 without d2t / t2d, other aux layers written in vLLM's convention, official EAGLE-3 and
 speculators checkpoints read, mis-wiring flags refused in one line, the trained window."""
 
@@ -14,8 +14,8 @@ from decoding.drafts.feature import default_aux_layers
 from decoding.drafts.io import save_feature_draft
 from decoding.models import ModelError, load_model
 from support.head import tiny_feature_draft
-from training.serve.export import main, to_eagle3
-from training.serve.eagle3_import import from_eagle3
+from training.export.formats import main, to_eagle3
+from training.export.eagle3_import import from_eagle3
 
 LAYERS, VOCAB = 8, 40
 

@@ -28,10 +28,10 @@ Positions: `max_position_embeddings` stays the target's (SGLang caps the served 
 draft's value; vLLM 0.32 raises a smaller one to the target's max_model_len), and
 `trained_window` records the longest row the head was trained on (prompt tail + completion:
 384 for the shipped head). Beyond it acceptance is unmeasured, not guaranteed. Neither engine
-reads `trained_window`. `training.serve.eagle3_import.from_eagle3` reads every layout back.
+reads `trained_window`. `training.export.eagle3_import.from_eagle3` reads every layout back.
 
 `gguf` writes one file llama.cpp serves as an EAGLE-3 draft (`llama-server -m TARGET.gguf -md
-HEAD.gguf --spec-type draft-eagle3`; training.serve.gguf_head): float32 (default) or float16
+HEAD.gguf --spec-type draft-eagle3`; training.export.gguf_head): float32 (default) or float16
 weights, the vocabulary copied from the target GGUF (`--target-gguf`; default: `--target` when
 it is a .gguf, else the embedded SmolLM2 file).
 """
@@ -48,9 +48,9 @@ import torch
 from decoding.drafts.feature import FeatureDraft, FeatureDraftConfig, default_aux_layers
 from decoding.models import DTYPES, ModelError
 
-from training.serve.eagle3_layout import check_exportable
+from training.export.eagle3_layout import check_exportable
 
-from training.serve.eagle3_import import ARCH, from_eagle3  # noqa: F401 (re-exported: the reader beside the writer)
+from training.export.eagle3_import import ARCH, from_eagle3  # noqa: F401 (re-exported: the reader beside the writer)
 
 FORMATS = ("eagle3", "speculators", "gguf")
 
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
 
     try:
         if args.format == "gguf":  # the cheap refusals before the target loads
-            from training.serve.gguf_head import GGUF_DTYPES, export_gguf
+            from training.export.gguf_head import GGUF_DTYPES, export_gguf
 
             if args.with_embeddings:
                 raise ModelError("gguf: llama.cpp embeds draft tokens with the target's own table; "

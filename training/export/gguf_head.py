@@ -133,7 +133,7 @@ def export_gguf(head_dir_or_draft, out_path, target_gguf, dtype: str = "float32"
     the target GGUF `target_gguf`; atomic (temp file + rename). ModelError for bad input."""
     from gguf import GGUFValueType, GGUFWriter
 
-    from training.serve.eagle3_layout import check_exportable
+    from training.export.eagle3_layout import check_exportable
 
     if dtype not in GGUF_DTYPES:
         raise ModelError(f"gguf export writes {' or '.join(GGUF_DTYPES)} weights, not {dtype!r}")

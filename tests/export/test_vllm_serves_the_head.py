@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from decoding.drafts.feature import FeatureDraft, FeatureDraftConfig
 from decoding.drafts.io import save_feature_draft
 from decoding.models import load_model
-from training.serve.check import VLLM_PYTHON, CheckConfig, check
+from training.export.check import VLLM_PYTHON, CheckConfig, check
 
 PYTHON = os.environ.get("SPECSTOP_VLLM_PYTHON", VLLM_PYTHON)
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(

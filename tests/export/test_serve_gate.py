@@ -1,4 +1,4 @@
-"""The serve gate (training/serve/gate.py) and its use by training.head.redistill, with vLLM's
+"""The serve gate (training/export/gate.py) and its use by training.head.redistill, with vLLM's
 half replaced by a fake interpreter (the test seam: `serve_check_python`). The fake answers
 the requests as vllm_side.py does (one engine per process, a JSON line per prompt): greedy tokens
 from transformers' own `generate` (not specstop's engine) and the accepted counts the test tells
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from support.head import setup_run, teacher_of
 from training.head import redistill as RD
-from training.serve import gate
+from training.export import gate
 
 FAKE = '''#!{python}
 import json, os, sys, torch
@@ -91,7 +91,7 @@ def test_redistill_keeps_the_champion_when_vllm_would_serve_it_differently(tmp_p
 def test_ratios_pair_prompts_and_bracket_the_point():
     """The serve-check's ours / vLLM ratios: tokens per second over all prompts, paired, with a
     bootstrap interval over prompts that contains the point."""
-    from training.serve.report import _ratios
+    from training.export.report import _ratios
 
     timed = {"bfloat16/specstop ar": {"tokens": [96, 96, 50], "seconds": [2.0, 3.0, 1.0]},
              "bfloat16/vLLM plain": {"tokens": [96, 96, 50], "seconds": [3.0, 3.0, 2.0]}}

@@ -93,7 +93,7 @@ def write_report(out: Path, result: dict) -> None:
     _atomic(out / "results.json", json.dumps(result, indent=2) + "\n")
     c = result["contract"]
     lines = [f"# serve-check {result['when']} (vLLM {result['vllm']})", "",
-             "Command: `make serve-check` (`python -m training.serve.check`). "
+             "Command: `make serve-check` (`python -m training.export.check`). "
              f"{len(result['prompts'])} held-out prompts, {result['config']['max_new_tokens']} greedy tokens, "
              "one thread. " + result["machine"]["note"] + ".", "",
              f"**Contract: {'holds' if c['ok'] else 'BROKEN'}** ({c['checks']}).", ""]

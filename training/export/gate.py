@@ -13,7 +13,7 @@ def serve_gate(head: Path, target: str | None, python: str | None, rows: list[di
     rows: [{"id", "kind", "ids"}] held-out prompts (token ids of `target`)."""
     from decoding.models import ModelError
 
-    from training.serve.check import CheckConfig, CheckError, check
+    from training.export.check import CheckConfig, CheckError, check
 
     if not python:
         return {"status": "skipped", "reason": "serve check disabled (serve_check_python: null)"}

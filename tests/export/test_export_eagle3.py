@@ -15,7 +15,7 @@ from decoding.drafts.feature import default_aux_layers
 from decoding.drafts.io import save_feature_draft
 from decoding.models import ModelError, load_model
 from support.head import tiny_feature_draft
-from training.serve.export import from_eagle3, main, to_eagle3
+from training.export.formats import from_eagle3, main, to_eagle3
 
 LAYERS = 8
 

@@ -1,4 +1,4 @@
-"""Proposers: draft a token tree level by level until the tree or the stop policy ends it.
+"""The tree proposer: draft a token tree level by level until the tree or the stop policy ends it.
 
 One proposer covers every topology: a chain (`sd`), a k-config tree (`mcsd`) and the
 fork tree of `ti-mcsd` (k-config (W, 1, ..., 1)). With `roots_from_target` the first level

@@ -28,7 +28,7 @@ from decoding.drafts.capture import capture_aux, decoder_layers
 from decoding.drafts.feature import FeatureDraft
 from decoding.drafts.head_graph import head_cache, head_step
 from decoding.models import MASKED_LOGIT
-from decoding.proposers import DraftTree, TreeProposer, empty_tree
+from decoding.tree_proposer import DraftTree, TreeProposer, empty_tree
 from decoding.sampling import SamplingConfig
 from decoding.tree import ANCHOR, TreeLayout
 

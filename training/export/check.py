@@ -1,7 +1,7 @@
 """`make serve-check`: the exported head in vLLM beside the embedded target, checked against
 specstop's own engine (a contract, not a format on paper).
 
-    python -m training.serve.check [--python .venv-vllm/bin/python] [--out reports/serve-check]
+    python -m training.export.check [--python .venv-vllm/bin/python] [--out reports/serve-check]
         [--per-domain 6] [--max-new-tokens 96] [--contract-only]
 
 On the project's held-out prompts (the first `per_domain` of heldout_general / heldout_code,
@@ -11,8 +11,8 @@ chat template applied by specstop, the same token ids to both engines), greedy, 
   specstop's `sd --gamma 3 --stop fixed`;
 - report: tokens/s of vLLM plain, vLLM + head, specstop `ar` and specstop's default, fp32 and
   bf16, one run each (bf16 equality to plain vLLM is reported, not required).
-vLLM runs in its own venv (training/serve/vllm_side.py, one engine per process, JSON lines), kept
-alive while the prompts alternate between it and specstop's engine (training/serve/paired.py).
+vLLM runs in its own venv (training/export/vllm_side.py, one engine per process, JSON lines), kept
+alive while the prompts alternate between it and specstop's engine (training/export/paired.py).
 Exit codes: 0 contract holds | 1 contract broken | 2 bad input or vLLM unusable.
 """
 
@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training.serve.paired import CheckError, run_paired  # noqa: F401 (CheckError re-exported)
-from training.serve.report import summarise, trim, write_report  # noqa: F401 (trim re-exported)
+from training.export.paired import CheckError, run_paired  # noqa: F401 (CheckError re-exported)
+from training.export.report import summarise, trim, write_report  # noqa: F401 (trim re-exported)
 
 VLLM_PYTHON = ".venv-vllm/bin/python"
 DOMAINS = {"general": "data/prompts/heldout_general.jsonl", "code": "data/prompts/heldout_code.jsonl"}
@@ -85,7 +85,7 @@ def check(cfg: CheckConfig, out_dir: Path | None, log=print, rows: list[dict] | 
     from decoding import models
     from decoding.defaults import DEFAULT_DRAFT
 
-    from training.serve.export import to_eagle3, trained_window
+    from training.export.formats import to_eagle3, trained_window
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()
@@ -122,7 +122,7 @@ def check(cfg: CheckConfig, out_dir: Path | None, log=print, rows: list[dict] | 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m training.serve.check", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m training.export.check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--python", default=VLLM_PYTHON, help="python of the venv vLLM is installed in")
     ap.add_argument("--draft", default=None, help="specstop feature head (default: the shipped one)")
     ap.add_argument("--target", default=None, help="target model dir (default: the embedded SmolLM2)")
