@@ -4,7 +4,6 @@ own draws, the whole round traced by torch.compile(fullgraph=True) with no graph
 outside the round call but its one host read."""
 
 import pytest
-import torch
 
 from support.exact import SAMPLES, T1, WARPED, chi2_pvalue, exact_distribution, speculative_counts
 from support.head import GREEDY, N, PROMPTS, ar_output, fit_head, tiny_feature_draft
