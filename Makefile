@@ -6,7 +6,7 @@ TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 LOCK    := constraints.txt
 
-.PHONY: venv lock test test-quick test-fast test-avx2 demo draft bench serve-check llama-cpp llama-bench llama-check gpu-pack lint clean gemma3
+.PHONY: venv lock test test-quick test-fast test-avx2 demo draft head bench serve-check llama-cpp llama-bench llama-check gpu-pack lint clean gemma3
 
 venv: $(STAMP)
 
@@ -55,6 +55,15 @@ test-avx2: venv
 # collect traces -> fit a decider -> generate with it beside fixed depth (writes runs/demo/)
 demo: venv
 	$(BIN)/python -m training.demo
+
+# Rebuild the shipped feature head (checkpoints/drafts/smollm2-135m-eagle3) with its recipe, from the
+# target-written corpora it was trained on (data/corpus*), then bench it on the held-out prompts.
+# Hours on 2 cores: HEAD_TIME caps training (its schedule spans that time). It overwrites the
+# shipped head: compare with `git stash` / the old commit's bench before committing it.
+HEAD_TIME ?= 00:02:15:00
+head: venv
+	$(BIN)/python -m training.distill --config configs/distill_eagle3.yaml --trainer.max_time $(HEAD_TIME)
+	$(BIN)/python -m training.head.bench --draft checkpoints/drafts/smollm2-135m-eagle3 --prompts 40
 
 bench: venv
 	$(BIN)/python -m decoding.bench --config configs/bench.yaml
