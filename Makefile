@@ -63,7 +63,7 @@ demo: venv
 HEAD_TIME ?= 00:02:15:00
 head: venv
 	$(BIN)/python -m training.distill --config configs/distill_eagle3.yaml --trainer.max_time $(HEAD_TIME)
-	$(BIN)/python -m training.head.bench --draft checkpoints/drafts/smollm2-135m-eagle3 --prompts 40
+	$(BIN)/python -m training.bench.head --draft checkpoints/drafts/smollm2-135m-eagle3 --prompts 40
 
 bench: venv
 	$(BIN)/python -m decoding.bench --config configs/bench.yaml

@@ -3,5 +3,5 @@
 forward.py: the multi-request verify (rows stacked for the linears, attention per request
 against its own KV cache); scheduler.py: BatchEngine, requests joining and leaving between
 rounds; budget.py: one grow budget across the requests' frontiers; drafting.py: level-by-level
-drafting in lockstep for that budget; bench.py: tokens/s batched vs one after another.
+drafting in lockstep for that budget. Tokens/s batched vs one after another: decoding.bench.batch.
 """

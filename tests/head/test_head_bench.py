@@ -1,11 +1,11 @@
-"""training.head.bench: per-prompt counts, their intervals and paired comparisons."""
+"""training.bench.head: per-prompt counts, their intervals and paired comparisons."""
 
 import pytest
 import torch
 
 from support.models import tiny_llama
 from support.head import AUX, tiny_feature_draft
-from training.head.bench import agreement, bootstrap, summary
+from training.bench.head import agreement, bootstrap, summary
 
 
 def fake(prompt_hits: list[list[float]], n: float = 10.0, steps: int = 2, rounds=None) -> dict:
@@ -92,7 +92,7 @@ def test_expected_acceptance_is_top1_agreement_as_the_temperature_goes_to_zero()
 def test_baseline_must_be_an_eval_with_per_prompt_counts(tmp_path):
     import json
 
-    from training.head.bench import baseline
+    from training.bench.head import baseline
 
     good = {"teacher_forced": {k: fake([[1, 1]]) | {"agree_step1": 0.1} for k in ("general", "code")}}
     (tmp_path / "good.json").write_text(json.dumps(good))
@@ -132,7 +132,7 @@ def test_sd_tokens_per_call_on_greedy_continuations_is_what_decoding_commits():
 def test_compare_two_eval_files_pairs_them_per_prompt_set(tmp_path):
     import json
 
-    from training.head.compare import main
+    from training.bench.compare import main
 
     up = {"teacher_forced": {"general": fake([[i + 1, 0] for i in range(9)]), "magpie": fake([[5, 5]] * 3)}}
     base = {"teacher_forced": {"general": fake([[i, 0] for i in range(9)]), "code": fake([[1, 1]] * 3)}}

@@ -12,7 +12,7 @@ from support.distill import ROOT
 def test_three_commands_train_a_head_on_your_own_chats(tmp_path, monkeypatch, capsys):
     from training.draft.distill import main as distill
     from training.corpus import chat as chat_corpus
-    from training.head import position_bench
+    from training.bench import positions
     from training.corpus.teacher import load_corpus
 
     monkeypatch.chdir(tmp_path)
@@ -52,7 +52,7 @@ def test_three_commands_train_a_head_on_your_own_chats(tmp_path, monkeypatch, ca
     assert accept and all(0 < a <= 1 for a in accept)
 
     # 3. how it accepts, by context position, on your validation conversations
-    position_bench.main(["--draft", str(head), "--corpus", "data/corpus-chat", "--target", target,
+    positions.main(["--draft", str(head), "--corpus", "data/corpus-chat", "--target", target,
                          "--val-percent", "20", "--edges", "0", "64", "128", "--out", "rep"])
     rep = json.loads((tmp_path / "rep" / "positions.json").read_text())
     assert [b["from"] for b in rep["buckets"]] == [0, 64, 128]

@@ -143,7 +143,7 @@ def test_decoding_top_level_holds_at_most_15_modules():
 def test_every_pipeline_has_its_room():
     for room in ("forward", "decider", "models", "drafts", "bench"):
         assert (ROOT / "decoding" / room / "__init__.py").is_file(), room
-    for room in ("corpus", "decider", "draft", "head", "export"):
+    for room in ("corpus", "decider", "draft", "head", "export", "bench"):
         assert (ROOT / "training" / room / "__init__.py").is_file(), room
     extra = sorted(p.stem for p in (ROOT / "training").glob("*.py") if p.stem not in TRAINING_TOP)
     assert not extra, f"training/'s top level holds commands and shared helpers only; move {extra} into a room"

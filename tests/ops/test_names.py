@@ -47,4 +47,4 @@ def test_retired_names_stay_retired():
     assert not modules, f"no module named {RETIRED}: {modules}"
     mentions = [f"{p.relative_to(ROOT)}:{n}" for p in _sources()
                 for n, line in enumerate(p.read_text().splitlines(), 1) if RETIRED in line]
-    assert not mentions, f"{RETIRED} is training.head.bench now: {mentions}"
+    assert not mentions, f"{RETIRED} is training.bench.head now: {mentions}"

@@ -8,7 +8,7 @@ vocabulary as the feature cache keeps it (its top-k log-probs, renormalised afte
 mass beyond the top 32 at T = 0.7 is negligible) and q the head's over the same vocabulary.
 
 sd_rounds / walk_sd: the greedy sd chain walked along a teacher-forced continuation (tokens per
-target call), which the trainer's validation and training.head.bench both report.
+target call), which the trainer's validation and training.bench.head both report.
 
 Losses (model.loss): soft_ce (cross-entropy to the target's soft labels, the default) |
 lk_alpha (-log of the mean expected acceptance, SpecForge's "alpha" LK loss) | lk_lambda

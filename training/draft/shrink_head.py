@@ -9,7 +9,7 @@ draft's current ones ranked by how often the target wrote them in target-written
 (a sample of what the draft must predict), plus BOS/EOS. With tied embeddings the head is a
 row selection of the embedding: the kept ids' logits are unchanged, the others can no longer
 be proposed. Which is cheaper overall is an empirical question: measure with
-`training.draft.cost` and `training.draft.evaluate`.
+`training.bench.draft_cost` and `training.draft.evaluate`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
 """The feature (EAGLE-3) head's training: the target's features and labels (cache, data,
 vocab), the training-time-test module and its trainer (module, train; run by `python -m
-training.distill` for a run.kind eagle3 config), its re-distillation behind a gate (redistill),
-and its benches (bench, position_bench, compare)."""
+training.distill` for a run.kind eagle3 config), and its re-distillation behind a
+gate (redistill). Its benches are training.bench (head, compare, positions)."""

@@ -105,7 +105,7 @@ def target_batch(model, ids: torch.Tensor, mask: torch.Tensor, label_start: torc
     feats [B, W, 3H] float32; lab_ids [B, W, k] draft indices; lab_logp [B, W, k] float32;
     top1 [B, W] the target's argmax id; lab_mask [B, W]: position t predicts a completion
     token (label_start[b] <= t < length - 1). With `temperature`, lab_logp are log p_T over the
-    FULL vocabulary (not renormalised over the draft's: exact expected acceptance, training.head.bench).
+    FULL vocabulary (not renormalised over the draft's: exact expected acceptance, training.bench.head).
     """
     from decoding.drafts.capture import capture_aux
     from decoding.models.target_layout import target_layout

@@ -218,7 +218,7 @@ class FeatureDistillModule(L.LightningModule):
                                                  float(loss) * float(sel.sum()),
                                                  float(accept[sel].sum())], dtype=torch.float64)
             hits.append(torch.zeros_like(m).masked_scatter(m, agree.bool()))
-        # a chain of `steps` drafts walked from each row's first label, as training.head.bench does
+        # a chain of `steps` drafts walked from each row's first label, as training.bench.head does
         self._walk += walk_sd([h.cpu() for h in hits], per[-1][4].cpu(), batch["label_start"].tolist()).sum(0)
 
     def on_validation_epoch_end(self) -> None:

@@ -12,7 +12,7 @@ Speculative Decoding idea: the head keeps learning the traffic it serves).
    covers the corpora with THE CHAMPION'S vocabulary (`data.vocab_from`). The generated
    training config is `<run dir>/distill.yaml` (it runs by hand too).
 3. Gate: both heads on the same held-out continuations, teacher-forced
-   (training.head.bench.agreement, steps 1..depth). Score = mean accepted length of a greedy chain
+   (training.bench.head.agreement, steps 1..depth). Score = mean accepted length of a greedy chain
    of depth `depth`, counted per position as the leading run of agreeing steps (conditioned
    exactly, not the product of per-step agreements, which assumes independence; exact for
    greedy continuations). Promote when the score is above the champion's and at least
@@ -267,7 +267,7 @@ def run(cfg: RedistillConfig, teacher=None, log=print) -> int:
     from training.logged import is_heldout, read_logged
     from training.export.gate import gate_promotion
     from training.shards import write_json
-    from training.head.bench import agreement
+    from training.bench.head import agreement
 
     prompts = read_logged(Path(cfg.new_prompts))
     champ = Path(cfg.draft)

@@ -1,7 +1,7 @@
 """Tokens/s of N requests batched (decoding.batch) against the batch-1 engine serving them one
 after another, on the real embedded target and its shipped draft:
 
-    python -m decoding.batch.bench --clients 1 2 4 [--max-new-tokens 48] [--json out.json]
+    python -m decoding.bench.batch --clients 1 2 4 [--max-new-tokens 48] [--json out.json]
 
 Why: the point of one verify forward for every request is throughput at several clients; this
 is the measurement, not a test (timings depend on the machine and its load). Rows, greedy:

@@ -1,8 +1,8 @@
 """Teacher-forced agreement of a feature (EAGLE-3) head on held-out prompts, steps 1..4.
 
-    python -m training.head.bench --ckpt runs/distill/smollm2-135m-eagle3/checkpoints/best.ckpt
-    python -m training.head.bench --draft checkpoints/drafts/smollm2-135m-eagle3
-    python -m training.head.bench --untrained      # the head as initialised from the target
+    python -m training.bench.head --ckpt runs/distill/smollm2-135m-eagle3/checkpoints/best.ckpt
+    python -m training.bench.head --draft checkpoints/drafts/smollm2-135m-eagle3
+    python -m training.bench.head --untrained      # the head as initialised from the target
 
 On target continuations of the first --prompts held-out prompts per kind (general, code;
 written once with the corpus settings and cached under .cache/eval_corpus/, as
@@ -153,7 +153,7 @@ def baseline(path: str) -> dict:
     tf = res.get("teacher_forced") if isinstance(res, dict) else None
     if not isinstance(tf, dict) or not tf or any(not isinstance(v, dict) or "per_prompt" not in v
                                                    for v in tf.values()):
-        raise ValueError(f"{path}: not a training.head.bench result with per-prompt counts")
+        raise ValueError(f"{path}: not a training.bench.head result with per-prompt counts")
     return tf
 
 

@@ -1,6 +1,6 @@
 """How a feature head holds up with context: step-1 acceptance by position bucket.
 
-    python -m training.head.position_bench --draft checkpoints/drafts/smollm2-135m-eagle3 \
+    python -m training.bench.positions --draft checkpoints/drafts/smollm2-135m-eagle3 \
         --corpus data/corpus-chat [--rows 64] [--edges 0 256 512 1024 2048 4096 8192]
 
 An exported head promises the target's positions (8,192 for SmolLM2) while it was trained on

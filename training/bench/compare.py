@@ -1,8 +1,8 @@
-"""Reading training.head.bench results: paired comparison of two heads' eval files, and plots.
+"""Reading training.bench.head results: paired comparison of two heads' eval files, and plots.
 
-    python -m training.head.compare NEW.json BASE.json [--out DIR] [--name NAME]
+    python -m training.bench.compare NEW.json BASE.json [--out DIR] [--name NAME]
 
-Both files from `training.head.bench` on the same prompts (per-prompt counts kept):
+Both files from `training.bench.head` on the same prompts (per-prompt counts kept):
 writes <out>/<name>.json (each head's headline figures per prompt set both measured, and their
 paired differences with 95% CIs, bootstrap over prompts) and <out>/<name>.png.
 """
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from training.head.bench import HEADLINE, baseline, bootstrap
+from training.bench.head import HEADLINE, baseline, bootstrap
 from training.shards import write_text
 
 

@@ -1,6 +1,6 @@
 """Step cost of drafts as a fraction of a target step, side by side, at several thread counts.
 
-    python -m training.draft.cost --draft checkpoints/drafts/A --draft checkpoints/drafts/B \
+    python -m training.bench.draft_cost --draft checkpoints/drafts/A --draft checkpoints/drafts/B \
         [--threads 1 2] [--out reports/draft/cost.json] [--speed-prompts 8]
 
 Every draft is timed against the target in the same process (training.draft.evaluate's
