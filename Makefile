@@ -170,10 +170,10 @@ llama-check: venv $(LLAMA_SERVER)
 # .gpu-carry/ sized for a slimmed tree, then the device `run` calls, printed as JSON
 PACK ?= --slim --drafts both
 gpu-pack: venv
-	$(BIN)/python -m decoding.bench.gpu_pack --out .gpu-carry $(PACK) --commands
+	$(BIN)/python tools/gpu_pack.py --out .gpu-carry $(PACK) --commands
 
 lint: venv
-	$(BIN)/ruff check decoding training tests
+	$(BIN)/ruff check decoding training tests tools
 
 clean:
 	rm -rf $(VENV) $(VENV)-lock .pytest_cache

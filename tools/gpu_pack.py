@@ -1,5 +1,5 @@
 """Carry what the GPU suite needs onto a device machine that has no hub and takes at most 64 MiB
-a call, the working tree included: `python -m decoding.bench.gpu_pack --out .gpu-carry` packs the
+a call, the working tree included: `python tools/gpu_pack.py --out .gpu-carry` packs the
 embedded target's GGUF (98 MB, Q4_1: already its smallest lossless form, gzip saves 6%), with
 `--drafts head|both` the shipped head (and the stand-alone draft), into one uncompressed tar stream cut into
 as many parts as the per-call room (64 MiB less the tree that travels) needs, each part a folder
@@ -12,6 +12,8 @@ carries the next part; the last one joins the stream, checks every sha256, puts 
 where the suite reads them, and runs `python -m decoding.bench --suite gpu --out $OUT`.
 `--join DIR` reassembles into DIR/payload (atomic, sha256-checked). docs/gpu.md says how the
 tree is kept small enough for two calls.
+
+A maintainer's tool for a leased machine, so it lives beside the packages, not in the wheel.
 """
 
 from __future__ import annotations
@@ -157,7 +159,7 @@ TESTS = {"graph": f"timeout 200 {PYTEST}-n 6 tests/forward/test_graph_on_cuda.py
 exact-sampling cases are most of it); the timeouts keep the suite's time whatever happens."""
 RESTORE = (f"for d in {CARRY}/payload/checkpoints/drafts/*; do [ -f checkpoints/drafts/$(basename $d)/config.json ] || "
            f"{{ mkdir -p checkpoints/drafts && cp -r $d checkpoints/drafts/; }}; done; ")
-SUITE = (f"python3 -m decoding.bench.gpu_pack --join {CARRY} || exit 1; {{RESTORE}}python3 -m decoding.bench --suite gpu "
+SUITE = (f"python3 tools/gpu_pack.py --join {CARRY} || exit 1; {{RESTORE}}python3 -m decoding.bench --suite gpu "
          f"--target {CARRY}/payload/target.gguf{{DRAFT}} --budget {{BUDGET}} --out $OUT 2>&1 | tee $OUT/suite.log | tail -60")
 
 
