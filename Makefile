@@ -6,7 +6,7 @@ TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 LOCK    := constraints.txt
 
-.PHONY: venv lock test test-quick test-fast test-avx2 demo draft head bench serve-check llama-cpp llama-bench llama-check gpu-pack lint clean gemma3
+.PHONY: venv lock test test-quick test-fast test-avx2 demo draft head bench serve-check llama-cpp llama-bench llama-check gpu-pack defaults lint clean gemma3
 
 venv: $(STAMP)
 
@@ -171,6 +171,13 @@ llama-check: venv $(LLAMA_SERVER)
 PACK ?= --slim --drafts both
 gpu-pack: venv
 	$(BIN)/python tools/gpu_pack.py --out .gpu-carry $(PACK) --commands
+
+# The maintainer's step that changes what every install decodes with: one entry of the package's
+# decoding/defaults.yaml from a kept report of the shipped pair (a compare run, or the GPU suite's),
+# e.g. REPORT=reports/feature-bench-2026-11-27-fp32-panels-48. A bench run never writes that file.
+defaults: venv
+	@test -n "$(REPORT)" || { echo "usage: make defaults REPORT=reports/DIR"; exit 2; }
+	$(BIN)/python -m decoding.bench.pick_defaults $(REPORT)
 
 lint: venv
 	$(BIN)/ruff check decoding training tests tools

@@ -3,8 +3,8 @@
 `decoding/defaults.yaml` holds one entry per device kind (`cpu`: float32; `cpu-bf16`: AMX, or
 AVX512-BF16 with the packed forward; `cuda`) plus `other-pairs` for any pair but the shipped one (the benchmark
 measured only the shipped pair, so another pair gets the plain historical default). Each entry
-names the report it came from. `python -m decoding.bench --write-defaults` rewrites this
-machine's entry from the run it just measured (decoding.bench.pick_defaults).
+names the report it came from. The maintainer's `make defaults REPORT=DIR` rewrites one entry
+from a kept report (decoding.bench.pick_defaults); a benchmark run never does.
 """
 
 from __future__ import annotations

@@ -229,22 +229,26 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _check_defaults_pair(cfg: BenchConfig, path: str) -> None:
-    from decoding.api import is_shipped_pair
+def _check_defaults_path(path: str) -> None:
+    from decoding.defaults import DEFAULTS_PATH
 
-    if not path and not is_shipped_pair(cfg.target, cfg.draft):
-        raise ValueError("--write-defaults: the defaults are for the shipped pair, and this run measures "
-                         "another one; give a PATH to record it elsewhere")
+    if path and Path(path).resolve() == DEFAULTS_PATH.resolve():
+        raise ValueError("--write-defaults: a bench run never rewrites the package's defaults.yaml; "
+                         "keep the report, then `make defaults REPORT=DIR` (decoding.bench.pick_defaults)")
 
 
 def _write_defaults(results: dict, cfg: BenchConfig, out: Path, path: str) -> None:
+    """This run's pick into PATH, or into the report's own defaults.yaml (the package's file with
+    this kind's entry replaced, as the GPU suite writes it)."""
     from decoding.bench.pick_defaults import pick_best, write_defaults
-    from decoding.defaults import run_kind
+    from decoding.defaults import DEFAULTS_PATH, run_kind
 
-    _check_defaults_pair(cfg, path)
     entry = pick_best(results, source=str(out / "results.json"))
     kind = run_kind(cfg.device, entry["dtype"])
-    written = write_defaults(entry, kind, path or None)
+    if not path:
+        path = out / "defaults.yaml"
+        path.write_text(DEFAULTS_PATH.read_text())
+    written = write_defaults(entry, kind, path)
     _log(f"defaults for {kind} in {written}: {entry['strategy']} ({entry['source']})")
 
 
@@ -361,7 +365,7 @@ def main(argv=None) -> int:
             cfg = _apply_overrides(load_config(a.config), a)
             out = Path(a.out or cfg.out.format(date=time.strftime("%Y-%m-%d")))
         if a.write_defaults is not None:
-            _check_defaults_pair(cfg, a.write_defaults)  # refused before the (long) run
+            _check_defaults_path(a.write_defaults)  # refused before the (long) run
         require_replay(cfg.oracle)
         results = run_compare(cfg, command)
         md = write_report(results, out)

@@ -1,10 +1,22 @@
-"""Pick the defaults entry from a benchmark run and write it into decoding/defaults.yaml:
-`python -m decoding.bench --write-defaults` (the fastest lossless greedy row that beats `ar`)."""
+"""Pick the defaults entry from a benchmark run (the fastest lossless greedy row that beats `ar`)
+and write it into a defaults file.
+
+The package's own decoding/defaults.yaml is rewritten only by the maintainer's step
+
+    make defaults REPORT=reports/DIR      # = python -m decoding.bench.pick_defaults reports/DIR
+
+from a kept report of the shipped pair (a compare run's results.json, or the GPU suite's, whose
+pick is its `cuda_defaults`): what every install loads changes by a reviewed commit that cites its
+evidence, never as a side effect of a benchmark run. A run's `--write-defaults` writes its pick
+into the report's own folder (DIR/defaults.yaml) or a PATH, for a look before that step.
+"""
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -18,9 +30,9 @@ HEADER = """\
 # Default decoding configuration of `python -m decoding.generate` and `decoding.Decoder`, per
 # device kind, for the shipped pair (SmolLM2-135M-Instruct + checkpoints/drafts/smollm2-135m-eagle3).
 # cpu: float32 CPUs | cpu-bf16: AMX, or AVX512-BF16 with the packed forward (bfloat16) | cuda | other-pairs: any other
-# pair (not measured: the plain historical default). Rewritten by
-#   python -m decoding.bench --config configs/bench_feature.yaml --write-defaults
-# which keeps the fastest lossless greedy row of that run (decoding/bench/pick_defaults.py: pick_best).
+# pair (not measured: the plain historical default). Rewritten, one kind at a time, by
+#   make defaults REPORT=reports/DIR      (python -m decoding.bench.pick_defaults reports/DIR)
+# which keeps the fastest lossless greedy row of that report (decoding/bench/pick_defaults.py: pick_best).
 """
 
 
@@ -122,3 +134,46 @@ def write_defaults(entry: dict, kind: str, path: str | os.PathLike | None = None
         Path(tmp).unlink(missing_ok=True)
         raise
     return p
+
+
+def package_entry(report: str | os.PathLike) -> tuple[str, dict]:
+    """(kind, entry) a kept report gives the package's file: a GPU suite run's `cuda_defaults`,
+    else pick_best of a compare run; refused unless the report measured the shipped pair."""
+    from decoding.defaults import is_shipped_pair, run_kind
+
+    p = Path(report)
+    p = p / "results.json" if p.is_dir() else p
+    results = json.loads(p.read_text())
+    meta, cfg = results.get("meta", {}), results.get("meta", {}).get("config", {})
+    try:
+        shown = str(p.resolve().relative_to(Path.cwd().resolve()))  # no machine's absolute path in the file
+    except ValueError:
+        shown = str(p)
+    if "cuda_defaults" in results:  # decoding.bench.gpu_suite: picked there, among its own rows
+        if cfg.get("head") is not None:
+            raise ValueError(f"{shown}: the GPU run measured the head {cfg['head']}, not the shipped one")
+        entry = results["cuda_defaults"]
+        return "cuda", dict(entry, source=f"{shown}: {entry.get('source', 'the GPU suite')}")
+    if not is_shipped_pair(cfg.get("target"), cfg.get("draft")):
+        raise ValueError(f"{shown}: the defaults are for the shipped pair, and this run measured another one")
+    entry = pick_best(results, source=shown)
+    return run_kind(meta.get("device", "cpu"), entry["dtype"]), entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) != 1 or argv[0].startswith("-"):
+        print(__doc__, file=sys.stdout if argv in (["-h"], ["--help"]) else sys.stderr)
+        return 0 if argv in (["-h"], ["--help"]) else 2
+    try:
+        kind, entry = package_entry(argv[0])
+        written = write_defaults(entry, kind)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(f"{kind} in {written}: {entry['strategy']} ({entry['source']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from decoding import defaults as D
 from decoding.bench.pick_defaults import pick_best, write_defaults
@@ -164,14 +163,49 @@ def test_bench_write_defaults(tmp_path, capsys):
     assert main(["--quick", "--no-sweep", "--temperatures", "0", "--repeats", "1", "--out", str(out),
                  "--write-defaults", str(f)]) == 0
     res = json.loads((out / "results.json").read_text())
-    entry = D.load_defaults(f)[D.run_kind("cpu", res["meta"]["dtype"])]
+    kind = D.run_kind("cpu", res["meta"]["dtype"])
+    entry = D.load_defaults(f)[kind]
     assert entry == pick_best(res, source=str(out / "results.json"))
-    # the package's own file is only rewritten from the shipped pair (refused before the run)
+    # with no PATH the pick goes into the report's own copy of the defaults
+    package = D.DEFAULTS_PATH.read_text()
+    out2 = tmp_path / "r2"
+    assert main(["--quick", "--no-sweep", "--temperatures", "0", "--repeats", "1", "--out", str(out2),
+                 "--write-defaults"]) == 0
+    mine = D.load_defaults(out2 / "defaults.yaml")
+    assert mine[kind]["strategy"] == entry["strategy"] and set(mine) == set(D.load_defaults())
+    # the package's own file: never from a bench run (refused before the run)
     capsys.readouterr()
-    assert main(["--quick", "--no-sweep", "--out", str(tmp_path / "r2"), "--write-defaults"]) == 2
+    assert main(["--quick", "--no-sweep", "--out", str(tmp_path / "r3"), "--write-defaults", str(D.DEFAULTS_PATH)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "shipped pair" in err and not (tmp_path / "r2").exists()
-    assert yaml.safe_load(D.DEFAULTS_PATH.read_text())  # untouched and readable
+    assert err.count("\n") == 1 and "make defaults" in err and not (tmp_path / "r3").exists()
+    assert D.DEFAULTS_PATH.read_text() == package
+
+
+def test_the_package_defaults_come_from_a_kept_report(tmp_path, monkeypatch, capsys):
+    """`make defaults REPORT=DIR`: the entry of the report's kind, as the committed file has it;
+    a report of another pair is refused in one line, the file untouched."""
+    from decoding.bench import pick_defaults as P
+
+    monkeypatch.chdir(ROOT)  # sources cite reports/ relative to the repository
+    data = D.load_defaults()
+    report = data["cpu"]["source"].split(" ")[0]
+    if not (ROOT / report).is_file():
+        pytest.skip(f"{report} is not in this checkout")
+    kind, entry = P.package_entry(Path(report).parent)
+    assert kind == "cpu" and entry == data["cpu"]
+    f = tmp_path / "defaults.yaml"
+    f.write_text(D.DEFAULTS_PATH.read_text())
+    monkeypatch.setattr(D, "DEFAULTS_PATH", f)  # main writes the package's file: here, a copy
+    monkeypatch.setattr(P, "DEFAULTS_PATH", f)
+    assert P.main([report]) == 0 and D.load_defaults(f) == data
+    other = json.loads((ROOT / report).read_text())
+    other["meta"]["config"]["draft"] = str(tmp_path / "another-draft")
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    capsys.readouterr()
+    assert P.main([str(tmp_path / "other.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "shipped pair" in err and D.load_defaults(f) == data
+    assert P.main([]) == 2 and P.main(["--help"]) == 0
 
 
 def test_a_named_strategy_or_shape_runs_as_named():
