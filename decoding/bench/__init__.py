@@ -1,4 +1,31 @@
-"""The benchmark and its suites: `python -m decoding.bench` (cli: compare / engine / dtype),
-the configs it reads (config), measuring rows (runs), statistics (stats), the report and
-plots (report, plots), the quick CI pair (quick), greedy agreement with ar (agreement), the
-bf16 tie study (`python -m decoding.bench.ties`) and the oracle-stop bound (oracle)."""
+"""The benchmark: our engine's strategies against plain decoding and against other engines, each
+figure measured here (`python -m decoding.bench`, `--suite NAME`). Every module, by its part:
+
+The comparison (`--config configs/bench.yaml`, the default suite):
+- cli: the command, its suites' dispatch; __main__ runs it (or gpu_suite for `--suite gpu`);
+- config: the typed YAML config; runs: measuring rows (our engine, the Hugging Face peers),
+  interleaved repeats, memory, agreement; stats: speedups and bootstrap intervals over prompts;
+- report, plots: results.md and the PNGs from results.json; oracle: the oracle-stop bound, read
+  from what training wrote; agreement: bf16 outputs against `ar`, near-tie flips told apart;
+- quick: `--quick`, the whole pipeline on tiny random models (CI smoke);
+- pick_defaults: a report's fastest lossless row as a defaults entry; the maintainer's step
+  `python -m decoding.bench.pick_defaults DIR` (make defaults) writes the package's defaults.yaml.
+
+The suites:
+- engine_suite (`engine`): `ar` against `model.generate`, and a round's time split;
+- dtype (`dtype`): which dtype decodes fastest on this machine;
+- forward (`forward`): one target forward by variant and size, with its roofline (roofline, the
+  bound from peaks measured by csrc/peaks.cpp), profile (profiling) and the torch.compile
+  probe (compiled_forward, `--forwards compiled`);
+- cli_suite (`cli`): a `generate` call end to end, as a user waits for it;
+- llama (`llama`): llama.cpp against us on one GGUF;
+- serve_suite (`serve`, `serve-load`): our server against llama-server under concurrent clients;
+- gpu_suite (`gpu`): what a GPU user gets, in one budgeted run; gpu_report its page; launches
+  the ops a round dispatches besides its graph replays (`python -m decoding.bench.launches`);
+- batch (`python -m decoding.bench.batch`): requests batched (decoding.batch) against one after
+  another;
+- ties (`python -m decoding.bench.ties`): how often bf16 greedy runs reproduce `ar`.
+
+Benches of what training makes live in training.bench; the packing of a GPU run for a leased
+machine is tools/gpu_pack.py, outside the package.
+"""

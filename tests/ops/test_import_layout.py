@@ -4,6 +4,7 @@ count), and no arrow from inference (`decoding`) up to `training`."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,6 +148,33 @@ def test_every_pipeline_has_its_room():
         assert (ROOT / "training" / room / "__init__.py").is_file(), room
     extra = sorted(p.stem for p in (ROOT / "training").glob("*.py") if p.stem not in TRAINING_TOP)
     assert not extra, f"training/'s top level holds commands and shared helpers only; move {extra} into a room"
+
+
+BENCH_ROOMS = ("decoding/bench", "training/bench")
+"""Where benches live: inference's (engines and strategies compared) and training's (they read
+training code, which decoding never imports)."""
+
+
+def test_benches_live_in_the_bench_rooms_and_each_room_names_its_modules():
+    stray = sorted(str(p.relative_to(ROOT)) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*bench*")
+                   if "__pycache__" not in p.parts and "/".join(p.relative_to(ROOT).parts[:2]) not in BENCH_ROOMS)
+    assert not stray, f"a bench outside {' and '.join(BENCH_ROOMS)}: {stray}"
+    for room in BENCH_ROOMS:
+        doc = ast.get_docstring(ast.parse((ROOT / room / "__init__.py").read_text())) or ""
+        missing = sorted(p.stem for p in (ROOT / room).glob("*.py")
+                         if not p.stem.startswith("__") and not re.search(rf"\b{p.stem}\b", doc))
+        assert not missing, f"{room}/__init__ does not say what {missing} are for"
+
+
+def test_machine_logistics_do_not_ship():
+    """Packing files for a leased GPU is a maintainer's tool: tools/, outside the packages the
+    wheel installs (pyproject includes decoding* and training*), importable from neither."""
+    import importlib.util
+
+    assert (ROOT / "tools" / "gpu_pack.py").is_file() and not (ROOT / "tools" / "__init__.py").exists()
+    shipped = sorted(str(p.relative_to(ROOT)) for pkg in PACKAGES for p in (ROOT / pkg).rglob("gpu_pack*"))
+    assert not shipped, f"in the package: {shipped}"
+    assert importlib.util.find_spec("decoding.bench.gpu_pack") is None
 
 
 def test_the_forward_room_and_model_loading_never_import_the_round():
