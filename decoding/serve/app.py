@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -92,16 +93,19 @@ async def _answer(served: Served, worker: EngineWorker, body, ids: list[int], ch
         return JSONResponse(P.error(f"prompt ({len(ids)} tokens) + max_tokens ({budget}) exceeds the "
                                     f"context of {served.max_context} tokens", code="context_length_exceeded"),
                             status_code=400)
-    job = Job(ids, budget, SamplingConfig(body.temperature, body.top_p), body.seed or 0, served.eos,
+    eos = served.eos + tuple(t for t in body.stop_token_ids or () if t not in served.eos)
+    seed = body.seed if body.seed is not None else secrets.randbits(31)  # unseeded: random, as OpenAI's
+    job = Job(ids, budget, SamplingConfig(body.temperature, body.top_p), seed, eos,
               asyncio.get_running_loop(), asyncio.Queue())
     try:
         worker.submit(job)
     except Busy as e:
         return JSONResponse(P.error(f"server busy: {e}", kind="server_error"), status_code=503)
+    text_of = _Text(served.tokenizer, eos, body.stop)
     if body.stream:
-        return StreamingResponse(_events(served, worker, job, chat, body.model), media_type="text/event-stream")
+        return StreamingResponse(_events(text_of, worker, job, chat, body.model), media_type="text/event-stream")
     try:
-        text, finish = await _collect(served, job)
+        text, finish = await _collect(text_of, worker, job)
     except asyncio.CancelledError:  # the client went away before the answer
         worker.cancel(job)
         raise
@@ -111,34 +115,68 @@ async def _answer(served: Served, worker: EngineWorker, body, ids: list[int], ch
     return make(body.model, text, finish, len(ids), job.generated)
 
 
-async def _collect(served: Served, job: Job) -> tuple[str, str | None]:
-    out: list[int] = []
+class _Text:
+    """A request's text so far: decoded whole (a token's bytes can complete the previous one's
+    character), cut before the first stop string, a trailing end-of-text token dropped."""
+
+    def __init__(self, tokenizer, eos: tuple[int, ...], stops: list[str] | None):
+        self.tokenizer, self.eos, self.stops = tokenizer, eos, stops or []
+        self.ids: list[int] = []
+
+    def add(self, ids: list[int]) -> tuple[str, bool]:
+        """(the text, whether a stop string ended it)."""
+        self.ids += ids
+        text = self.tokenizer.decode(_strip(self.ids, self.eos), skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        return (text[:cut], True) if cut >= 0 else (text, False)
+
+    def safe(self, text: str) -> str:
+        """What may be sent before the answer ends: no half character, and nothing that could be
+        the start of a stop string completed by the next tokens."""
+        text = text.rstrip("\ufffd")
+        hold = max((len(s) - 1 for s in self.stops), default=0)
+        for k in range(min(hold, len(text)), 0, -1):
+            if any(s.startswith(text[-k:]) for s in self.stops):
+                return text[:-k]
+        return text
+
+
+async def _collect(text_of: _Text, worker: EngineWorker, job: Job) -> tuple[str, str | None]:
+    text = ""
     while True:
         kind, value = await job.queue.get()
         if kind == "tokens":
-            out += value
+            text, stopped = text_of.add(value)
+            if stopped:
+                worker.cancel(job, stopped=True)
+                return text, "stop"
         elif kind == "done":
-            return served.tokenizer.decode(_strip(out, served.eos), skip_special_tokens=True), value
+            return text.rstrip("\ufffd"), value  # a budget can end inside a character
         else:
             return value, None
 
 
-async def _events(served: Served, worker: EngineWorker, job: Job, chat: bool, model: str):
-    chunks, out, sent = P.Chunks(chat, model), [], ""
+async def _events(text_of: _Text, worker: EngineWorker, job: Job, chat: bool, model: str):
+    chunks, sent, text = P.Chunks(chat, model), "", ""
     try:
         if chat:
             yield _sse(chunks.piece("", first=True))
         while True:
             kind, value = await job.queue.get()
             if kind == "tokens":
-                out += value
-                text = served.tokenizer.decode(_strip(out, served.eos), skip_special_tokens=True)
-                if text.endswith("\ufffd"):  # a character cut between tokens: wait for the rest
-                    continue
-                if text[len(sent):]:
-                    yield _sse(chunks.piece(text[len(sent):]))
-                    sent = text
+                text, stopped = text_of.add(value)
+                ready = text if stopped else text_of.safe(text)
+                if ready[len(sent):]:
+                    yield _sse(chunks.piece(ready[len(sent):]))
+                    sent = ready
+                if stopped:
+                    worker.cancel(job, stopped=True)
+                    yield _sse(chunks.piece("", finish="stop"))
+                    break
             elif kind == "done":
+                rest = text.rstrip("\ufffd")[len(sent):]
+                if rest:
+                    yield _sse(chunks.piece(rest))
                 yield _sse(chunks.piece("", finish=value))
                 break
             else:

@@ -9,11 +9,20 @@ from __future__ import annotations
 import time
 import uuid
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+NEUTRAL = {"user": None, "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+           "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "logit_bias": ({},),
+           "response_format": ({"type": "text"},), "parallel_tool_calls": (True, False), "store": (False,),
+           "metadata": None, "service_tier": ("auto", "default")}
+"""Fields this server does not implement, accepted only at the value that changes nothing (None:
+any value, e.g. `user`); a null is always accepted. Any other value, and any field not named
+here or below, is refused with a 400 that names it: never silently ignored."""
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # clients send user, presence_penalty, ...
+    model_config = ConfigDict(extra="allow")  # checked by _supported: refused by name, or neutral
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -21,8 +30,13 @@ class _Sampling(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
+    """None: a random draw per request (a sampled answer is not the same twice)."""
     stream: bool = False
     n: int = 1
+    stop: str | list[str] | None = None
+    """Up to 4 strings: the text ends before the first one that appears (finish_reason "stop")."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end the answer as end of text does (not returned)."""
 
     @field_validator("n")
     @classmethod
@@ -30,6 +44,23 @@ class _Sampling(BaseModel):
         if v != 1:
             raise ValueError("only n=1 is served")
         return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        v = [v] if isinstance(v, str) else (v or [])
+        if len(v) > 4 or any(not s for s in v):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return v
+
+    @model_validator(mode="after")
+    def _supported(self):
+        for name, value in (self.model_extra or {}).items():
+            ok = NEUTRAL.get(name, ())
+            if value is None or (name in NEUTRAL and (ok is None or value in ok)):
+                continue
+            raise ValueError(f"{name} is not supported by this server" + (f" (only {ok[0]!r})" if ok else ""))
+        return self
 
     def budget(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default

@@ -44,6 +44,8 @@ class Job:
     first_token: float | None = None
     generated: int = 0
     cancelled: bool = False
+    stopped: bool = False
+    """Ended by the client's stop string (counted as a stop, not a cancel)."""
     req: object | None = field(default=None, repr=False)
 
     def push(self, kind: str, value, outbox: dict | None = None) -> None:
@@ -132,9 +134,11 @@ class EngineWorker:
             self._waiting.append(job)
             self._cv.notify()
 
-    def cancel(self, job: Job) -> None:
-        """The client went away: the job leaves at the next seam between rounds."""
+    def cancel(self, job: Job, stopped: bool = False) -> None:
+        """The client went away (or its stop string matched: `stopped`): the job leaves at the next
+        seam between rounds."""
         with self._cv:
+            job.stopped = job.stopped or stopped
             job.cancelled = True
             self._cv.notify()
 
@@ -184,15 +188,15 @@ class EngineWorker:
     def _drop_cancelled(self) -> None:
         for job in [j for j in self._waiting if j.cancelled]:
             self._waiting.remove(job)
-            self.counters.requests["cancelled"] += 1
+            self.counters.requests["stop" if job.stopped else "cancelled"] += 1
         for job in [j for j in self._running if j.cancelled]:
             self.engine.remove(job.req)
             self._running.remove(job)
-            self.counters.requests["cancelled"] += 1
+            self.counters.requests["stop" if job.stopped else "cancelled"] += 1
 
     def _admit(self, job: Job) -> None:
         if job.cancelled:
-            self.counters.requests["cancelled"] += 1
+            self.counters.requests["stop" if job.stopped else "cancelled"] += 1
             return
         try:
             job.req = self.engine.add(job.prompt, job.max_new_tokens, job.sampling, job.seed,

@@ -262,3 +262,83 @@ def test_the_command_serves_on_its_main_thread_and_stops_on_sigterm(pair):
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()
+
+
+# ---- the OpenAI parameters users send: honoured, or refused by name ----------------------------
+
+def test_a_stop_string_ends_the_text_where_it_matches_across_tokens(server):
+    dec, worker, client, _ = server
+    full = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=8, temperature=0)
+    text = full.choices[0].text
+    assert len(text) > 6, text
+    stop = text[3:6]  # spans the boundary between two tokens ("w3 w5 ..." style words)
+    cut = text[:text.find(stop)]
+    got = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=8, temperature=0, stop=[stop, "zz"])
+    assert got.choices[0].text == cut and got.choices[0].finish_reason == "stop"
+    pieces, reasons = [], []
+    for ch in client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=8, temperature=0, stop=stop,
+                                        stream=True):
+        pieces.append(ch.choices[0].text)
+        reasons.append(ch.choices[0].finish_reason)
+    assert "".join(pieces) == cut and reasons[-1] == "stop"
+    never = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=8, temperature=0, stop="zz")
+    assert never.choices[0].text == text and never.choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_stop_token_ids_end_the_answer_as_end_of_text(server):
+    dec, _, client, _ = server
+    want = dec.generate(PROMPTS[0], 8)
+    stop_id = want.token_ids[2]
+    got = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                    extra_body={"stop_token_ids": [stop_id]})
+    k = want.token_ids.index(stop_id)
+    assert got.choices[0].text == dec.session.tokenizer.decode(want.token_ids[:k], skip_special_tokens=True)
+    assert got.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": 1.0}, "frequency_penalty"),
+    ({"logprobs": 2}, "logprobs"), ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
+    ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"), ({"best_of": 3}, "best_of"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop")])
+def test_what_is_not_served_is_refused_by_name(server, kwargs, name):
+    _, _, client, _ = server
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="w1", max_tokens=2, **kwargs)
+    assert name in str(e.value)
+
+
+def test_neutral_values_of_unserved_fields_are_accepted(server):
+    dec, _, client, _ = server
+    got = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0, presence_penalty=0,
+                                    frequency_penalty=0, user="someone", logprobs=None)
+    assert got.choices[0].text == dec.generate(PROMPTS[0], 8).text
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w1"}], max_tokens=2,
+                                       logprobs=True, top_logprobs=2)
+
+
+def test_a_sampled_request_without_a_seed_is_random(server):
+    _, _, client, _ = server
+    ask = lambda **kw: client.completions.create(model="tiny", prompt="w1", max_tokens=24, temperature=1.5,  # noqa: E731
+                                                 **kw).choices[0].text
+    assert len({ask() for _ in range(4)}) > 1
+    assert ask(seed=7) == ask(seed=7)
+
+
+def test_streamed_text_never_holds_half_a_character_or_a_stop_prefix():
+    """The split-character path, on a byte tokenizer: a character's bytes cross tokens."""
+    from decoding.serve.app import _Text
+
+    class Bytes:
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    t = _Text(Bytes(), (), ["ab!"])
+    word = list("é ab".encode())  # é is two bytes
+    text, stopped = t.add(word[:1])
+    assert not stopped and t.safe(text) == ""  # half of é: held back
+    text, _ = t.add(word[1:])
+    assert t.safe(text) == "é " and text == "é ab"  # "ab" may start the stop string: held back
+    text, stopped = t.add(list(b"!x"))
+    assert stopped and text == "é "
