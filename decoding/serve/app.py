@@ -99,8 +99,9 @@ async def _answer(served: Served, worker: EngineWorker, body, ids: list[int], ch
               asyncio.get_running_loop(), asyncio.Queue())
     try:
         worker.submit(job)
-    except Busy as e:
-        return JSONResponse(P.error(f"server busy: {e}", kind="server_error"), status_code=503)
+    except Busy as e:  # nothing accepted is dropped: the queue is full, so ask the client to come back
+        return JSONResponse(P.error(f"server busy: {e}", kind="server_error"), status_code=503,
+                            headers={"Retry-After": "1"})
     text_of = _Text(served.tokenizer, eos, body.stop)
     if body.stream:
         return StreamingResponse(_events(text_of, worker, job, chat, body.model), media_type="text/event-stream")

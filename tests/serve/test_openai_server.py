@@ -342,3 +342,14 @@ def test_streamed_text_never_holds_half_a_character_or_a_stop_prefix():
     assert t.safe(text) == "é " and text == "é ab"  # "ab" may start the stop string: held back
     text, stopped = t.add(list(b"!x"))
     assert stopped and text == "é "
+
+
+def test_a_full_queue_answers_503_with_retry_after(server):
+    from starlette.testclient import TestClient
+
+    dec, _, _, _ = server
+    idle = EngineWorker(batch_engine(dec, "joint"), max_active=1, max_queue=0)  # never started: nothing leaves
+    eos = dec.session.eos_token_id
+    app = create_app(Served("tiny", dec.session.tokenizer, 60, (eos,) if isinstance(eos, int) else (), 8), idle)
+    r = TestClient(app).post("/v1/completions", json={"model": "tiny", "prompt": "w1", "max_tokens": 2})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1" and "busy" in r.json()["error"]["message"]
