@@ -37,6 +37,9 @@ def parser() -> argparse.ArgumentParser:
                          "joint-always: the budget every round; independent: each request sizes its own tree")
     ap.add_argument("--max-batch", type=int, default=8, help="most requests in one round")
     ap.add_argument("--max-queue", type=int, default=64, help="most requests waiting (more: 503)")
+    ap.add_argument("--drain-timeout", type=float, default=30.0,
+                    help="on SIGTERM / SIGINT: seconds the requests in flight get to finish (new ones: 503); "
+                         "those still running then end with an error event")
     ap.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     ap.add_argument("--device", default="cpu")
@@ -91,7 +94,7 @@ def serve(decoder, args) -> None:
     served = Served(args.model_name, s.tokenizer, limit - len(decoder.config.k_levels) - 1,
                     tuple([eos] if isinstance(eos, int) else eos or ()), args.default_max_tokens)
     server = uvicorn.Server(uvicorn.Config(create_app(served, worker), host=args.host, port=args.port,
-                                           log_level="warning"))
+                                           log_level="warning", timeout_graceful_shutdown=args.drain_timeout + 5))
 
     def http() -> None:
         try:
@@ -99,9 +102,9 @@ def serve(decoder, args) -> None:
         finally:
             worker.stop()  # the HTTP side ended (or never started): so does the engine
 
-    def shut(*_) -> None:
+    def shut(*_) -> None:  # drain: uvicorn stops accepting and waits for the streams the worker finishes
+        worker.drain(args.drain_timeout)
         server.should_exit = True
-        worker.stop()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, shut)
@@ -131,8 +134,8 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         check_options(args)
-        if args.max_batch < 1 or args.max_queue < 0:
-            raise ValueError("--max-batch must be >= 1 and --max-queue >= 0")
+        if args.max_batch < 1 or args.max_queue < 0 or args.drain_timeout < 0:
+            raise ValueError("--max-batch must be >= 1, --max-queue and --drain-timeout >= 0")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -99,6 +99,8 @@ class EngineWorker:
         self._running: list[Job] = []
         self._cv = threading.Condition()
         self._stop = False
+        self._deadline: float | None = None
+        """Set by drain: when the loop ends whatever is still running."""
         self._looping = False
         self._thread = threading.Thread(target=self._loop, name="specstop-engine", daemon=True)
         self._outbox: dict = {}
@@ -122,6 +124,14 @@ class EngineWorker:
             self._stop = True
             self._cv.notify()
 
+    def drain(self, timeout: float) -> None:
+        """Stop admitting (a new request gets Busy) and end the loop once every accepted request
+        has finished, or after `timeout` seconds: those still running then get an error (any
+        thread; no wait)."""
+        with self._cv:
+            self._deadline = time.perf_counter() + timeout
+            self._cv.notify()
+
     def close(self, timeout: float = 30.0) -> None:
         self.stop()
         if self._thread.is_alive():
@@ -129,6 +139,8 @@ class EngineWorker:
 
     def submit(self, job: Job) -> None:
         with self._cv:
+            if self._deadline is not None:
+                raise Busy("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
                 raise Busy(f"{len(self._waiting)} requests are waiting already")
             self._waiting.append(job)
@@ -165,9 +177,10 @@ class EngineWorker:
     def _rounds(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self._waiting and not self._running:
+                while not self._stop and not self._waiting and not self._running and self._deadline is None:
                     self._cv.wait()
-                if self._stop:
+                if self._stop or (self._deadline is not None and (
+                        time.perf_counter() > self._deadline or not (self._waiting or self._running))):
                     break
                 self._drop_cancelled()
                 while self._waiting and len(self._running) < self.max_active:
@@ -175,8 +188,9 @@ class EngineWorker:
             if self._running:
                 self._round()
             self._flush()
+        why = "the server is shutting down" + (": its drain timeout ended this request" if self._deadline else "")
         for job in [*self._running, *self._waiting]:
-            self._finish(job, "error", "the server is shutting down")
+            self._finish(job, "error", why)
         self._flush()
 
     def _flush(self) -> None:

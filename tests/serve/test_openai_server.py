@@ -258,8 +258,22 @@ def test_the_command_serves_on_its_main_thread_and_stops_on_sigterm(pair):
             taken = busy.getsockname()[1]
             other = subprocess.run(cmd + ["--port", str(taken)], capture_output=True, text=True, timeout=300)
         assert other.returncode == 2 and other.stderr.strip().splitlines()[-1].startswith("error: could not serve")
+        want = Decoder.load(t, d, strategy="sd", gamma=2).generate("w1 w2", 40)
+        got, reasons = [], []
+
+        def stream():
+            for ch in client.completions.create(model="tiny", prompt="w1 w2", max_tokens=40, temperature=0,
+                                                stream=True):
+                got.append(ch.choices[0].text)
+                reasons.append(ch.choices[0].finish_reason)
+        reader = threading.Thread(target=stream)
+        reader.start()
+        while not got:  # in flight when the signal comes
+            time.sleep(0.005)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        reader.join(60)
+        assert "".join(got) == want.text and reasons[-1] == reason(Decoder.load(t, d, strategy="sd", gamma=2), want)
+        assert proc.wait(timeout=60) == 0  # drained, then a clean exit
     finally:
         proc.kill()
 
@@ -353,3 +367,24 @@ def test_a_full_queue_answers_503_with_retry_after(server):
     app = create_app(Served("tiny", dec.session.tokenizer, 60, (eos,) if isinstance(eos, int) else (), 8), idle)
     r = TestClient(app).post("/v1/completions", json={"model": "tiny", "prompt": "w1", "max_tokens": 2})
     assert r.status_code == 503 and r.headers["retry-after"] == "1" and "busy" in r.json()["error"]["message"]
+
+
+def test_drain_finishes_what_was_accepted_refuses_new_and_times_out(server):
+    from decoding.sampling import SamplingConfig
+    from decoding.serve.worker import Busy, Job
+
+    dec, _, _, _ = server
+    worker = EngineWorker(batch_engine(dec, "joint"), max_active=2, max_queue=8).start()
+    for p in PROMPTS:
+        worker.submit(Job(dec.session.encode(p), 8, SamplingConfig()))
+    worker.drain(60)
+    with pytest.raises(Busy, match="shutting down"):
+        worker.submit(Job(dec.session.encode("w1"), 8, SamplingConfig()))
+    worker._thread.join(60)
+    c = worker.counters.requests
+    assert not worker._thread.is_alive() and c["length"] + c["stop"] == len(PROMPTS) and c["error"] == 0
+    worker = EngineWorker(batch_engine(dec, "joint"), max_active=2, max_queue=8).start()
+    worker.submit(Job(dec.session.encode(PROMPTS[0]), 40, SamplingConfig()))
+    worker.drain(0)  # nothing may finish in time: the request ends with an error
+    worker._thread.join(60)
+    assert worker.counters.requests["error"] == 1
