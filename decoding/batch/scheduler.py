@@ -114,6 +114,9 @@ class BatchEngine:
         """Rows of each recent round's verify forward (all requests together; bounded: a server
         runs rounds for ever)."""
         self._ids = itertools.count()
+        self.failed: list[Request] = []
+        """Requests whose own part of a round raised (their `error`): they left; the caller reads and
+        clears this after each step."""
         self.observer: Callable | None = None
         """Optional callable(request, tree, logits, outcome, position) after each request's verified
         round with a tree: trace collection (training.decider.collect), as SpeculativeEngine.observer
@@ -150,10 +153,39 @@ class BatchEngine:
         req.cache = req.proposer = req.stop = None
 
     def step(self) -> list[Request]:
-        """One round for every active request; returns those that finished (and left)."""
+        """One round for every active request; returns those that finished (and left). A request
+        whose part of the round fails leaves alone (`failed`); the others go on."""
         reqs = list(self.active)
         if not reqs:
             return []
+        try:
+            return self._step(reqs)
+        except Exception:
+            return self._isolate(reqs)
+
+    def _isolate(self, reqs: list[Request]) -> list[Request]:
+        """A round raised, and any request may be half-way through it: every one is rebuilt from
+        its committed text (new caches; its generator, output and stats kept) and runs one round
+        alone. One that fails again leaves with its error in `failed`; the others continue (a greedy
+        request's text is unchanged: its next round reads the same committed text)."""
+        finished = []
+        for r in reqs:
+            self._rebuild(r)
+        for r in reqs:
+            try:
+                finished += self._step([r])
+            except Exception as e:
+                r.error, r.done = e, True
+                self.failed.append(r)
+                self.remove(r)
+        return finished
+
+    def _rebuild(self, r: Request) -> None:
+        r.cache = CachedModel(self.target)
+        if self.draft is not None:
+            r.proposer, r.stop = self._proposer(r.sampling), self.stop_factory()
+
+    def _step(self, reqs: list[Request]) -> list[Request]:
         t0 = time.perf_counter()
         steady = all(len(r.committed) - r.cache.length == 1 for r in reqs)  # no prompt in this round
         # one request drafts every round, as the batch-1 engine does: no other request's rows compete

@@ -237,13 +237,18 @@ class EngineWorker:
         t0 = time.perf_counter()
         try:
             finished = self.engine.step()
-        except Exception as e:  # one bad round fails its requests, never the server
+        except Exception as e:  # past the engine's own isolation: the round's requests fail, never the server
             traceback.print_exc()
             for job in jobs:
                 self.engine.remove(job.req)
                 self._finish(job, "error", f"{type(e).__name__}: {e}")
             self._running.clear()
             return
+        failed, self.engine.failed = list(getattr(self.engine, "failed", [])), []
+        for job in [j for j in jobs if any(j.req is r for r in failed)]:  # its own part raised: it alone ends
+            self._running.remove(job)
+            err = job.req.error
+            self._finish(job, "error", f"{type(err).__name__}: {err}")
         self.counters.busy_s += time.perf_counter() - t0
         self.counters.rounds += 1
         self.counters.round_requests += len(jobs)

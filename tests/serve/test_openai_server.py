@@ -388,3 +388,29 @@ def test_drain_finishes_what_was_accepted_refuses_new_and_times_out(server):
     worker.drain(0)  # nothing may finish in time: the request ends with an error
     worker._thread.join(60)
     assert worker.counters.requests["error"] == 1
+
+
+def test_a_request_whose_round_fails_ends_alone(server, monkeypatch):
+    from decoding.batch import scheduler as S
+
+    dec, _, client, _ = server
+    bad = dec.session.tokenizer.encode(PROMPTS[2])
+    verify = S.verify_many
+
+    def faulty(target, segs):
+        if any(list(s.committed[:len(bad)]) == bad and len(s.committed) > len(bad) + 2 for s in segs):
+            raise RuntimeError("injected verify fault")
+        return verify(target, segs)
+    monkeypatch.setattr(S, "verify_many", faulty)
+
+    def ask(p):
+        try:
+            return client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0).choices[0].text
+        except openai.InternalServerError as e:
+            return e
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(ask, PROMPTS))
+    assert isinstance(got[2], openai.InternalServerError) and "injected verify fault" in str(got[2])
+    for i, p in enumerate(PROMPTS):
+        if i != 2:
+            assert got[i] == alone(dec, p, 8)
