@@ -12,11 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import fields
-
 from decoding import defaults as dflt
-from decoding.options import (ALL_FORWARDS, CONFIDENCE_RULES, MODES, ROUNDS, RULES, STRATEGIES, SamplingConfig, StrategyOptions,
-                              check_threshold)
+from decoding.options import ALL_FORWARDS, CONFIDENCE_RULES, MODES, ROUNDS, RULES, STRATEGIES
 
 
 def defaults_help() -> str:
@@ -38,7 +35,7 @@ def defaults_help() -> str:
 
 def add_strategy_args(ap: argparse.ArgumentParser) -> None:
     """One flag per StrategyOptions field (and the decider's), shared by generate and serve;
-    `strategy_options` reads them back by the fields' names."""
+    `decoding.defaults.strategy_options` reads them back by the fields' names."""
     ap.add_argument("--strategy", choices=STRATEGIES, default=None,
                     help="(*) ar when no draft is available")
     ap.add_argument("--gamma", type=int, default=None, help="sd: chain length (*)")
@@ -113,45 +110,15 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def strategy_options(args) -> dict:
-    """The StrategyOptions the flags set (None: unset), by field name."""
-    opts = {f.name: getattr(args, f.name) for f in fields(StrategyOptions) if f.name != "strategy"}
-    return opts | {"replacement": args.replacement or None}  # a store_true flag: unset is None
-
-
-def check_options(args) -> None:
-    """Every option value, checked before torch and transformers are imported (those take
-    seconds; a typo should not)."""
-    SamplingConfig(args.temperature, args.top_p)
-    if args.decider_threshold is not None:
-        check_threshold("--decider-threshold", args.decider_threshold)
-    if args.max_new_tokens < 1:
-        raise ValueError("--max-new-tokens must be >= 1")
-    d = dflt.defaults_for(args.device, dflt.is_shipped_pair(args.target, args.draft))
-    dflt.strategy_config(d, args.strategy, strategy_options(args))
-
-
-def load_decoder(args):
-    """The Decoder the parsed flags name (generate and serve): threads set, models loaded once."""
-    import torch
-
-    from decoding.api import Decoder
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    return Decoder.load(args.target, args.draft, args.decider, dtype=args.dtype, device=args.device,
-                        forward=args.forward, kv_dtype=args.kv_dtype, strategy=args.strategy, decider_rule=args.decider_rule,
-                        decider_threshold=args.decider_threshold, **strategy_options(args))
-
-
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
-        check_options(args)
+        dflt.check_options(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from decoding.models import ModelError
+    from decoding.api import load_decoder
+    from decoding.models.errors import ModelError
 
     try:
         dec = load_decoder(args)

@@ -10,6 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import KW_ONLY, dataclass
 
+DEFAULT_TARGET = "smollm2"
+"""Name of the embedded target (SmolLM2-135M-Instruct, converted once by decoding.models)."""
+
 
 # ---- sampling ----
 MIN_TEMPERATURE = 1e-4

@@ -190,3 +190,12 @@ def test_readme_layout_names_every_room():
             assert f"{room}/" in layout, f"README's Layout does not name {pkg}/{room}/"
     for area in sorted(p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
         assert f"`{area}`" in layout or f"tests/{area}/" in layout, f"README's Layout does not name tests/{area}"
+
+
+def test_models_init_only_re_exports():
+    """decoding/models/__init__.py names what callers import; the logic lives in the modules
+    named for what they do (resolve, weights, pair, fingerprint, ...)."""
+    tree = ast.parse((ROOT / "decoding" / "models" / "__init__.py").read_text())
+    defined = [n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    assert not defined, f"decoding/models/__init__.py defines {defined}: move them into a module of decoding/models/"
+
