@@ -15,8 +15,7 @@ import sys
 import threading
 
 from decoding.defaults import check_options
-from decoding.generate import add_strategy_args
-from decoding.options import ALL_FORWARDS
+from decoding.options import ALL_FORWARDS, add_strategy_args
 
 BUDGETS = ("joint", "joint-always", "independent")
 

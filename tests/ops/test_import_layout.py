@@ -199,3 +199,14 @@ def test_models_init_only_re_exports():
     defined = [n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
     assert not defined, f"decoding/models/__init__.py defines {defined}: move them into a module of decoding/models/"
 
+
+
+CLI_MODULES = {"decoding.generate", "decoding.serve.__main__"}
+
+
+def test_no_cli_module_is_imported_as_a_library():
+    """Commands share code through the library (decoding.api, decoding.defaults), never through
+    each other; decoding/__main__.py runs them by name (runpy), which is not an import."""
+    graph = import_graph(ROOT)
+    bad = sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts if t in CLI_MODULES)
+    assert not bad, "a CLI module imported as a library: " + "; ".join(bad)
