@@ -1,9 +1,9 @@
 """The decoding options and their checks, in plain Python: no torch, no transformers.
 
 The CLIs check every option value against these before importing the heavy libraries, so a
-bad value is refused in a fraction of a second rather than after seconds of imports. The The flags generate and serve
-share (add_strategy_args) are declared here too.
-modules that use them (sampling, stopping, tree, strategies, decider) re-export them.
+bad value is refused in a fraction of a second rather than after seconds of imports. The
+modules that use them (sampling, stopping, tree, strategies, decider) re-export them. The flags
+generate and serve share (add_strategy_args) are declared here too.
 """
 
 from __future__ import annotations
