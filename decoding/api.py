@@ -12,7 +12,7 @@
 `tokenizer=`; they are used in the dtype and on the device they are in). Options left None come
 from `decoding/defaults.yaml` for the shipped pair on this device kind, else its `other-pairs`
 entry, as a whole and only when no strategy or shape is named: `strategy="sd", gamma=3` is sd
-g3 at fixed depth, whatever the defaults' stop rule. Every bad input raises ValueError (models.ModelError for models) with one clear line.
+g3 at fixed depth, whatever the defaults' stop rule. Every bad input raises ValueError (decoding.models.ModelError for models) with one clear line.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from decoding import defaults as dflt
-from decoding import models
-from decoding.kv_cache import set_kv_dtype
-from decoding.sampling import SamplingConfig
 from decoding.defaults import is_shipped_pair  # noqa: F401 (re-exported)
+from decoding.forward import gguf
+from decoding.kv_cache import set_kv_dtype
+from decoding.models.pair import check_pair
 from decoding.models.session import Session
+from decoding.models.weights import load_tokenizer
+from decoding.sampling import SamplingConfig
 from decoding.stopping import GROW
 from decoding.strategies import StrategyConfig, build_engine
 
@@ -92,7 +94,7 @@ class Decoder:
         cfg = dflt.strategy_config(d, strategy, options)  # validated before the (slow) model load
         if isinstance(target, (str, Path)) or target is None:
             # a GGUF target whose blocks the kernel takes runs them in float32 (decoding.forward.quant)
-            sess = Session.open(target, draft, dtype or ("auto" if models.gguf_runs_quantized(target, device)
+            sess = Session.open(target, draft, dtype or ("auto" if gguf.runs_quantized(target, device)
                                                          else d.dtype), device,
                                 need_draft=given_strategy not in (None, "ar"), forward=forward,
                                 kv_dtype=kv_dtype)
@@ -229,6 +231,19 @@ class _Writer:
         self.write, self.flush = fn, lambda: None
 
 
+def load_decoder(args) -> Decoder:
+    """The Decoder parsed command-line flags name (generate and serve; checked first by
+    decoding.defaults.check_options): threads set, models loaded once."""
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return Decoder.load(args.target, args.draft, args.decider, dtype=args.dtype, device=args.device,
+                        forward=args.forward, kv_dtype=args.kv_dtype, strategy=args.strategy,
+                        decider_rule=args.decider_rule, decider_threshold=args.decider_threshold,
+                        **dflt.strategy_options(args))
+
+
 def _session_from_models(target, draft, tokenizer, draft_tokenizer) -> Session:
     """A Session over already-loaded models; the pair is checked as Session.open checks it."""
     for m, what in ((target, "target"), (draft, "draft")):
@@ -240,11 +255,11 @@ def _session_from_models(target, draft, tokenizer, draft_tokenizer) -> Session:
     if tokenizer is None:
         raise ValueError("a loaded target model needs tokenizer= (its tokenizer object or directory)")
     if isinstance(tokenizer, (str, Path)):
-        tokenizer = models.load_tokenizer(tokenizer)
+        tokenizer = load_tokenizer(tokenizer)
     if isinstance(draft_tokenizer, (str, Path)):
-        draft_tokenizer = models.load_tokenizer(draft_tokenizer)
+        draft_tokenizer = load_tokenizer(draft_tokenizer)
     target.eval()
     if draft is not None:
         draft.eval()
-        models.check_pair(target, draft, tokenizer, draft_tokenizer or tokenizer)
+        check_pair(target, draft, tokenizer, draft_tokenizer or tokenizer)
     return Session(target, draft, tokenizer, None, None)

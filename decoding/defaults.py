@@ -16,10 +16,10 @@ from pathlib import Path
 import yaml
 
 from decoding.forward import cpu
-from decoding.options import StrategyConfig, StrategyOptions
+from decoding.options import (  # noqa: F401 (DEFAULT_TARGET re-exported)
+    DEFAULT_TARGET, SamplingConfig, StrategyConfig, StrategyOptions, check_threshold,
+)
 
-DEFAULT_TARGET = "smollm2"
-"""Name of the embedded target (SmolLM2-135M-Instruct, converted once by decoding.models)."""
 DEFAULT_DRAFT = Path(__file__).resolve().parent.parent / "checkpoints" / "drafts" / "smollm2-135m-eagle3"
 """The shipped feature (EAGLE-3) head, used when no draft is named and the target is the embedded
 one: on held-out prompts it is the faster of the two shipped drafts (reports/drafts-bench-2026-11-25).
@@ -141,3 +141,21 @@ def strategy_config(d: Defaults, strategy: str | None, options: dict) -> Strateg
         return StrategyConfig(strategy=strategy or d.strategy, **given)
     base = {k: getattr(d, k) for k in _STRATEGY_KEYS}
     return StrategyConfig(**{**base, **given})
+
+
+def strategy_options(args) -> dict:
+    """The StrategyOptions parsed flags set (None: unset), by field name (generate and serve)."""
+    opts = {f.name: getattr(args, f.name) for f in fields(StrategyOptions) if f.name != "strategy"}
+    return opts | {"replacement": args.replacement or None}  # a store_true flag: unset is None
+
+
+def check_options(args) -> None:
+    """Every option value of parsed flags, checked before torch and transformers are imported
+    (those take seconds; a typo should not)."""
+    SamplingConfig(args.temperature, args.top_p)
+    if args.decider_threshold is not None:
+        check_threshold("--decider-threshold", args.decider_threshold)
+    if args.max_new_tokens < 1:
+        raise ValueError("--max-new-tokens must be >= 1")
+    d = defaults_for(args.device, is_shipped_pair(args.target, args.draft))
+    strategy_config(d, args.strategy, strategy_options(args))

@@ -12,11 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import fields
-
 from decoding import defaults as dflt
-from decoding.options import (ALL_FORWARDS, CONFIDENCE_RULES, MODES, ROUNDS, RULES, STRATEGIES, SamplingConfig, StrategyOptions,
-                              check_threshold)
+from decoding.options import ALL_FORWARDS, add_strategy_args
 
 
 def defaults_help() -> str:
@@ -34,51 +31,6 @@ def defaults_help() -> str:
             f"The defaults apply only when you name neither --strategy nor a shape (--gamma, --k-config,\n"
             f"--width, --depth). A named strategy runs as named, with its own built-in values for what\n"
             f"you leave unset (stop: fixed depth unless --stop is given); --dtype still defaults as above.")
-
-
-def add_strategy_args(ap: argparse.ArgumentParser) -> None:
-    """One flag per StrategyOptions field (and the decider's), shared by generate and serve;
-    `strategy_options` reads them back by the fields' names."""
-    ap.add_argument("--strategy", choices=STRATEGIES, default=None,
-                    help="(*) ar when no draft is available")
-    ap.add_argument("--gamma", type=int, default=None, help="sd: chain length (*)")
-    ap.add_argument("--k-config", default=None, help="mcsd: children per level, e.g. 4,2,2,1 (*)")
-    ap.add_argument("--width", type=int, default=None, help="ti-mcsd: branches W (*)")
-    ap.add_argument("--depth", type=int, default=None, help="ti-mcsd: maximum depth D (*)")
-    ap.add_argument("--mode", choices=MODES, default="lossless",
-                    help="ti-mcsd: lossless (default) or the paper's longest-branch rule, which is "
-                         "LOSSY: its output differs from the target's")
-    ap.add_argument("--replacement", action="store_true", help="draw sibling candidates with replacement")
-    ap.add_argument("--stop", choices=("fixed", "confidence", "decider"), default=None,
-                    help="stop policy that ends drafting each round (*)")
-    ap.add_argument("--confidence-threshold", type=float, default=None, help="(*)")
-    ap.add_argument("--confidence-rule", choices=CONFIDENCE_RULES, default=None,
-                    help="(*) level: HF's rule (stop once no node of a level has q >= threshold); tree: extend "
-                         "each node while its path's draft probability is >= threshold; grow: size the tree "
-                         "from q and the cost model stored with --decider (no threshold; a pair without "
-                         "its own decider times this machine's once and stores it)")
-    ap.add_argument("--decider", default=None,
-                    help="decider checkpoint dir, or 'latest' (the default) from checkpoints/deciders/registry.json")
-    ap.add_argument("--decider-rule", choices=RULES, default=None,
-                    help="paper: continue while any new node scores above the threshold; specdecpp: stop "
-                         "once P(a drafted token is rejected) exceeds it; tree: extend each node whose "
-                         "predicted path acceptance is >= the threshold; grow: size the tree (children per node, "
-                         "depth) from the scores and the checkpoint's cost model (default: the checkpoint's, or (*))")
-    ap.add_argument("--grow-cost", choices=("decider", "measure"), default=None,
-                    help="grow rules: the cost model stored with --decider, or measure: this machine's "
-                         "forwards, timed on the first load (seconds) and stored for later ones (*)")
-    ap.add_argument("--max-nodes", type=int, default=None,
-                    help="grow rules: cap on draft tree nodes (default 64; --width caps children per node, "
-                         "--depth the levels)")
-    ap.add_argument("--round", choices=ROUNDS, default=None,
-                    help="host (default): every policy, Python between a round's steps; device: the fixed tree's "
-                         "whole round as one tensor program (one CUDA graph replay and one host read a round on "
-                         "CUDA; a feature head, --stop fixed)")
-    ap.add_argument("--lookahead", type=int, default=None,
-                    help="--round device: rounds queued on the device ahead of the host's read (default 1; 2 overlaps "
-                         "the read's wait with the next round on CUDA)")
-    ap.add_argument("--decider-threshold", type=float, default=None,
-                    help="override the threshold chosen at fit time by trace replay")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -113,45 +65,15 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def strategy_options(args) -> dict:
-    """The StrategyOptions the flags set (None: unset), by field name."""
-    opts = {f.name: getattr(args, f.name) for f in fields(StrategyOptions) if f.name != "strategy"}
-    return opts | {"replacement": args.replacement or None}  # a store_true flag: unset is None
-
-
-def check_options(args) -> None:
-    """Every option value, checked before torch and transformers are imported (those take
-    seconds; a typo should not)."""
-    SamplingConfig(args.temperature, args.top_p)
-    if args.decider_threshold is not None:
-        check_threshold("--decider-threshold", args.decider_threshold)
-    if args.max_new_tokens < 1:
-        raise ValueError("--max-new-tokens must be >= 1")
-    d = dflt.defaults_for(args.device, dflt.is_shipped_pair(args.target, args.draft))
-    dflt.strategy_config(d, args.strategy, strategy_options(args))
-
-
-def load_decoder(args):
-    """The Decoder the parsed flags name (generate and serve): threads set, models loaded once."""
-    import torch
-
-    from decoding.api import Decoder
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    return Decoder.load(args.target, args.draft, args.decider, dtype=args.dtype, device=args.device,
-                        forward=args.forward, kv_dtype=args.kv_dtype, strategy=args.strategy, decider_rule=args.decider_rule,
-                        decider_threshold=args.decider_threshold, **strategy_options(args))
-
-
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
-        check_options(args)
+        dflt.check_options(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from decoding.models import ModelError
+    from decoding.api import load_decoder
+    from decoding.models.errors import ModelError
 
     try:
         dec = load_decoder(args)

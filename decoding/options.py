@@ -2,13 +2,18 @@
 
 The CLIs check every option value against these before importing the heavy libraries, so a
 bad value is refused in a fraction of a second rather than after seconds of imports. The
-modules that use them (sampling, stopping, tree, strategies, decider) re-export them.
+modules that use them (sampling, stopping, tree, strategies, decider) re-export them. The flags
+generate and serve share (add_strategy_args) are declared here too.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import KW_ONLY, dataclass
+
+DEFAULT_TARGET = "smollm2"
+"""Name of the embedded target (SmolLM2-135M-Instruct, converted once by decoding.models)."""
 
 
 # ---- sampling ----
@@ -215,3 +220,47 @@ class StrategyConfig(StrategyOptions):
         return n + ("+device" if self.round == "device" else "") + (f"+ahead{self.lookahead}" if self.lookahead > 1 else "")
 
 
+# ---- the flags generate and serve share ----
+def add_strategy_args(ap: argparse.ArgumentParser) -> None:
+    """One flag per StrategyOptions field (and the decider's), shared by generate and serve;
+    `decoding.defaults.strategy_options` reads them back by the fields' names."""
+    ap.add_argument("--strategy", choices=STRATEGIES, default=None,
+                    help="(*) ar when no draft is available")
+    ap.add_argument("--gamma", type=int, default=None, help="sd: chain length (*)")
+    ap.add_argument("--k-config", default=None, help="mcsd: children per level, e.g. 4,2,2,1 (*)")
+    ap.add_argument("--width", type=int, default=None, help="ti-mcsd: branches W (*)")
+    ap.add_argument("--depth", type=int, default=None, help="ti-mcsd: maximum depth D (*)")
+    ap.add_argument("--mode", choices=MODES, default="lossless",
+                    help="ti-mcsd: lossless (default) or the paper's longest-branch rule, which is "
+                         "LOSSY: its output differs from the target's")
+    ap.add_argument("--replacement", action="store_true", help="draw sibling candidates with replacement")
+    ap.add_argument("--stop", choices=("fixed", "confidence", "decider"), default=None,
+                    help="stop policy that ends drafting each round (*)")
+    ap.add_argument("--confidence-threshold", type=float, default=None, help="(*)")
+    ap.add_argument("--confidence-rule", choices=CONFIDENCE_RULES, default=None,
+                    help="(*) level: HF's rule (stop once no node of a level has q >= threshold); tree: extend "
+                         "each node while its path's draft probability is >= threshold; grow: size the tree "
+                         "from q and the cost model stored with --decider (no threshold; a pair without "
+                         "its own decider times this machine's once and stores it)")
+    ap.add_argument("--decider", default=None,
+                    help="decider checkpoint dir, or 'latest' (the default) from checkpoints/deciders/registry.json")
+    ap.add_argument("--decider-rule", choices=RULES, default=None,
+                    help="paper: continue while any new node scores above the threshold; specdecpp: stop "
+                         "once P(a drafted token is rejected) exceeds it; tree: extend each node whose "
+                         "predicted path acceptance is >= the threshold; grow: size the tree (children per node, "
+                         "depth) from the scores and the checkpoint's cost model (default: the checkpoint's, or (*))")
+    ap.add_argument("--grow-cost", choices=("decider", "measure"), default=None,
+                    help="grow rules: the cost model stored with --decider, or measure: this machine's "
+                         "forwards, timed on the first load (seconds) and stored for later ones (*)")
+    ap.add_argument("--max-nodes", type=int, default=None,
+                    help="grow rules: cap on draft tree nodes (default 64; --width caps children per node, "
+                         "--depth the levels)")
+    ap.add_argument("--round", choices=ROUNDS, default=None,
+                    help="host (default): every policy, Python between a round's steps; device: the fixed tree's "
+                         "whole round as one tensor program (one CUDA graph replay and one host read a round on "
+                         "CUDA; a feature head, --stop fixed)")
+    ap.add_argument("--lookahead", type=int, default=None,
+                    help="--round device: rounds queued on the device ahead of the host's read (default 1; 2 overlaps "
+                         "the read's wait with the next round on CUDA)")
+    ap.add_argument("--decider-threshold", type=float, default=None,
+                    help="override the threshold chosen at fit time by trace replay")

@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from decoding.decider import features as F
-from decoding.models import ModelError, fingerprint, make_shareable, same_model, stale_fingerprint
+from decoding.models.errors import ModelError
+from decoding.models.fingerprint import fingerprint, same_model, stale_fingerprint
+from decoding.models.weights import make_shareable
 from decoding.options import RULES, THRESHOLD_RULES  # noqa: F401 (re-exported)
 from decoding.stopping import CONFIDENCE_RULES, GROW, DraftLevel, StopPolicy, check_threshold
 

@@ -52,6 +52,7 @@ def target_rope_theta(tcfg) -> float:
 
 @dataclass
 class FeatureDraftConfig:
+    fingerprint_architecture = "eagle3"  # a class attribute, not a field (decoding.models.fingerprint)
     hidden_size: int = 576
     """Width of the draft layer (= the target's embedding width: embeddings are shared)."""
     target_hidden_size: int = 576

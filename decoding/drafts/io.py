@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 
 from decoding.drafts.feature import FeatureDraft, FeatureDraftConfig
-from decoding.models import DTYPES, ModelError, fingerprint, make_shareable, same_model
+from decoding.models.errors import ModelError
+from decoding.models.fingerprint import fingerprint, same_model
+from decoding.models.weights import DTYPES, make_shareable
 
 MARKER = "specstop_draft.json"
 KIND = "eagle3"

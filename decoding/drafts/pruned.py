@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from decoding.drafts.format import OldDraftFormat, head_ids_of, refuse_old_format, standard_config, write_head_ids
 from decoding.models.errors import ModelError
-from decoding.drafts.format import standard_config, write_head_ids
+from decoding.models.weights import auto_from_pretrained, read_model
 
 # The draft's step cost is dominated by its V x H output layer (49152 x 256 for the default
 # pair: ~half its step). A head over the K most frequent tokens, scattered back into a
@@ -26,6 +27,7 @@ class PrunedHeadLlamaConfig(LlamaConfig):
     """LlamaConfig plus `head_size`: how many token ids the output layer scores."""
 
     model_type = PRUNED_HEAD_TYPE
+    fingerprint_architecture = "llama"  # its weights are a stock Llama's (decoding.models.fingerprint)
 
     def __init__(self, head_size: int | None = None, **kwargs):
         self.head_size = head_size
@@ -98,6 +100,25 @@ class PrunedHeadLlamaForCausalLM(LlamaForCausalLM):
             self.lm_head.ids.copy_(ids.to(self.lm_head.ids.device))
 
 
+def load_model(path, dtype: str = "float32", device: str = "cpu", head_dtype: str | None = None):
+    """A causal LM from a local directory (decoding.models.weights.read_model), a specstop
+    stand-alone draft with its pruned output layer (head_ids in specstop_draft.json) put back:
+    what `decoding.models.load_model` is."""
+    return read_model(path, dtype, device, head_dtype, build=_build)
+
+
+def _build(p: Path, kw: dict):
+    try:
+        refuse_old_format(p)
+    except OldDraftFormat as e:
+        raise ModelError(str(e)) from None
+    ids = head_ids_of(p)
+    if ids is None:
+        return auto_from_pretrained(p, kw)
+    conf = PrunedHeadLlamaConfig(head_size=len(ids), **LlamaConfig.from_pretrained(p).to_dict())
+    model, info = PrunedHeadLlamaForCausalLM.from_pretrained(p, config=conf, **kw)
+    model.set_head_ids(ids)
+    return model, info
 
 
 def output_token_ids(model) -> torch.Tensor | None:

@@ -26,7 +26,7 @@ from decoding.forward import cpu, kernels, quant
 from decoding.forward.packed import REVISION, forward_kind
 from decoding.models.fingerprint import fingerprint
 from decoding.forward.cost import CONTEXTS, COST_SIZES, KEY_SIZES, TOKENS, CostCurve, measure_cost
-from decoding.models import cache_root
+from decoding.models.named_targets import cache_root
 from decoding.kv_cache import kv_dtype
 
 RETIME_ENV = "SPECSTOP_RETIME_COST"

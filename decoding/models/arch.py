@@ -25,7 +25,7 @@ import inspect
 import re
 from dataclasses import dataclass
 
-from decoding.models import ModelError
+from decoding.models.errors import ModelError
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 ROLLBACK = "cannot be rolled back to the accepted tokens of a round"

@@ -43,23 +43,22 @@ def _rope(config) -> dict:
 def weight_config(model) -> dict:
     """The config fields that define a model's weights and what they compute; loader
     bookkeeping and keys a newer transformers adds do not change it."""
-    from decoding.drafts.feature import FeatureDraftConfig
-    from decoding.drafts.pruned import PRUNED_HEAD_TYPE, output_token_ids
-
     c = model.config
-    if isinstance(c, FeatureDraftConfig):  # a feature (EAGLE-3) head: its own typed config
+    # a draft's own kinds describe themselves, so this room never imports decoding.drafts
+    if getattr(c, "fingerprint_architecture", None) == "eagle3":  # a feature head's typed config
         d = dataclasses.asdict(c)
         d.pop("extra", None)
         if d.get("embed_scale") == 1.0:  # the neutral default: heads saved before it keep their identity
             d.pop("embed_scale")
         return {"architecture": "eagle3", **d}
-    arch = "llama" if c.model_type == PRUNED_HEAD_TYPE else c.model_type
+    arch = getattr(c, "fingerprint_architecture", c.model_type)  # a pruned-head draft: "llama"
     out = {"architecture": arch, "rope": _rope(c)}
     out |= {k: getattr(c, k) for k in _WEIGHT_CONFIG_KEYS if getattr(c, k, None) is not None}
     out |= {k: getattr(c, k) for k, v in _NEUTRAL.items() if getattr(c, k, v) != v}
     # head_dim: an explicit key in newer configs, derived in older ones
     out["head_dim"] = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    ids = output_token_ids(model)  # a pruned draft proposes only these: part of its identity
+    # a pruned draft proposes only its head's ids (decoding.drafts.pruned.PrunedHead): part of its identity
+    ids = getattr(model.get_output_embeddings(), "ids", None)
     out["head_ids_sha256"] = (None if ids is None else
                               hashlib.sha256(ids.cpu().to(torch.int64).numpy().tobytes()).hexdigest())
     return out
@@ -69,7 +68,7 @@ def weight_config(model) -> dict:
 def weights_sample_sha256(model) -> str:
     """Hash of every weight tensor's name, shape and an evenly spaced sample of its values
     rounded to bf16 (so fp32 and bf16 loads of one checkpoint agree). A model whose head was
-    re-cast after loading (`models.set_head_dtype`) keeps the hash of the weights it loaded."""
+    re-cast after loading (`decoding.models.weights.set_head_dtype`) keeps the hash of the weights it loaded."""
     if getattr(model, "_loaded_weights_sha256", None):
         return model._loaded_weights_sha256
     h = hashlib.sha256()

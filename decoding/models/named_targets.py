@@ -19,8 +19,11 @@ from pathlib import Path
 import torch
 
 from decoding.models.errors import ModelError
+from decoding.options import DEFAULT_TARGET  # noqa: F401 (re-exported)
 
 CACHE_ENV = "SPECSTOP_CACHE"
+DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
+
 
 def cache_root() -> Path:
     """Where converted models live; override with $SPECSTOP_CACHE."""
@@ -126,38 +129,6 @@ def named_target_dir(name: str) -> Path:
                 gguf = mod.assemble(output_path=Path(tmp) / mod.MODEL_NAME)  # sha256-checked
                 convert_gguf(gguf, out)
     return out
-
-
-def named_blocks(name: str, config) -> dict:
-    """A named target's GGUF blocks (decoding.forward.quant), kept beside its converted weights;
-    the first call assembles the GGUF again for them (sha256-checked, ~250 MB, deleted after).
-    Once kept they serve without the packages, as the converted weights do (attach checks them
-    against those); empty (the dequantized linears) when neither is there."""
-    import warnings
-    from importlib.metadata import PackageNotFoundError, version
-
-    from decoding.forward import quant
-
-    module, package = NAMED[name]
-    out = cache_root() / name
-
-    def read() -> dict:
-        mod = importlib.import_module(module)
-        mod.verify_chunks()
-        with tempfile.TemporaryDirectory(dir=out.parent, prefix=".gguf-") as tmp:
-            return quant.read_gguf(mod.assemble(output_path=Path(tmp) / mod.MODEL_NAME), config)
-
-    try:
-        stamp = f"{package}=={version(package)}"
-    except PackageNotFoundError:
-        stamp = quant.kept_stamp(out) or ""
-    try:
-        if not stamp.startswith(f"{package}=="):
-            raise PackageNotFoundError(package)
-        return quant.kept_blocks(read, stamp, out)
-    except (ImportError, OSError, PackageNotFoundError) as e:
-        warnings.warn(f"{name}: its GGUF packages are gone ({type(e).__name__}), so it runs dequantized", stacklevel=2)
-        return {}
 
 
 def main() -> int:

@@ -9,23 +9,23 @@ from pathlib import Path
 
 import torch
 
-from decoding import models
-
-from decoding.forward import cpu, quant
-from decoding.models.arch import attention_plan
-from decoding.drafts.io import draft_kind, load_feature_draft
-from decoding.models.fingerprint import fingerprint, same_model, stale_fingerprint
 from decoding.decider.policy import DeciderConfig, DeciderStop, load_decider, resolve_decider_dir
-from decoding.defaults import DEFAULT_DRAFT, resolve_dtype
+from decoding.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, resolve_dtype
+from decoding.drafts.attach import check_draft, load_draft
+from decoding.forward import cpu, gguf
+from decoding.forward.cost import CostCurve, measure_cost
 from decoding.forward.cost_cache import cached_cost
 from decoding.forward.packed import default_forward, set_forward
-from decoding.kv_cache import set_kv_dtype
-from decoding.forward.cost import CostCurve, measure_cost
 from decoding.growth import GrowPolicy, q_scores
+from decoding.kv_cache import set_kv_dtype
+from decoding.models.arch import attention_plan
+from decoding.models.errors import ModelError
+from decoding.models.fingerprint import fingerprint, same_model, stale_fingerprint
+from decoding.models.resolve import resolve_model_dir
+from decoding.models.weights import load_tokenizer, read_model
 from decoding.sampling import SamplingConfig
 from decoding.stopping import GROW, make_stop_policy
 from decoding.strategies import StrategyConfig, build_engine
-
 
 def rule_threshold(dcfg: DeciderConfig, rule: str, where: Path | str = "the decider") -> float:
     """The threshold validated for `rule`: from `thresholds`; a checkpoint that predates it
@@ -34,7 +34,7 @@ def rule_threshold(dcfg: DeciderConfig, rule: str, where: Path | str = "the deci
         return float(dcfg.thresholds[rule])
     if rule == dcfg.rule:
         return float(dcfg.threshold)
-    raise models.ModelError(f"decider {where} has no validated threshold for the {rule} rule "
+    raise ModelError(f"decider {where} has no validated threshold for the {rule} rule "
                             f"(it has: {', '.join(sorted(dcfg.thresholds) or [dcfg.rule])}); "
                             f"pass a threshold or refit it with python -m training.fit")
 
@@ -63,31 +63,21 @@ class Session:
     @classmethod
     def open(cls, target=None, draft=None, dtype="float32", device="cpu", need_draft=False,
              forward: str | None = None, kv_dtype: str | None = None) -> Session:
-        """forward: eager | packed | lean (decoding.forward.packed); None: its default_forward.
+        """Load a pair, stage by stage, each a call into the room that owns it. The engine is
+        built from the loaded pair per strategy and sampling settings (`engine`, Decoder.engine).
+        forward: eager | packed | lean (decoding.forward.packed; None: its default_forward).
         kv_dtype: float16 stores the target's KV cache so (decoding.kv_cache.set_kv_dtype)."""
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise models.ModelError("--device cuda was asked for but no CUDA device is available")
-        # auto: a GGUF target on its blocks (float32 activations in), else bf16 on CUDA, with AMX, or
-        # AVX512-BF16 + packed
-        dtype = "float32" if dtype == "auto" and models.gguf_runs_quantized(target, device) else resolve_dtype(dtype, device)[0]
-        if dtype == "bfloat16" and device.startswith("cpu") and not cpu.native_bf16():
-            print("note: this CPU has no native bfloat16 (no AVX512-BF16 or AMX-BF16): bfloat16 runs emulated, "
-                  "slower than float32 (--dtype float32), and its first call times an emulated cost curve",
-                  file=sys.stderr)
-        tdir = models.resolve_model_dir(target)
-        if draft is None and target in (None, models.DEFAULT_TARGET) and (DEFAULT_DRAFT / "config.json").exists():
-            draft = DEFAULT_DRAFT
-        if draft is None and need_draft:
-            raise models.ModelError("speculative strategies need a draft model: pass --draft DIR")
-        tok = models.load_tokenizer(tdir)
-        t = models.load_model(tdir, dtype, device)
-        models.attach_gguf(t, target)  # a GGUF target at its own precision (decoding.forward.quant)
-        kind = set_forward(t, forward or default_forward(t.dtype, device))
+        dtype = _load_dtype(target, dtype, device)
+        tdir = resolve_model_dir(target)                                     # resolve the target
+        draft = _draft_for(target, draft, need_draft)                        # (and name its draft)
+        tok, t = load_tokenizer(tdir), read_model(tdir, dtype, device)       # read its weights,
+        gguf.attach(t, target)                                               # a GGUF's own blocks where they run
+        kind = set_forward(t, forward or default_forward(t.dtype, device))   # pick the forward
         try:
             set_kv_dtype(t, kv_dtype)
         except ValueError as e:
-            raise models.ModelError(f"--kv-dtype {kv_dtype}: {e}") from None
-        return cls(t, None, tok, tdir, None, kind).with_draft(draft)
+            raise ModelError(f"--kv-dtype {kv_dtype}: {e}") from None
+        return cls(t, None, tok, tdir, None, kind).with_draft(draft)         # load, attach, check the draft
 
     def with_draft(self, draft) -> Session:
         """The same target (shared, not reloaded) with another draft, checked against it: a
@@ -95,17 +85,10 @@ class Session:
         How one benchmark compares drafts in one interleaved run."""
         if draft is None:
             return replace(self, draft=None, draft_dir=None)
-        ddir = models.resolve_model_dir(draft)
-        dtype = str(self.target.dtype).removeprefix("torch.")
-        device = str(self.target.device)
-        if draft_kind(ddir) == "eagle3":  # checked against the target's fingerprint
-            d = load_feature_draft(ddir, self.target, dtype, device)
-            if quant.quantized(self.target):  # a GGUF target's head runs on blocks too
-                quant.quantize_head(d)
-        else:
-            d = models.load_model(ddir, dtype, device)
-            models.check_pair(self.target, d, self.tokenizer, models.load_tokenizer(ddir))
-        set_forward(d, self.forward)
+        ddir = resolve_model_dir(draft)
+        d, dtok = load_draft(ddir, self.target)                            # load and attach the draft
+        check_draft(self.target, d, self.tokenizer, dtok)                   # check the pair
+        set_forward(d, self.forward)                                        # the target's forward
         return replace(self, draft=d, draft_dir=ddir)
 
     @property
@@ -130,7 +113,7 @@ class Session:
         (a threshold chosen for one rule means nothing to another); `threshold` overrides it.
         The grow rule has no threshold: it sizes the tree (width / depth / max_nodes of `cfg`)."""
         if self.draft is None:
-            raise models.ModelError("--stop decider needs a draft model")
+            raise ModelError("--stop decider needs a draft model")
         net, dcfg = load_decider(decider or "latest", self.target, self.draft)
         net.to(next(self.draft.parameters()).device)  # features live where the draft's q does
         rule = rule or dcfg.rule
@@ -158,7 +141,7 @@ class Session:
             try:
                 cost = CostCurve.from_dict(dcfg.cost_model)
             except ValueError as e:
-                raise models.ModelError(f"decider {where} has no usable cost model for the grow rule: {e} "
+                raise ModelError(f"decider {where} has no usable cost model for the grow rule: {e} "
                                         f"(or use grow_cost measure)") from None
         # ti-mcsd: any node may get up to W children; sd / mcsd: the k-config is the envelope
         # (a fork 4,1,1,... grows exactly the sub-trees its traces replay, training.decider.grow_replay)
@@ -181,7 +164,7 @@ class Session:
         is not for a user's own pair, whose grown tree then times its own cost curve)."""
         try:
             pair = json.loads((resolve_decider_dir("latest") / "config.json").read_text())["model_pair"]
-        except (models.ModelError, OSError, ValueError, KeyError, TypeError):
+        except (ModelError, OSError, ValueError, KeyError, TypeError):
             return False  # no registry or no readable latest decider: nothing priced this pair
         for role, model in (("target", self.target), ("draft", self.draft)):
             want = pair.get(role) if isinstance(pair, dict) else None
@@ -195,7 +178,7 @@ class Session:
         _, dcfg = load_decider(decider or "latest", self.target, self.draft)
         t = dcfg.confidence_thresholds.get(confidence_rule)
         if t is None:
-            raise models.ModelError(
+            raise ModelError(
                 f"decider {resolve_decider_dir(decider or 'latest')} records no tuned confidence threshold "
                 f"for the {confidence_rule} rule (refit it with python -m training.fit, or set the threshold)")
         return float(t)
@@ -236,3 +219,25 @@ class Session:
             state["shown"] = len(text)
 
         return push
+
+
+def _load_dtype(target, dtype: str, device: str) -> str:
+    """The dtype a target loads in. auto: float32 for a GGUF target on its blocks (float32
+    activations in), else bf16 on CUDA, with AMX, or AVX512-BF16 + packed."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelError("--device cuda was asked for but no CUDA device is available")
+    dtype = "float32" if dtype == "auto" and gguf.runs_quantized(target, device) else resolve_dtype(dtype, device)[0]
+    if dtype == "bfloat16" and device.startswith("cpu") and not cpu.native_bf16():
+        print("note: this CPU has no native bfloat16 (no AVX512-BF16 or AMX-BF16): bfloat16 runs emulated, "
+              "slower than float32 (--dtype float32), and its first call times an emulated cost curve",
+              file=sys.stderr)
+    return dtype
+
+
+def _draft_for(target, draft, need_draft: bool):
+    """The draft named, else the shipped head beside the embedded target."""
+    if draft is None and target in (None, DEFAULT_TARGET) and (DEFAULT_DRAFT / "config.json").exists():
+        draft = DEFAULT_DRAFT
+    if draft is None and need_draft:
+        raise ModelError("speculative strategies need a draft model: pass --draft DIR")
+    return draft

@@ -14,8 +14,8 @@ import signal
 import sys
 import threading
 
-from decoding.generate import add_strategy_args, check_options, load_decoder
-from decoding.options import ALL_FORWARDS
+from decoding.defaults import check_options
+from decoding.options import ALL_FORWARDS, add_strategy_args
 
 BUDGETS = ("joint", "joint-always", "independent")
 
@@ -139,7 +139,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from decoding.models import ModelError
+    from decoding.api import load_decoder
+    from decoding.models.errors import ModelError
 
     try:
         check_port(args.host, args.port)  # before the models load: a taken port should not cost that wait

@@ -111,7 +111,7 @@ def test_kept_blocks_serve_without_the_packages(monkeypatch):
     converted weights do); with neither, the target runs dequantized after one warning."""
     from importlib import metadata
 
-    from decoding.forward import quant
+    from decoding.forward import gguf, quant
 
     cfg = models.load_model(GEMMA3).config
     if not (quant.kept_stamp(models.cache_root() / GEMMA3) or "").startswith(named_targets.NAMED[GEMMA3][1]):
@@ -121,7 +121,7 @@ def test_kept_blocks_serve_without_the_packages(monkeypatch):
         raise metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(metadata, "version", gone)
-    assert len(named_targets.named_blocks(GEMMA3, cfg)) == 18 * 7 + 1
+    assert len(gguf.named_blocks(GEMMA3, cfg)) == 18 * 7 + 1
     monkeypatch.setattr(quant, "kept_stamp", lambda _dir: None)
     with pytest.warns(UserWarning, match="runs dequantized"):
-        assert named_targets.named_blocks(GEMMA3, cfg) == {}
+        assert gguf.named_blocks(GEMMA3, cfg) == {}

@@ -150,11 +150,9 @@ def test_shipped_pair_uses_this_device_kinds_defaults():
     assert dec.defaults == d and dec.config.strategy == d.strategy and dec.config.stop == d.stop
     import torch
 
-    from decoding import models
+    from decoding.forward import gguf, quant
 
-    from decoding.forward import quant
-
-    if models.gguf_runs_quantized(None):  # the embedded GGUF on its blocks: float32 activations in
+    if gguf.runs_quantized(None):  # the embedded GGUF on its blocks: float32 activations in
         assert dec.session.target.dtype == torch.float32 and quant.quantized(dec.session.target) > 200
     else:
         assert str(dec.session.target.dtype) == f"torch.{d.dtype}"

@@ -56,5 +56,5 @@ def test_decider_is_moved_to_the_drafts_device(monkeypatch):
 def test_cuda_without_a_device_is_one_clear_error():
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
-    with pytest.raises(S.models.ModelError, match="no CUDA device"):
+    with pytest.raises(S.ModelError, match="no CUDA device"):
         S.Session.open(device="cuda")

@@ -218,3 +218,23 @@ def test_readme_layout_names_every_room():
             assert f"{room}/" in layout, f"README's Layout does not name {pkg}/{room}/"
     for area in sorted(p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
         assert f"`{area}`" in layout or f"tests/{area}/" in layout, f"README's Layout does not name tests/{area}"
+
+
+def test_models_init_only_re_exports():
+    """decoding/models/__init__.py names what callers import; the logic lives in the modules
+    named for what they do (resolve, weights, pair, fingerprint, ...)."""
+    tree = ast.parse((ROOT / "decoding" / "models" / "__init__.py").read_text())
+    defined = [n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    assert not defined, f"decoding/models/__init__.py defines {defined}: move them into a module of decoding/models/"
+
+
+
+CLI_MODULES = {"decoding.generate", "decoding.serve.__main__"}
+
+
+def test_no_cli_module_is_imported_as_a_library():
+    """Commands share code through the library (decoding.api, decoding.defaults), never through
+    each other; decoding/__main__.py runs them by name (runpy), which is not an import."""
+    graph = import_graph(ROOT)
+    bad = sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts if t in CLI_MODULES)
+    assert not bad, "a CLI module imported as a library: " + "; ".join(bad)
