@@ -90,7 +90,8 @@ class BatchEngine:
 
     def __init__(self, target, draft=None, layout: TreeLayout | None = None,
                  stop: Callable[[], StopPolicy] | None = None, budget: JointGrow | None = None,
-                 replacement: bool = False, name: str = "batch", measured: MeasuredChoice | None = None):
+                 replacement: bool = False, name: str = "batch", measured: MeasuredChoice | None = None,
+                 chunk: int | None = None):
         if draft is not None and layout is None:
             raise ValueError("a draft needs a tree layout (the largest tree a request drafts)")
         kind = forward_kind(target)
@@ -114,6 +115,11 @@ class BatchEngine:
         """Rows of each recent round's verify forward (all requests together; bounded: a server
         runs rounds for ever)."""
         self._ids = itertools.count()
+        self.chunk = chunk
+        """Prompt tokens a request feeds a round at most (None: a whole prompt in one round): a long
+        prompt then goes in over several rounds beside the running requests' trees, which would
+        otherwise all wait for its one forward."""
+        self._chunks: list[Segment] = []
         self.failed: list[Request] = []
         """Requests whose own part of a round raised (their `error`): they left; the caller reads and
         clears this after each step."""
@@ -186,6 +192,14 @@ class BatchEngine:
             r.proposer, r.stop = self._proposer(r.sampling), self.stop_factory()
 
     def _step(self, reqs: list[Request]) -> list[Request]:
+        if self.chunk:  # a long prompt goes in chunks beside the others' rounds, deciding nothing yet
+            filling = [r for r in reqs if len(r.committed) - r.cache.length > self.chunk]
+            if filling:
+                reqs = [r for r in reqs if r not in filling]
+                self._fill(filling, reqs)
+                if not reqs:
+                    self.rounds += 1
+                    return []
         t0 = time.perf_counter()
         steady = all(len(r.committed) - r.cache.length == 1 for r in reqs)  # no prompt in this round
         # one request drafts every round, as the batch-1 engine does: no other request's rows compete
@@ -195,8 +209,14 @@ class BatchEngine:
         trees = self._propose(reqs) if drafts else self._plain(reqs)
         t1 = time.perf_counter()
         segs = [Segment(r.cache, r.committed, t.layout, t.tokens, self._capture(r)) for r, t in zip(reqs, trees)]
-        self.verify_rows.append(sum(s.rows for s in segs))
-        logits = verify_many(self.target, segs)
+        chunks, self._chunks = self._chunks, []
+        self.verify_rows.append(sum(s.rows for s in segs + chunks))
+        logits = verify_many(self.target, segs + chunks)[:len(segs)]
+        for s in chunks:  # the chunk is in its cache now; a feature head takes in its rows next round
+            s.cache.commit([], 0)
+            proposer = getattr(s, "proposer", None)
+            if isinstance(proposer, FeatureProposer):
+                proposer.model.captured, proposer.model.tree_size = s.captured, 0
         t2 = time.perf_counter()
         finished, before = [], sum(len(r.out) for r in reqs)
         for r, t, s, lg in zip(reqs, trees, segs, logits):
@@ -231,6 +251,24 @@ class BatchEngine:
         self.budget.begin([len(r.committed) - r.cache.length for r in reqs], [not d.done for d in ds],
                           [r.cache.length for r in reqs])
         return draft_jointly(ds, self.budget)
+
+    def _fill(self, filling: list[Request], others: list[Request]) -> None:
+        """The next `chunk` prompt tokens of each filling request, as segments of no tree that ride
+        in this round's verify (or alone, when no other request runs)."""
+        for r in filling:
+            if r.proposer is not None:
+                r.proposer.plain()  # takes in the previous chunk's features
+            seg = Segment(r.cache, r.committed[:r.cache.length + self.chunk], TreeLayout(()), [], self._capture(r))
+            seg.proposer = r.proposer
+            self._chunks.append(seg)
+        if not others:
+            chunks, self._chunks = self._chunks, []
+            self.verify_rows.append(sum(s.rows for s in chunks))
+            verify_many(self.target, chunks)
+            for s in chunks:
+                s.cache.commit([], 0)
+                if isinstance(s.proposer, FeatureProposer):
+                    s.proposer.model.captured, s.proposer.model.tree_size = s.captured, 0
 
     def _plain(self, reqs: list[Request]) -> list[DraftTree]:
         """No tree this round (one row a request); a feature head still takes in the target's

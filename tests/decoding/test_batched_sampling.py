@@ -52,7 +52,7 @@ def exact_distribution(target, prompt, sampling):
     return dict(zip(seqs, p.tolist()))
 
 
-def batched_counts(models, budget: bool, batches=BATCHES):
+def batched_counts(models, budget: bool, batches=BATCHES, chunk=None):
     """Continuations of every request, per kind; 3 requests of each kind a batch, own seeds."""
     target, draft = models
     layout = layout_from_k_config(fork_k_config(2, 3))
@@ -62,7 +62,7 @@ def batched_counts(models, budget: bool, batches=BATCHES):
     measured = MeasuredChoice(warmup=2, explore_every=3) if budget == "measured" else None
     for b in range(batches):
         grow = JointGrow(optimistic, COST, max_width=2, max_nodes=8) if budget else None
-        eng = BatchEngine(target, draft, layout, budget=grow, measured=measured)
+        eng = BatchEngine(target, draft, layout, budget=grow, measured=measured, chunk=chunk)
         reqs: list[tuple[int, object]] = []
         todo = [(k, j) for j in range(3) for k in range(len(KINDS))]
         while todo or eng.active:
@@ -77,9 +77,11 @@ def batched_counts(models, budget: bool, batches=BATCHES):
     return counts, sizes
 
 
-@pytest.mark.parametrize("budget", [False, True, "measured"], ids=["independent", "joint", "joint-measured"])
-def test_each_request_follows_its_target_law(models, budget):
-    counts, sizes = batched_counts(models, budget)
+@pytest.mark.parametrize("budget,chunk", [(False, None), (True, None), ("measured", None), (False, 1)],
+                         ids=["independent", "joint", "joint-measured", "chunked-prompts"])
+def test_each_request_follows_its_target_law(models, budget, chunk):
+    """chunked-prompts: every prompt fed one token a round beside the others' trees first."""
+    counts, sizes = batched_counts(models, budget, chunk=chunk)
     assert len(sizes) >= (4 if budget else 1), sizes  # the joint budget really sizes the trees
     if budget == "measured":
         assert sizes[0] > 0  # plain rounds were mixed in
