@@ -15,8 +15,7 @@ import sys
 from dataclasses import fields
 
 from decoding import defaults as dflt
-from decoding.options import (ALL_FORWARDS, CONFIDENCE_RULES, MODES, ROUNDS, RULES, STRATEGIES, SamplingConfig, StrategyOptions,
-                              check_threshold)
+from decoding.options import STRATEGY_FLAGS, SamplingConfig, StrategyOptions, add_option, add_options, check_threshold
 
 
 def defaults_help() -> str:
@@ -39,76 +38,20 @@ def defaults_help() -> str:
 def add_strategy_args(ap: argparse.ArgumentParser) -> None:
     """One flag per StrategyOptions field (and the decider's), shared by generate and serve;
     `strategy_options` reads them back by the fields' names."""
-    ap.add_argument("--strategy", choices=STRATEGIES, default=None,
-                    help="(*) ar when no draft is available")
-    ap.add_argument("--gamma", type=int, default=None, help="sd: chain length (*)")
-    ap.add_argument("--k-config", default=None, help="mcsd: children per level, e.g. 4,2,2,1 (*)")
-    ap.add_argument("--width", type=int, default=None, help="ti-mcsd: branches W (*)")
-    ap.add_argument("--depth", type=int, default=None, help="ti-mcsd: maximum depth D (*)")
-    ap.add_argument("--mode", choices=MODES, default="lossless",
-                    help="ti-mcsd: lossless (default) or the paper's longest-branch rule, which is "
-                         "LOSSY: its output differs from the target's")
-    ap.add_argument("--replacement", action="store_true", help="draw sibling candidates with replacement")
-    ap.add_argument("--stop", choices=("fixed", "confidence", "decider"), default=None,
-                    help="stop policy that ends drafting each round (*)")
-    ap.add_argument("--confidence-threshold", type=float, default=None, help="(*)")
-    ap.add_argument("--confidence-rule", choices=CONFIDENCE_RULES, default=None,
-                    help="(*) level: HF's rule (stop once no node of a level has q >= threshold); tree: extend "
-                         "each node while its path's draft probability is >= threshold; grow: size the tree "
-                         "from q and the cost model stored with --decider (no threshold; a pair without "
-                         "its own decider times this machine's once and stores it)")
-    ap.add_argument("--decider", default=None,
-                    help="decider checkpoint dir, or 'latest' (the default) from checkpoints/deciders/registry.json")
-    ap.add_argument("--decider-rule", choices=RULES, default=None,
-                    help="paper: continue while any new node scores above the threshold; specdecpp: stop "
-                         "once P(a drafted token is rejected) exceeds it; tree: extend each node whose "
-                         "predicted path acceptance is >= the threshold; grow: size the tree (children per node, "
-                         "depth) from the scores and the checkpoint's cost model (default: the checkpoint's, or (*))")
-    ap.add_argument("--grow-cost", choices=("decider", "measure"), default=None,
-                    help="grow rules: the cost model stored with --decider, or measure: this machine's "
-                         "forwards, timed on the first load (seconds) and stored for later ones (*)")
-    ap.add_argument("--max-nodes", type=int, default=None,
-                    help="grow rules: cap on draft tree nodes (default 64; --width caps children per node, "
-                         "--depth the levels)")
-    ap.add_argument("--round", choices=ROUNDS, default=None,
-                    help="host (default): every policy, Python between a round's steps; device: the fixed tree's "
-                         "whole round as one tensor program (one CUDA graph replay and one host read a round on "
-                         "CUDA; a feature head, --stop fixed)")
-    ap.add_argument("--lookahead", type=int, default=None,
-                    help="--round device: rounds queued on the device ahead of the host's read (default 1; 2 overlaps "
-                         "the read's wait with the next round on CUDA)")
-    ap.add_argument("--decider-threshold", type=float, default=None,
-                    help="override the threshold chosen at fit time by trace replay")
+    add_options(ap, *STRATEGY_FLAGS)
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m decoding.generate", description=__doc__,
                                  epilog=defaults_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompt", required=True, help="prompt text")
+    add_option(ap, "prompt", required=True)
     ap.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    ap.add_argument("--target", default=None, help="target HF model dir (default: embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--draft", default=None, help="draft HF model dir (default: the shipped draft, if any)")
+    add_options(ap, "target", "draft")
     add_strategy_args(ap)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                    help="(*) bfloat16 on CUDA, a CPU with AMX, or one with AVX512-BF16 and the packed forward; float32 elsewhere (measured faster there)")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--forward", choices=ALL_FORWARDS, default=None,
-                    help="how the models compute: lean (Llama-family layers as a few fused ops over "
-                         "prepacked weights, decoding.forward.lean; packed for other layers), packed "
-                         "(oneDNN-prepacked linears, decoding.forward.packed), eager (as loaded, the "
-                         "reference), static (eager over a preallocated KV cache in bucketed sizes) or graph "
-                         "(static, captured as CUDA graphs: CUDA only, decoding.forward.static); default: $SPECSTOP_FORWARD, else the fastest measured here")
-    ap.add_argument("--kv-dtype", choices=("float32", "float16"), default=None,
-                    help="store the target's KV cache as float16 (a float32 target on the lean forward with "
-                         "the CPU kernels: half the bytes its attention reads, llama.cpp's default KV type; "
-                         "the math stays float32)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads (default: torch's; on a busy machine fewer threads than "
-                         "cores avoids oversubscription, which can slow decoding many times over)")
+    add_options(ap, "temperature", "top_p", "seed")
+    add_option(ap, "max_new_tokens", default=128)
+    add_option(ap, "dtype", only=("float32", "bfloat16"))
+    add_options(ap, "device", "forward", "kv_dtype", "threads")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     return ap
 
