@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 from decoding import defaults as dflt
-from decoding.options import ALL_FORWARDS, add_strategy_args
+from decoding.options import add_option, add_options, add_strategy_args
 
 
 def defaults_help() -> str:
@@ -36,31 +36,14 @@ def defaults_help() -> str:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m decoding.generate", description=__doc__,
                                  epilog=defaults_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompt", required=True, help="prompt text")
+    add_option(ap, "prompt", required=True)
     ap.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    ap.add_argument("--target", default=None, help="target HF model dir (default: embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--draft", default=None, help="draft HF model dir (default: the shipped draft, if any)")
+    add_options(ap, "target", "draft")
     add_strategy_args(ap)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                    help="(*) bfloat16 on CUDA, a CPU with AMX, or one with AVX512-BF16 and the packed forward; float32 elsewhere (measured faster there)")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--forward", choices=ALL_FORWARDS, default=None,
-                    help="how the models compute: lean (Llama-family layers as a few fused ops over "
-                         "prepacked weights, decoding.forward.lean; packed for other layers), packed "
-                         "(oneDNN-prepacked linears, decoding.forward.packed), eager (as loaded, the "
-                         "reference), static (eager over a preallocated KV cache in bucketed sizes) or graph "
-                         "(static, captured as CUDA graphs: CUDA only, decoding.forward.static); default: $SPECSTOP_FORWARD, else the fastest measured here")
-    ap.add_argument("--kv-dtype", choices=("float32", "float16"), default=None,
-                    help="store the target's KV cache as float16 (a float32 target on the lean forward with "
-                         "the CPU kernels: half the bytes its attention reads, llama.cpp's default KV type; "
-                         "the math stays float32)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads (default: torch's; on a busy machine fewer threads than "
-                         "cores avoids oversubscription, which can slow decoding many times over)")
+    add_options(ap, "temperature", "top_p", "seed")
+    add_option(ap, "max_new_tokens", default=128)
+    add_option(ap, "dtype", only=("float32", "bfloat16"))
+    add_options(ap, "device", "forward", "kv_dtype", "threads")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     return ap
 

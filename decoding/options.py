@@ -220,47 +220,192 @@ class StrategyConfig(StrategyOptions):
         return n + ("+device" if self.round == "device" else "") + (f"+ahead{self.lookahead}" if self.lookahead > 1 else "")
 
 
-# ---- the flags generate and serve share ----
-def add_strategy_args(ap: argparse.ArgumentParser) -> None:
+
+
+
+# ---- command-line flags ----
+class Flag:
+    """One command-line option as every command that takes it declares it: its spelling, type,
+    choices, registry default and help. `unset` says what a default of None means (shown in the
+    help). A command changes only the default (`add_option(..., default=)`), whether the flag is
+    required, whether it takes several values, and (dtype-like flags) a subset of the choices."""
+
+    def __init__(self, help: str, *, type=None, choices=None, default=None, unset: str | None = None,
+                 action: str | None = None, flag: str | None = None):
+        self.help, self.type, self.choices, self.default = help, type, choices, default
+        self.unset, self.action, self.flag = unset, action, flag
+
+
+_FORWARD_HELP = (
+    "how the models compute: lean (Llama-family layers as a few fused ops over prepacked weights, "
+    "decoding.forward.lean; packed for other layers), packed (oneDNN-prepacked linears, "
+    "decoding.forward.packed), eager (as loaded, the reference), static (eager over a preallocated KV "
+    "cache in bucketed sizes) or graph (static, captured as CUDA graphs: CUDA only, decoding.forward.static)")
+
+FLAGS: dict[str, Flag] = {
+    # ---- the models ----
+    "target": Flag("the target model: an HF-format directory or a GGUF file",
+                   unset="the embedded SmolLM2-135M-Instruct"),
+    "draft": Flag("the draft: a feature-head or stand-alone draft directory", unset="the shipped one"),
+    "head": Flag("the feature head our rows draft with (a directory)", unset="the shipped one"),
+    "decider": Flag("decider checkpoint: a directory, or 'latest' (the newest in "
+                    "checkpoints/deciders/registry.json)", unset="latest"),
+    "dtype": Flag("the models' dtype: the one they load and compute in, or the one a command that writes "
+                  "weights writes; auto: bfloat16 on CUDA, a CPU with AMX, or one with AVX512-BF16 and the "
+                  "packed forward, float32 elsewhere (measured faster there)",
+                  choices=("auto", "float32", "bfloat16", "float16")),
+    "kv_dtype": Flag("store the target's KV cache as float16 (a float32 target on the lean forward: half the "
+                     "bytes its attention reads and a request's cache takes, llama.cpp's default KV type; "
+                     "the math stays float32)", choices=("float32", "float16")),
+    "device": Flag("torch device: cpu or cuda", default="cpu"),
+    "forward": Flag(_FORWARD_HELP, choices=ALL_FORWARDS,
+                    unset="$SPECSTOP_FORWARD, else the fastest measured here"),
+    "threads": Flag("torch CPU threads (on a busy machine fewer threads than cores avoids oversubscription, "
+                    "which can slow decoding many times over)", type=int, unset="torch's"),
+    # ---- generation ----
+    "prompt": Flag("prompt text"),
+    "temperature": Flag("sampling temperature: 0 is greedy", type=float, default=0.0),
+    "top_p": Flag("nucleus sampling: keep the smallest set of tokens whose mass reaches top-p",
+                  type=float, default=1.0),
+    "seed": Flag("random seed", type=int, default=0),
+    "max_new_tokens": Flag("most new tokens per prompt (generation stops earlier at end of text)", type=int),
+    "new_tokens": Flag("new tokens each timed generation produces", type=int),
+    # ---- what a run reads and writes ----
+    "config": Flag("YAML file of the command's settings (flags given override its values)"),
+    "out": Flag("where the command writes its results (a directory, or a file for a command whose result "
+                "is one JSON)"),
+    "name": Flag("name of what the command writes inside its output folder"),
+    "prompts": Flag("held-out prompts per prompt set (general, code)", type=int),
+    "prompts_file": Flag("JSONL prompt file(s)"),
+    "corpus": Flag("corpus directory of target-written text"),
+    "traces": Flag("trace directory (training.decider.collect)"),
+    "ckpt": Flag("Lightning checkpoint of a training run"),
+    "metrics_csv": Flag("the run's metrics.csv (learning curve)"),
+    "eval_cache": Flag("cache of the tokenized evaluation corpus", default=".cache/eval_corpus"),
+    "root": Flag("cache directory"),
+    "val_percent": Flag("percent of the rows held out for validation", type=float, default=5.0),
+    "size": Flag("draft vocabulary size (output ids kept)", type=int),
+    "k": Flag("top-k target logits kept per position", type=int),
+    "max_tokens": Flag("padded tokens per prefill batch", type=int),
+    # ---- measuring ----
+    "repeats": Flag("runs of each measurement (the median is reported)", type=int),
+    "quick": Flag("a smoke run: tiny sizes, seconds", action="store_true"),
+    "clients": Flag("concurrent clients (comma-separated or repeated)", type=int),
+    "suite": Flag(
+        "compare (default): every strategy and peer; engine: ar vs model.generate; dtype: ar and the default "
+        "configuration in float32 and bfloat16, interleaved (the config's pair, prompts, repeats); forward: one "
+        "target forward per size, eager vs packed, in --dtypes, interleaved, with a profile; cli: "
+        "`decoding.generate` end to end (fresh processes), defaults vs ar, --prompts per kind, --new-tokens; "
+        "llama: llama.cpp's llama-server vs our ar and defaults on the same GGUF (--target FILE.gguf, default "
+        "the embedded one), --prompts per kind, --new-tokens, --threads; gpu: see --suite gpu --help; serve: our "
+        "server vs llama-server -np N under --clients; serve-load: the load test", choices=("compare", "engine", "dtype", "forward", "cli", "llama", "gpu",
+                                              "serve", "serve-load")),
+    "llama_server": Flag("the llama-server binary", unset="$LLAMA_SERVER, else the one `make llama-cpp` builds"),
+    "cost_model": Flag("the replay's cost model: measure (time the pair's forwards here), decider (the one "
+                       "saved with the decider), default, or a CostModel JSON file", default="measure"),
+    # ---- how a round drafts (StrategyOptions and the decider's), (*): see generate --help ----
+    "strategy": Flag("(*) ar when no draft is available", choices=STRATEGIES),
+    "gamma": Flag("sd: chain length (*)", type=int),
+    "k_config": Flag("mcsd: children per level, e.g. 4,2,2,1 (*)"),
+    "width": Flag("ti-mcsd: branches W (*)", type=int),
+    "depth": Flag("ti-mcsd: maximum depth D (*)", type=int),
+    "mode": Flag("ti-mcsd: lossless (default) or the paper's longest-branch rule, which is LOSSY: its output "
+                 "differs from the target's", choices=MODES, default="lossless"),
+    "replacement": Flag("draw sibling candidates with replacement", action="store_true"),
+    "stop": Flag("stop policy that ends drafting each round (*)", choices=("fixed", "confidence", "decider")),
+    "confidence_threshold": Flag("(*)", type=float),
+    "confidence_rule": Flag(
+        "(*) level: HF's rule (stop once no node of a level has q >= threshold); tree: extend each node while "
+        "its path's draft probability is >= threshold; grow: size the tree from q and the cost model stored "
+        "with --decider (no threshold; a pair without its own decider times this machine's once and stores it)",
+        choices=CONFIDENCE_RULES),
+    "decider_rule": Flag(
+        "paper: continue while any new node scores above the threshold; specdecpp: stop once P(a drafted token "
+        "is rejected) exceeds it; tree: extend each node whose predicted path acceptance is >= the threshold; "
+        "grow: size the tree (children per node, depth) from the scores and the checkpoint's cost model "
+        "(default: the checkpoint's, or (*))", choices=RULES),
+    "grow_cost": Flag("grow rules: the cost model stored with --decider, or measure: this machine's forwards, "
+                      "timed on the first load (seconds) and stored for later ones (*)",
+                      choices=("decider", "measure")),
+    "max_nodes": Flag("grow rules: cap on draft tree nodes (default 64; --width caps children per node, "
+                      "--depth the levels)", type=int),
+    "round": Flag("host (default): every policy, Python between a round's steps; device: the fixed tree's whole "
+                  "round as one tensor program (one CUDA graph replay and one host read a round on CUDA; a "
+                  "feature head, --stop fixed)", choices=ROUNDS),
+    "lookahead": Flag("--round device: rounds queued on the device ahead of the host's read (default 1; 2 "
+                      "overlaps the read's wait with the next round on CUDA)", type=int),
+    "decider_threshold": Flag("override the threshold chosen at fit time by trace replay", type=float),
+}
+
+STRATEGY_FLAGS = ("strategy", "gamma", "k_config", "width", "depth", "mode", "replacement", "stop",
+                  "confidence_threshold", "confidence_rule", "decider", "decider_rule", "grow_cost",
+                  "max_nodes", "round", "lookahead", "decider_threshold")
+"""One flag per StrategyOptions field and the decider's (generate and serve)."""
+
+
+def flag_of(name: str) -> str:
+    return FLAGS[name].flag or "--" + name.replace("_", "-")
+
+
+class _Several(argparse.Action):
+    """Several values, repeated (--x a --x b), space- (--x a b) or comma-separated (--x a,b); given
+    values replace the default rather than extend it."""
+
+    def __init__(self, *args, convert=str, **kwargs):
+        self.convert = convert
+        super().__init__(*args, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(namespace, self.dest, None)
+        got = [] if given is self.default or given is None else list(given)
+        try:
+            got += [self.convert(v) for s in values for v in str(s).split(",") if v]
+        except ValueError as e:
+            raise argparse.ArgumentError(self, str(e)) from None
+        setattr(namespace, self.dest, got)
+
+
+_KEEP = object()
+
+
+def add_option(ap, name: str, *, default=_KEEP, unset: str | None = None, required: bool = False,
+               several: bool = False, only: tuple | None = None):
+    """Declare the shared option `name` (a FLAGS key) on the parser `ap`. Only the default (and, for a
+    default of None, `unset`: what it means here), whether it is required, whether it takes several
+    values and a subset of its choices (`only`) may differ between commands; the spelling, type and
+    help are the registry's."""
+    f = FLAGS[name]
+    value = f.default if default is _KEEP else default
+    kw: dict = {"dest": name, "help": f.help}
+    if f.action:
+        kw["action"] = f.action
+    else:
+        if f.choices is not None or only is not None:
+            if only is not None and not set(only) <= set(f.choices or ()):
+                raise ValueError(f"{flag_of(name)}: {only} is not a subset of {f.choices}")
+            kw["choices"] = tuple(only or f.choices)
+        if several:
+            kw |= {"action": _Several, "nargs": "+", "convert": f.type or str}
+        elif f.type is not None:
+            kw["type"] = f.type
+        if required:
+            kw["required"] = True
+        else:
+            kw["default"] = value
+            if value is None and (unset or f.unset):
+                kw["help"] += f" (default: {unset or f.unset})"
+            elif value is not None:
+                kw["help"] += " (default: %(default)s)"
+    ap.add_argument(flag_of(name), **kw)
+
+
+def add_options(ap, *names: str) -> None:
+    """Declare several shared options with their registry defaults."""
+    for name in names:
+        add_option(ap, name)
+
+
+def add_strategy_args(ap) -> None:
     """One flag per StrategyOptions field (and the decider's), shared by generate and serve;
     `decoding.defaults.strategy_options` reads them back by the fields' names."""
-    ap.add_argument("--strategy", choices=STRATEGIES, default=None,
-                    help="(*) ar when no draft is available")
-    ap.add_argument("--gamma", type=int, default=None, help="sd: chain length (*)")
-    ap.add_argument("--k-config", default=None, help="mcsd: children per level, e.g. 4,2,2,1 (*)")
-    ap.add_argument("--width", type=int, default=None, help="ti-mcsd: branches W (*)")
-    ap.add_argument("--depth", type=int, default=None, help="ti-mcsd: maximum depth D (*)")
-    ap.add_argument("--mode", choices=MODES, default="lossless",
-                    help="ti-mcsd: lossless (default) or the paper's longest-branch rule, which is "
-                         "LOSSY: its output differs from the target's")
-    ap.add_argument("--replacement", action="store_true", help="draw sibling candidates with replacement")
-    ap.add_argument("--stop", choices=("fixed", "confidence", "decider"), default=None,
-                    help="stop policy that ends drafting each round (*)")
-    ap.add_argument("--confidence-threshold", type=float, default=None, help="(*)")
-    ap.add_argument("--confidence-rule", choices=CONFIDENCE_RULES, default=None,
-                    help="(*) level: HF's rule (stop once no node of a level has q >= threshold); tree: extend "
-                         "each node while its path's draft probability is >= threshold; grow: size the tree "
-                         "from q and the cost model stored with --decider (no threshold; a pair without "
-                         "its own decider times this machine's once and stores it)")
-    ap.add_argument("--decider", default=None,
-                    help="decider checkpoint dir, or 'latest' (the default) from checkpoints/deciders/registry.json")
-    ap.add_argument("--decider-rule", choices=RULES, default=None,
-                    help="paper: continue while any new node scores above the threshold; specdecpp: stop "
-                         "once P(a drafted token is rejected) exceeds it; tree: extend each node whose "
-                         "predicted path acceptance is >= the threshold; grow: size the tree (children per node, "
-                         "depth) from the scores and the checkpoint's cost model (default: the checkpoint's, or (*))")
-    ap.add_argument("--grow-cost", choices=("decider", "measure"), default=None,
-                    help="grow rules: the cost model stored with --decider, or measure: this machine's "
-                         "forwards, timed on the first load (seconds) and stored for later ones (*)")
-    ap.add_argument("--max-nodes", type=int, default=None,
-                    help="grow rules: cap on draft tree nodes (default 64; --width caps children per node, "
-                         "--depth the levels)")
-    ap.add_argument("--round", choices=ROUNDS, default=None,
-                    help="host (default): every policy, Python between a round's steps; device: the fixed tree's "
-                         "whole round as one tensor program (one CUDA graph replay and one host read a round on "
-                         "CUDA; a feature head, --stop fixed)")
-    ap.add_argument("--lookahead", type=int, default=None,
-                    help="--round device: rounds queued on the device ahead of the host's read (default 1; 2 overlaps "
-                         "the read's wait with the next round on CUDA)")
-    ap.add_argument("--decider-threshold", type=float, default=None,
-                    help="override the threshold chosen at fit time by trace replay")
+    add_options(ap, *STRATEGY_FLAGS)

@@ -29,6 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from decoding.options import add_option
+
 LIMIT = 64 * 2**20
 """Bytes one device call carries: tracked and untracked-not-ignored files plus carried paths."""
 CHUNK = 1 << 20
@@ -186,7 +188,7 @@ def commands(parts: int, drafts: str = "none", budget: int = 460) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m decoding.bench.gpu_pack", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None, help=f"pack into this folder (git-ignored: {CARRY})")
+    add_option(ap, "out", unset=f"{CARRY}, git-ignored")
     ap.add_argument("--gguf", default=None, help="the target GGUF (default: the embedded one)")
     ap.add_argument("--wheels", default=".whl", help="folder of wheels to carry (transformers, gguf)")
     ap.add_argument("--drafts", choices=("none", "head", "both"), default="none",

@@ -9,6 +9,8 @@ import sys
 import typing
 from pathlib import Path
 
+from decoding.options import add_option
+
 
 def _flag_type(tp):
     origin = typing.get_origin(tp)
@@ -25,7 +27,7 @@ def parse_config(cls, argv=None, prog: str = "", description: str = "", aliases=
     `aliases` maps a field to extra flag spellings."""
     hints = typing.get_type_hints(cls)
     ap = argparse.ArgumentParser(prog=prog, description=description)
-    ap.add_argument("--config", help=f"YAML file with {cls.__name__} fields")
+    add_option(ap, "config")
     for f in dataclasses.fields(cls):
         tp = _flag_type(hints[f.name])
         flags = ["--" + f.name.replace("_", "-"), *(aliases or {}).get(f.name, [])]

@@ -18,22 +18,24 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from decoding.options import add_option
+
 PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m training.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="runs/demo", help="everything the demo writes (emptied first)")
-    ap.add_argument("--target", default=None, help="target dir (default: the embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--draft", default=None, help="draft dir (default: the shipped draft)")
-    ap.add_argument("--prompts", default=None, help="JSONL prompts to collect traces on (default: collect.yaml's)")
+    add_option(ap, "out", default="runs/demo")
+    add_option(ap, "target")
+    add_option(ap, "draft")
+    add_option(ap, "prompts_file", unset="collect.yaml's")
     ap.add_argument("--max-prompts", type=int, default=24, help="prompts to collect traces on")
     ap.add_argument("--collect-new-tokens", type=int, default=48, help="new tokens per collected prompt")
-    ap.add_argument("--prompt", default=PROMPT, help="the prompt the rows generate for")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--cost-model", default="measure", help="fit's replay cost model (measure | default | file)")
-    ap.add_argument("--threads", type=int, default=2)
+    add_option(ap, "prompt", default=PROMPT)
+    add_option(ap, "max_new_tokens", default=96)
+    add_option(ap, "cost_model")
+    add_option(ap, "threads", default=2)
     return ap
 
 
@@ -48,7 +50,7 @@ def steps(a, out: Path) -> list:
         ("collect", lambda: collect.main([
             "--config", "configs/collect.yaml", "--out", str(out / "traces"), "--max-prompts", str(a.max_prompts),
             "--max-new-tokens", str(a.collect_new_tokens), "--threads", str(a.threads), *pair,
-            *(["--prompt-files", a.prompts] if a.prompts else [])])),
+            *(["--prompt-files", a.prompts_file] if a.prompts_file else [])])),
         ("fit", lambda: fit.main([
             "--config", "configs/fit_decider.yaml", "--data.traces", str(out / "traces"),
             "--data.val_fraction", "0.25", "--data.test_fraction", "0.25", "--trainer.max_epochs", "5",

@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from decoding.options import add_option
+
 PROMPTS = [
     "Explain recursion to a beginner.",
     "Write a Python function that checks whether a string is a palindrome.",
@@ -110,11 +112,12 @@ def bench(decoder, clients: list[int], max_new: int, repeats: int = 1) -> list[d
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--repeats", type=int, default=1, help="runs of every mode (median reported)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--json", default=None, help="write the rows here too")
+    add_option(ap, "clients", several=True, default=[1, 2, 4])
+    add_option(ap, "max_new_tokens", default=48)
+    add_option(ap, "repeats", default=1)
+    add_option(ap, "threads")
+    # the rows as JSON (was --json, which is generate's print-JSON switch)
+    add_option(ap, "out")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -128,8 +131,8 @@ def main(argv=None) -> None:
     for r in rows:
         print(f"{r['clients']:>7} {r['mode']:<12} {r['tokens']:>6} {r['seconds']:>7} {r['tokens_per_s']:>7} "
               f"{r['speedup']:>6} {str(r['same_text']):<5} {r['rounds'] or '':>6} {r['mean_rows'] or ''}")
-    if a.json:
-        with open(a.json, "w") as f:
+    if a.out:
+        with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)
 
 

@@ -32,6 +32,7 @@ from decoding.bench.runs import LogLik, make_runner, measure, row_of
 from decoding.defaults import resolve_dtype
 from decoding.sampling import SamplingConfig
 from decoding.models.session import Session
+from decoding.options import add_option
 
 
 def _cpu() -> str:
@@ -182,34 +183,24 @@ def write_report(results: dict, out: Path) -> str:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m decoding.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=("compare", "engine", "dtype", "forward", "cli", "llama", "gpu", "serve",
-                                        "serve-load"), default="compare",
-                    help="compare (default): every strategy and peer; engine: ar vs model.generate; dtype: "
-                         "ar and the default configuration in float32 and bfloat16, interleaved (the "
-                         "config's pair, prompts, repeats); forward: one target forward per size, eager vs "
-                         "packed, in --dtypes, interleaved, with a profile; cli: `decoding.generate` "
-                         "end to end (fresh processes), defaults vs ar, --prompts per kind, --new-tokens; llama: "
-                         "llama.cpp's llama-server vs our ar and defaults on the same GGUF (--target FILE.gguf, "
-                         "default the embedded one), --prompts per kind, --new-tokens, --threads; gpu: see --suite gpu --help; "
-                         "serve: our server vs llama-server -np N under --clients; serve-load: the load test")
-    ap.add_argument("--clients", default="1,2,4,8", help="serve suite: concurrent clients (serve-load: the first)")
-    ap.add_argument("--config", default="configs/bench.yaml", help="compare suite config (YAML)")
-    ap.add_argument("--quick", action="store_true", help="CI smoke: tiny random models, a few seconds")
-    ap.add_argument("--out", default=None, help="output dir (default: the config's out; engine: reports/engine)")
-    ap.add_argument("--target", default=None, help="override the config's target model dir")
-    ap.add_argument("--draft", default=None, help="override the config's draft model dir")
-    ap.add_argument("--decider", default=None, help="override the config's decider (dir, 'latest' or 'none')")
+    add_option(ap, "suite", default="compare")
+    add_option(ap, "clients", several=True, default=[1, 2, 4, 8])
+    add_option(ap, "config", default="configs/bench.yaml")
+    add_option(ap, "quick")
+    add_option(ap, "out", unset="the config's out; engine: reports/engine")
+    add_option(ap, "target", unset="the config's")
+    add_option(ap, "draft", unset="the config's")
+    add_option(ap, "decider", unset="the config's; 'none': no decider")
     ap.add_argument("--row", action="append", default=None, metavar="NAME",
                     help="run only this row of the config (repeatable; ar always runs)")
     ap.add_argument("--oracle-traces", default=None, help="trace dir for the oracle-stop bound")
-    ap.add_argument("--prompts", type=int, default=None, help="override prompts_per_set")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="override max_new_tokens")
+    add_option(ap, "prompts", unset="the config's prompts_per_set")
+    add_option(ap, "max_new_tokens", unset="the config's")
     ap.add_argument("--temperatures", default=None, help="override temperatures, e.g. 0 or 0,0.7")
     ap.add_argument("--no-sweep", action="store_true", help="skip the tokens/s vs tree size sweep")
-    ap.add_argument("--repeats", type=int, default=None, help="repeated runs (engine suite default: 3)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads")
-    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
-                    help="compare suite: override the config's dtype")
+    add_option(ap, "repeats", unset="the config's; engine suite: 3")
+    add_option(ap, "threads")
+    add_option(ap, "dtype", only=("auto", "float32", "bfloat16"), unset="the config's")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="engine / forward suites: dtypes")
     ap.add_argument("--forward-threads", default="1,2", help="forward suite: torch thread counts")
     ap.add_argument("--forwards", default="eager,packed",
@@ -218,9 +209,8 @@ def parser() -> argparse.ArgumentParser:
                          "torch's attention ($SPECSTOP_BATCH_INVARIANT=0)")
     ap.add_argument("--context", type=int, default=200, help="forward suite: cached tokens before the forward")
     ap.add_argument("--sizes", default="1,2,4,8,16", help="forward suite: new tokens per forward")
-    ap.add_argument("--new-tokens", type=int, default=64, help="engine / cli / llama suites: new tokens")
-    ap.add_argument("--llama-server", default=None, help="llama suite: the llama-server binary "
-                    "(default $LLAMA_SERVER, else the one `make llama-cpp` builds)")
+    add_option(ap, "new_tokens", default=64)
+    add_option(ap, "llama_server")
     ap.add_argument("--head-gguf", default=None, help="llama suite: a head GGUF (python -m training.export "
                     "--format gguf) for the row llama.cpp + head")
     ap.add_argument("--write-defaults", nargs="?", const="", default=None, metavar="PATH",

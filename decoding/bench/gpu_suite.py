@@ -416,20 +416,23 @@ def main(argv=None) -> int:
     import sys
 
     from decoding.models import ModelError
+    from decoding.options import add_option, add_options
 
     ap = argparse.ArgumentParser(prog="python -m decoding.bench --suite gpu", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=("gpu",), default="gpu")
-    ap.add_argument("--out", required=True, help="report folder (results.json, README.md, cost.png, defaults.yaml)")
-    ap.add_argument("--target", default=None, help="target dir or GGUF (default: the embedded one)")
-    ap.add_argument("--head", default=None, help="feature head of our rows (default: the shipped one)")
-    ap.add_argument("--draft", default=STANDALONE_DRAFT, help="stand-alone draft of HF's assisted row ('none': no row)")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 elsewhere")
-    ap.add_argument("--prompts", type=int, default=None, help="per prompt set (default 6)")
-    ap.add_argument("--new-tokens", default=None, help="comma-separated lengths (default 96,512)")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole suite (default 420)")
-    ap.add_argument("--quick", action="store_true", help="a smoke run: 1 prompt per set, 8 and 16 tokens")
+    # --draft is the stand-alone draft of HF's assisted row ('none': no row); --head drafts our rows
+    add_option(ap, "suite", default="gpu", only=("gpu",))
+    add_option(ap, "out", required=True)
+    add_options(ap, "target", "head")
+    add_option(ap, "draft", default=STANDALONE_DRAFT)
+    add_option(ap, "device", default="cuda")
+    add_option(ap, "dtype", only=("float32", "bfloat16", "float16"), unset="bfloat16 on CUDA, float32 elsewhere")
+    add_option(ap, "prompts", unset="6")
+    add_option(ap, "new_tokens", several=True, unset="96,512")
+    # not --budget: that is the server's batch budget
+    ap.add_argument("--budget-seconds", type=float, default=None,
+                    help="seconds for the whole suite (default 420; --budget still reads as this)")
+    add_option(ap, "quick")
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)
     cfg = GpuSuiteConfig(target=a.target, head=a.head, draft=None if a.draft == "none" else a.draft,
                          device=a.device, dtype=a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32"))
@@ -439,9 +442,9 @@ def main(argv=None) -> int:
     if a.prompts:
         cfg.prompts = a.prompts
     if a.new_tokens:
-        cfg.new_tokens = tuple(int(x) for x in a.new_tokens.split(","))
-    if a.budget:
-        cfg.budget_s = a.budget
+        cfg.new_tokens = tuple(a.new_tokens)
+    if a.budget_seconds:
+        cfg.budget_s = a.budget_seconds
     try:
         import torch
 

@@ -184,17 +184,16 @@ def main(argv=None) -> int:
     from decoding.defaults import DEFAULT_DRAFT, defaults_for, strategy_config
     from decoding.models import ModelError
     from decoding.models.session import Session
+    from decoding.options import add_option, add_options
     from decoding.sampling import SamplingConfig
 
     ap = argparse.ArgumentParser(prog="python -m decoding.bench.launches", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=None, help="default: the embedded target (its shipped head drafts)")
-    ap.add_argument("--head", default=None, help="default: the shipped head")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="bfloat16", help="bfloat16 (the GPU suite's) or float32")
-    ap.add_argument("--forward", default=None, help="static (default on a CPU) or graph (CUDA)")
-    ap.add_argument("--prompts", type=int, default=2, help="per held-out set (general, code)")
-    ap.add_argument("--new-tokens", type=int, default=96)
+    add_options(ap, "target", "head", "device")
+    add_option(ap, "dtype", default="bfloat16")
+    add_option(ap, "forward", unset="static on a CPU, graph on CUDA")
+    add_option(ap, "prompts", default=2)
+    add_option(ap, "new_tokens", default=96)
     a = ap.parse_args(argv)
     forward = a.forward or ("graph" if a.device.startswith("cuda") else "static")
     try:

@@ -259,7 +259,7 @@ def main(a, command: str, progress=print) -> int:
 
     from decoding.bench.report import write_atomic
 
-    clients = [int(c) for c in a.clients.split(",")]
+    clients = a.clients
     if a.suite == "serve":
         res = serve_suite(clients, a.prompts or 16, a.new_tokens, a.threads, a.repeats or 2, a.llama_server,
                           a.head_gguf, a.target, progress)

@@ -27,6 +27,7 @@ from decoding.bench.report import write_atomic, write_json
 from decoding.sampling import SamplingConfig
 from decoding.models.session import Session
 from decoding.strategies import StrategyConfig, build_engine
+from decoding.options import add_option
 
 ROWS = (StrategyConfig(strategy="sd", gamma=4), StrategyConfig(strategy="ti-mcsd", width=4, depth=6))
 
@@ -109,16 +110,16 @@ def markdown(res: dict, command: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m decoding.bench.ties", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", default="data/prompts/heldout_general.jsonl")
+    add_option(ap, "prompts_file", default="data/prompts/heldout_general.jsonl")
     ap.add_argument("-n", "--n-prompts", type=int, default=4)
-    ap.add_argument("--new-tokens", type=int, default=96)
-    ap.add_argument("--out", default="reports/ties")
+    add_option(ap, "new_tokens", default=96)
+    add_option(ap, "out", default="reports/ties")
     a = ap.parse_args(argv)
     if a.n_prompts < 1 or a.new_tokens < 1:
         print("error: --n-prompts and --new-tokens must be >= 1", file=sys.stderr)
         return 2
     try:
-        res = measure(a.prompts, a.n_prompts, a.new_tokens)
+        res = measure(a.prompts_file, a.n_prompts, a.new_tokens)
     except ValueError as e:  # ModelError included
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2

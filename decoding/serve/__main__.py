@@ -15,7 +15,7 @@ import sys
 import threading
 
 from decoding.defaults import check_options
-from decoding.options import ALL_FORWARDS, add_strategy_args
+from decoding.options import add_option, add_options, add_strategy_args
 
 BUDGETS = ("joint", "joint-always", "independent")
 
@@ -26,8 +26,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--model-name", default="specstop", help="the `model` clients name (and /v1/models lists)")
-    ap.add_argument("--target", default=None, help="target HF model dir or GGUF (default: embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--draft", default=None, help="draft dir (default: the shipped head)")
+    add_options(ap, "target", "draft")
     add_strategy_args(ap)
     ap.add_argument("--budget", choices=BUDGETS, default="joint",
                     help="joint: one grow budget spends each round's rows across the requests "
@@ -41,13 +40,8 @@ def parser() -> argparse.ArgumentParser:
                     help="on SIGTERM / SIGINT: seconds the requests in flight get to finish (new ones: 503); "
                          "those still running then end with an error event")
     ap.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--forward", choices=ALL_FORWARDS, default=None)
-    ap.add_argument("--kv-dtype", choices=("float32", "float16"), default=None,
-                    help="store the target's KV cache as float16 (half the bytes and memory a request's "
-                         "cache takes; a float32 target on the lean forward)")
-    ap.add_argument("--threads", type=int, default=None)
+    add_option(ap, "dtype", only=("float32", "bfloat16"))
+    add_options(ap, "device", "forward", "kv_dtype", "threads")
     # generate's checks read these
     ap.set_defaults(temperature=0.0, top_p=1.0, max_new_tokens=1)
     return ap

@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 
+from decoding.options import add_option
+
 from training.bench.head import HEADLINE, baseline, bootstrap
 from training.shards import write_text
 
@@ -57,8 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m training.head.compare", description=__doc__.split("\n")[0])
     p.add_argument("eval", help="training.head.bench json of the new head")
     p.add_argument("base", help="training.head.bench json of the head to compare with (same prompts)")
-    p.add_argument("--out", default="reports/draft/feature")
-    p.add_argument("--name", default="compare", help="writes <out>/<name>.json and .png")
+    add_option(p, "out", default="reports/draft/feature")
+    add_option(p, "name", default="compare")
     a = p.parse_args(argv)
     a.compare = [a.eval, a.base]
     try:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from decoding.options import add_option
+
 
 def main(argv: list[str] | None = None) -> None:
     from decoding.models import ModelError, load_model, resolve_model_dir
@@ -29,12 +31,12 @@ def main(argv: list[str] | None = None) -> None:
     from training.shards import write_text
 
     p = argparse.ArgumentParser(prog="python -m training.draft.cost", description=__doc__.split("\n")[0])
-    p.add_argument("--draft", action="append", required=True, help="draft directory (repeatable)")
-    p.add_argument("--target", default=None, help="target HF dir (default: the embedded target)")
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--out", default=None, help="write the results as JSON here")
+    add_option(p, "draft", several=True, required=True)
+    add_option(p, "target")
+    add_option(p, "threads", several=True, default=[1, 2])
+    add_option(p, "dtype", default="bfloat16")
+    add_option(p, "repeats", default=7)
+    add_option(p, "out")
     p.add_argument("--speed-prompts", type=int, default=0, help="held-out prompts per kind to decode")
     a = p.parse_args(argv)
     try:

@@ -29,6 +29,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from decoding.options import add_option
+
 from training.shards import write_text
 
 STEPS = 4
@@ -281,30 +284,29 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m training.head.bench",
                                 description=__doc__.split("\n")[0])
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--ckpt", help="Lightning checkpoint of a feature-head run")
-    g.add_argument("--draft", help="exported feature-head directory")
+    add_option(g, "ckpt")
+    add_option(g, "draft", unset="--ckpt's")
     g.add_argument("--untrained", action="store_true", help="the head as initialised")
     g.add_argument("--speed", action="store_true",
                    help="training positions/s, cached vs online source -> <out>/throughput.json")
     p.add_argument("--batches", type=int, default=4, help="--speed: timed batches per source")
     p.add_argument("--steps", type=int, default=5, help="--speed: training-time-test steps")
-    p.add_argument("--max-tokens", type=int, default=1024, help="--speed: padded positions per batch")
+    add_option(p, "max_tokens", default=1024)
     p.add_argument("--vocab-size", type=int, default=8192, help="--untrained: draft vocab size")
     p.add_argument("--cache-root", default=".cache/features")
-    p.add_argument("--out", default="reports/draft/feature")
-    p.add_argument("--name", default="eval", help="writes <out>/<name>.json")
-    p.add_argument("--prompts", type=int, default=40,
-                   help="held-out prompts per kind (40 = every held-out code prompt)")
+    add_option(p, "out", default="reports/draft/feature")
+    add_option(p, "name", default="eval")
+    add_option(p, "prompts", default=40)
     p.add_argument("--baseline", default=None,
                    help="an earlier eval json on the same prompts: paired differences with 95%% CIs")
-    p.add_argument("--metrics-csv", default=None, help="the run's metrics.csv (learning curve)")
-    p.add_argument("--eval-cache", default=".cache/eval_corpus")
+    add_option(p, "metrics_csv")
+    add_option(p, "eval_cache")
     p.add_argument("--greedy", action="store_true",
                    help="on the target's greedy continuations (written once): sd_tokens_per_call is then "
                         "exactly what a greedy sd chain of 4 commits per target call; default T=0.7 ones")
     p.add_argument("--kinds", default=",".join(KINDS),
                    help=f"held-out prompt sets, comma-separated: {', '.join(PROMPT_SETS)}")
-    p.add_argument("--threads", type=int, default=None)
+    add_option(p, "threads")
     a = p.parse_args(argv)
     kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
     if not kinds or any(k not in PROMPT_SETS for k in kinds):

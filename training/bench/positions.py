@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from decoding.options import add_option
+
 EDGES = (0, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -73,15 +75,15 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(prog="python -m training.head.position_bench",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--draft", required=True, help="an exported feature-head directory")
-    p.add_argument("--corpus", required=True)
-    p.add_argument("--target", default=None)
+    add_option(p, "draft", required=True)
+    add_option(p, "corpus", required=True)
+    add_option(p, "target")
     p.add_argument("--rows", type=int, default=64)
-    p.add_argument("--val-percent", type=float, default=5.0)
+    add_option(p, "val_percent")
     p.add_argument("--edges", type=int, nargs="+", default=list(EDGES))
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default=None, help="directory for positions.json")
+    add_option(p, "temperature", default=0.7)
+    add_option(p, "threads")
+    add_option(p, "out")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -28,6 +28,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from decoding.options import add_option
+
 from training.draft.data import hash_bucket
 
 ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m training.corpus.chat_data",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--data", nargs="+", required=True, help="JSONL / parquet / saved dataset dir")
-    p.add_argument("--val-percent", type=float, default=5.0)
+    add_option(p, "val_percent")
     p.add_argument("--heldout-percent", type=float, default=5.0)
     a = p.parse_args(argv)
     try:

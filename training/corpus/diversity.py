@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from decoding.options import add_option
+
 PERMS, BANDS = 64, 16  # 16 bands of 4 rows: pairs at Jaccard 0.7 meet in a band ~99% of the time
 _P = (1 << 31) - 1  # shingle hashes < 2^31 and a < 2^31: a x + b fits in uint64
 _RNG = np.random.default_rng(0)
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--source", action="append", required=True, metavar="NAME=PATH")
     p.add_argument("--max-texts", type=int, default=2000)
     p.add_argument("--threshold", type=float, default=0.7)
-    p.add_argument("--out", default="reports/diversity")
+    add_option(p, "out", default="reports/diversity")
     a = p.parse_args(argv)
     sources = {}
     for s in a.source:

@@ -29,6 +29,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from decoding.options import add_option
+
 from training import shards
 from training.corpus.teacher import ARROW_SCHEMA, CORPUS_KIND, SCHEMA_VERSION, base_id, read_manifest, read_prompts
 
@@ -111,19 +113,18 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(prog="python -m training.corpus.text",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--target", required=True, help="the target that will label the text")
-    p.add_argument("--out", required=True, help="corpus directory to write (resumable)")
+    add_option(p, "target", required=True)
+    add_option(p, "out", required=True)
     p.add_argument("--from", dest="corpora", nargs="+", default=["data/corpus"],
                    help="source corpora (token ids in --source-tokenizer's vocabulary)")
     p.add_argument("--source-tokenizer", default=None,
                    help="the source corpora's model dir (default: the embedded SmolLM2)")
-    p.add_argument("--prompts", nargs="+", default=["data/prompts/train.jsonl"],
-                   help="prompt files holding the source rows' instructions")
+    add_option(p, "prompts_file", several=True, default=["data/prompts/train.jsonl"])
     p.add_argument("--max-rows", type=int, default=None, help="the first N source rows")
     p.add_argument("--shard-size", type=int, default=128)
     a = p.parse_args(argv)
     try:
-        prompts = {q.id: q.text for q in read_prompts(a.prompts)}
+        prompts = {q.id: q.text for q in read_prompts(a.prompts_file)}
         stats = build_text_corpus(a.out, target_fingerprint(a.target), load_tokenizer(a.target),
                                   load_tokenizer(a.source_tokenizer), a.corpora, prompts,
                                   a.max_rows, a.shard_size)

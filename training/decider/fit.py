@@ -28,6 +28,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from decoding.decider.policy import DECIDERS_DIR, DeciderConfig, DeciderNet, save_decider, uses_hidden
 from decoding.decider.features import FEATURE_GROUPS, FEATURE_SCHEMA_VERSION, NUM_FEATURES
+from decoding.options import add_option
 
 from training.decider import metrics as M
 from training.decider.datamodule import Split, TraceDataModule
@@ -61,7 +62,7 @@ class FitCLI(LightningCLI):
                              "checkpoint.save_weights_only": True, "checkpoint.filename": "best-{epoch}"})
         parser.add_class_arguments(ReplayConfig, "replay")
         parser.add_class_arguments(ExportConfig, "export")
-        parser.add_argument("--threads", type=int | None, default=None, help="torch CPU threads")
+        add_option(parser, "threads")
         # only the hidden-state kinds need the (large) hidden column
         parser.link_arguments("model.kind", "data.with_hidden", compute_fn=uses_hidden)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from decoding.decider.features import FEATURE_NAMES
+from decoding.options import add_option
 
 from training.decider.traces import feature_matrix, load_traces
 
@@ -79,9 +80,9 @@ def ablation(train, test) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training.decider.history", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--traces", required=True, help="training traces (training.decider.collect dir)")
+    add_option(ap, "traces", required=True)
     ap.add_argument("--test", required=True, help="held-out traces of the same pair")
-    ap.add_argument("--out", default=None, help="write the result as JSON here (atomically)")
+    add_option(ap, "out")
     a = ap.parse_args(argv)
     try:
         res = ablation(a.traces, a.test)

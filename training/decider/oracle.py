@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from decoding.bench.oracle import ORACLE_FILE  # the file the bench reads
+from decoding.options import add_option
 
 
 def replay_bound(traces: str, cost_model: str = "measure", target=None, draft=None,
@@ -57,13 +58,13 @@ def replay_bound(traces: str, cost_model: str = "measure", target=None, draft=No
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training.decider.oracle", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--traces", required=True, help="trace dir (training.decider.collect)")
-    ap.add_argument("--cost-model", default="measure", help="measure | decider | a CostModel JSON file")
-    ap.add_argument("--target", default=None, help="target model dir (measure; checked against the traces)")
-    ap.add_argument("--draft", default=None, help="draft model dir (measure; checked against the traces)")
-    ap.add_argument("--decider", default=None, help="decider dir or 'latest' (--cost-model decider)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="dtype to time in")
-    ap.add_argument("--out", default=None, help=f"output file (default: TRACES/{ORACLE_FILE})")
+    add_option(ap, "traces", required=True)
+    add_option(ap, "cost_model")
+    add_option(ap, "target")
+    add_option(ap, "draft")
+    add_option(ap, "decider")
+    add_option(ap, "dtype", default="float32", only=("float32", "bfloat16"))
+    add_option(ap, "out", unset="TRACES/" + ORACLE_FILE)
     a = ap.parse_args(argv)
     from decoding.models import ModelError
     from decoding.models.session import Session

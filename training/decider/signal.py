@@ -31,6 +31,7 @@ import numpy as np
 
 from decoding.decider.context import CONTEXT_NAMES, SCHEMA_CONTEXT
 from decoding.decider.features import FEATURE_NAMES as FN, SCHEMA_COLUMNS
+from decoding.options import add_option
 
 from training.shards import write_json
 from training.decider.metrics import roc_auc
@@ -153,9 +154,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training.decider.signal", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--study", required=True, choices=STUDIES)
-    ap.add_argument("--traces", required=True, help="training traces (training.decider.collect dir)")
+    add_option(ap, "traces", required=True)
     ap.add_argument("--test-traces", required=True, help="held-out traces of the same pair")
-    ap.add_argument("--out", default=None, help="write the result as JSON here (atomically)")
+    add_option(ap, "out")
     a = ap.parse_args(argv)
     try:
         res = study(a.study, a.traces, a.test_traces)

@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from decoding.options import add_option
+
 from training.draft.data import CorpusDataModule
 from training.draft.module import DistillModule, DraftConfig
 from training.config_flags import ckpt_metrics, lightning_cli, relative_path, usage_error  # noqa: F401  (re-exported)
@@ -171,11 +173,12 @@ def export_main(argv: list[str]) -> None:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m training.distill export")
-    p.add_argument("--ckpt", required=True, help="Lightning checkpoint of a distillation run")
-    p.add_argument("--name", required=True, help="draft name: checkpoints/drafts/<name>/")
-    p.add_argument("--drafts", default="checkpoints/drafts")
-    p.add_argument("--corpus", default="data/corpus")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    add_option(p, "ckpt", required=True)
+    add_option(p, "name", required=True)
+    # not --drafts alone: gpu_pack's --drafts picks the drafts it carries ("--drafts DIR" still reads as this)
+    p.add_argument("--drafts-dir", dest="drafts", default="checkpoints/drafts", help="where drafts are written: <drafts-dir>/<name>/")
+    add_option(p, "corpus", default="data/corpus")
+    add_option(p, "dtype", default="bfloat16", only=("bfloat16", "float16"))
     a = p.parse_args(argv)
     if not Path(a.ckpt).is_file():
         raise SystemExit(f"error: checkpoint not found: {a.ckpt}")

@@ -28,6 +28,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from decoding.options import add_option
+
 from training.shards import write_text
 
 KINDS = {"general": "data/prompts/heldout_general.jsonl", "code": "data/prompts/heldout_code.jsonl"}
@@ -230,18 +233,18 @@ def main(argv: list[str] | None = None) -> None:
     from decoding.models import DEFAULT_TARGET_NAME, ModelError, load_model
 
     p = argparse.ArgumentParser(prog="python -m training.draft.evaluate", description=__doc__.split("\n")[0])
-    p.add_argument("--draft", default="checkpoints/drafts/smollm2-135m-draft")
-    p.add_argument("--target", default=None, help="target HF dir (default: the embedded target)")
-    p.add_argument("--out", default="reports/draft")
-    p.add_argument("--prompts", type=int, default=24, help="held-out prompts per kind (teacher-forced)")
+    add_option(p, "draft", default="checkpoints/drafts/smollm2-135m-draft")
+    add_option(p, "target")
+    add_option(p, "out", default="reports/draft")
+    add_option(p, "prompts", default=24)
     p.add_argument("--engine-prompts", type=int, default=4, help="held-out prompts per kind (engine runs)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--metrics-csv", default=None, help="the run's metrics.csv (learning curve)")
+    add_option(p, "max_new_tokens", default=64)
+    add_option(p, "dtype", default="bfloat16")
+    add_option(p, "threads")
+    add_option(p, "metrics_csv")
     p.add_argument("--prior-curve", default=None,
                    help="eval.json of the warm start: its learning curve is drawn first")
-    p.add_argument("--eval-cache", default=".cache/eval_corpus")
+    add_option(p, "eval_cache")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)

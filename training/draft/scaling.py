@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from decoding.options import add_option
+
 from training.draft.data import is_val
 
 
@@ -91,10 +93,10 @@ def plot(points: list[dict], trend: dict, png: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run", action="append", required=True, help="RUN_DIR:ROWS (ROWS = all for the whole corpus)")
-    p.add_argument("--corpus", default="data/corpus")
-    p.add_argument("--val-percent", type=float, default=5.0)
+    add_option(p, "corpus", default="data/corpus")
+    add_option(p, "val_percent")
     p.add_argument("--goal", type=float, default=0.6)
-    p.add_argument("--out", default="reports/draft")
+    add_option(p, "out", default="reports/draft")
     a = p.parse_args(argv)
     points = []
     for spec in a.run:

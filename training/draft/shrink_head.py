@@ -19,6 +19,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from decoding.options import add_option
+
 
 
 def corpus_counts(corpora: list[str]) -> Counter:
@@ -68,11 +70,11 @@ def main(argv: list[str] | None = None) -> None:
     from training.shards import sha256_file
 
     p = argparse.ArgumentParser(prog="python -m training.draft.shrink_head", description=__doc__.split("\n")[0])
-    p.add_argument("--draft", required=True, help="draft directory to shrink")
-    p.add_argument("--size", type=int, required=True, help="output ids to keep")
-    p.add_argument("--out", required=True, help="new draft directory (written atomically)")
-    p.add_argument("--corpus", nargs="+", default=["data/corpus"], help="target-written corpora")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    add_option(p, "draft", required=True)
+    add_option(p, "size", required=True)
+    add_option(p, "out", required=True)
+    add_option(p, "corpus", several=True, default=["data/corpus"])
+    add_option(p, "dtype", default="bfloat16", only=("bfloat16", "float16"))
     a = p.parse_args(argv)
     try:
         src = resolve_model_dir(a.draft)

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from decoding.options import add_option
+
 CACHE_VERSION = 1
 
 
@@ -220,13 +222,13 @@ def load_cache(corpus: str | os.PathLike, root: str | os.PathLike, k: int = 64,
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m training.draft.teacher_cache",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--corpus", default="data/corpus")
-    p.add_argument("--root", default=".cache/teacher")
-    p.add_argument("--k", type=int, default=64)
-    p.add_argument("--target", default=None, help="target model dir (default: embedded SmolLM2)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--max-tokens", type=int, default=4096, help="padded tokens per prefill batch")
-    p.add_argument("--threads", type=int, default=None)
+    add_option(p, "corpus", default="data/corpus")
+    add_option(p, "root", default=".cache/teacher")
+    add_option(p, "k", default=64)
+    add_option(p, "target")
+    add_option(p, "dtype", default="bfloat16")
+    add_option(p, "max_tokens", default=4096)
+    add_option(p, "threads")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)

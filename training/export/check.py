@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from decoding.options import add_option
+
 from training.export.paired import CheckError, run_paired  # noqa: F401 (CheckError re-exported)
 from training.export.report import summarise, trim, write_report  # noqa: F401 (trim re-exported)
 
@@ -124,11 +126,11 @@ def check(cfg: CheckConfig, out_dir: Path | None, log=print, rows: list[dict] | 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training.export.check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--python", default=VLLM_PYTHON, help="python of the venv vLLM is installed in")
-    ap.add_argument("--draft", default=None, help="specstop feature head (default: the shipped one)")
-    ap.add_argument("--target", default=None, help="target model dir (default: the embedded SmolLM2)")
-    ap.add_argument("--out", default="reports/serve-check", help="report directory")
+    add_option(ap, "draft")
+    add_option(ap, "target")
+    add_option(ap, "out", default="reports/serve-check")
     ap.add_argument("--per-domain", type=int, default=6, help="held-out prompts per domain")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    add_option(ap, "max_new_tokens", default=96)
     ap.add_argument("--contract-only", action="store_true", help="fp32 contract only (no speed rows)")
     a = ap.parse_args(argv)
     cfg = CheckConfig(python=a.python, draft=a.draft, target=a.target, per_domain=a.per_domain,

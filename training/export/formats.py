@@ -47,6 +47,7 @@ import torch
 
 from decoding.drafts.feature import FeatureDraft, FeatureDraftConfig, default_aux_layers
 from decoding.models import DTYPES, ModelError
+from decoding.options import add_option
 
 from training.export.eagle3_layout import check_exportable
 
@@ -164,11 +165,10 @@ def trained_window(draft_dir: Path) -> int | None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training.export", description=__doc__.split("\n\n")[0])
     ap.add_argument("--format", required=True, choices=FORMATS, help="serving layout to write")
-    ap.add_argument("--draft", required=True, help="specstop feature-draft checkpoint directory")
-    ap.add_argument("--out", required=True, help="output directory (gguf: the .gguf file), replaced atomically")
-    ap.add_argument("--target", default=None, help="the head's target (default: the embedded SmolLM2)")
-    ap.add_argument("--dtype", default=None, choices=list(DTYPES),
-                    help="weight dtype (default: bfloat16; gguf: float32, or float16)")
+    add_option(ap, "draft", required=True)
+    add_option(ap, "out", required=True)
+    add_option(ap, "target")
+    add_option(ap, "dtype", only=tuple(DTYPES), unset="bfloat16; gguf: float32")
     ap.add_argument("--target-gguf", default=None,
                     help="gguf: the target GGUF served with the head, whose vocabulary the file copies "
                          "(default: --target when it is a .gguf, else the embedded SmolLM2)")

@@ -27,6 +27,7 @@ from decoding import models
 from decoding.bench.config import BenchConfig, load_prompts
 from decoding.bench.llama import LlamaServer, find_server
 from decoding.bench.report import write_atomic
+from decoding.options import add_option
 
 HEAD = Path(__file__).resolve().parents[2] / "checkpoints" / "drafts" / "smollm2-135m-eagle3"
 
@@ -122,11 +123,11 @@ def markdown(res: dict, command: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training.export.llama_check", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=6, help="held-out prompts per set")
-    ap.add_argument("--new-tokens", type=int, default=96)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--llama-server", default=None, help="default $LLAMA_SERVER, else `make llama-cpp`'s")
-    ap.add_argument("--out", default="reports/llama-check")
+    add_option(ap, "prompts", default=6)
+    add_option(ap, "new_tokens", default=96)
+    add_option(ap, "threads", default=1)
+    add_option(ap, "llama_server")
+    add_option(ap, "out", default="reports/llama-check")
     a = ap.parse_args(argv)
     command = "python -m training.export.llama_check " + " ".join(argv if argv is not None else sys.argv[1:])
     try:

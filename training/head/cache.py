@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from decoding.options import add_option
+
 from training.draft.teacher_cache import length_batches  # rows grouped by length, padded batches <= max_tokens
 from training.head.vocab import DraftVocab, build_vocab, fixed_vocab
 
@@ -312,16 +314,16 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(prog="python -m training.head.cache",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--corpus", nargs="+", default=["data/corpus", "data/corpus-onpolicy"])
-    p.add_argument("--root", default=".cache/features")
-    p.add_argument("--size", type=int, default=8192, help="draft vocabulary size")
-    p.add_argument("--k", type=int, default=32)
+    add_option(p, "corpus", several=True, default=["data/corpus", "data/corpus-onpolicy"])
+    add_option(p, "root", default=".cache/features")
+    add_option(p, "size", default=8192)
+    add_option(p, "k", default=32)
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--layers", type=int, nargs=3, default=None, help="default: 2, L//2, L-3")
-    p.add_argument("--target", default=None, help="target model dir (default: embedded SmolLM2)")
-    p.add_argument("--max-tokens", type=int, default=4096, help="padded tokens per prefill batch")
+    add_option(p, "target")
+    add_option(p, "max_tokens", default=4096)
     p.add_argument("--max-minutes", type=float, default=None, help="stop after this many minutes")
-    p.add_argument("--threads", type=int, default=None)
+    add_option(p, "threads")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)

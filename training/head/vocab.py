@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from decoding.options import add_option
+
 
 @dataclass
 class DraftVocab:
@@ -113,8 +115,8 @@ def special_ids(model) -> set[int]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m training.head.vocab", description=__doc__.split("\n")[0])
-    p.add_argument("--corpus", nargs="+", default=["data/corpus", "data/corpus-onpolicy"])
-    p.add_argument("--size", type=int, default=8192)
+    add_option(p, "corpus", several=True, default=["data/corpus", "data/corpus-onpolicy"])
+    add_option(p, "size", default=8192)
     a = p.parse_args(argv)
     try:
         v = build_vocab(a.corpus, a.size)
