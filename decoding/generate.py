@@ -25,7 +25,7 @@ def defaults_help() -> str:
         return f"defaults: {e}"
     return (f"Defaults of the options marked (*): the measured-best lossless configuration for the shipped pair,\n"
             f"recorded per device kind in decoding/defaults.yaml (rewritten by\n"
-            f"python -m decoding.bench --write-defaults). On this machine's CPU ({kind}): {d.describe()}\n"
+            f"make defaults REPORT=DIR). On this machine's CPU ({kind}): {d.describe()}\n"
             f"  from {d.source}\n"
             f"Another target or draft (not measured): {other.describe()}.\n"
             f"The defaults apply only when you name neither --strategy nor a shape (--gamma, --k-config,\n"

@@ -186,7 +186,7 @@ def commands(parts: int, drafts: str = "none", budget: int = 460) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m decoding.bench.gpu_pack", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python tools/gpu_pack.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_option(ap, "out", unset=f"{CARRY}, git-ignored")
     ap.add_argument("--gguf", default=None, help="the target GGUF (default: the embedded one)")

@@ -214,8 +214,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--head-gguf", default=None, help="llama suite: a head GGUF (python -m training.export "
                     "--format gguf) for the row llama.cpp + head")
     ap.add_argument("--write-defaults", nargs="?", const="", default=None, metavar="PATH",
-                    help="record this run's fastest lossless greedy row as the default configuration "
-                         "of this device kind (decoding/defaults.yaml; the shipped pair only), or in PATH")
+                    help="record this run's fastest lossless greedy row as a defaults entry in the report's own "
+                         "defaults.yaml, or in PATH (the package's file: make defaults REPORT=DIR)")
     return ap
 
 

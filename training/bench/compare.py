@@ -56,9 +56,9 @@ def difference_plot(res: dict, png: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m training.head.compare", description=__doc__.split("\n")[0])
-    p.add_argument("eval", help="training.head.bench json of the new head")
-    p.add_argument("base", help="training.head.bench json of the head to compare with (same prompts)")
+    p = argparse.ArgumentParser(prog="python -m training.bench.compare", description=__doc__.split("\n")[0])
+    p.add_argument("eval", help="training.bench.head json of the new head")
+    p.add_argument("base", help="training.bench.head json of the head to compare with (same prompts)")
     add_option(p, "out", default="reports/draft/feature")
     add_option(p, "name", default="compare")
     a = p.parse_args(argv)

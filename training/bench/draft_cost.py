@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     from training.draft.evaluate import step_cost
     from training.shards import write_text
 
-    p = argparse.ArgumentParser(prog="python -m training.draft.cost", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m training.bench.draft_cost", description=__doc__.split("\n")[0])
     add_option(p, "draft", several=True, required=True)
     add_option(p, "target")
     add_option(p, "threads", several=True, default=[1, 2])

@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from training.draft.evaluate import KINDS, PROMPT_SETS, eval_corpus
 
-    p = argparse.ArgumentParser(prog="python -m training.head.bench",
+    p = argparse.ArgumentParser(prog="python -m training.bench.head",
                                 description=__doc__.split("\n")[0])
     g = p.add_mutually_exclusive_group(required=True)
     add_option(g, "ckpt")

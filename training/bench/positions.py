@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     from decoding.drafts import io as feature_io
     from decoding.models import ModelError, load_model
 
-    p = argparse.ArgumentParser(prog="python -m training.head.position_bench",
+    p = argparse.ArgumentParser(prog="python -m training.bench.positions",
                                 description=__doc__.split("\n")[0])
     add_option(p, "draft", required=True)
     add_option(p, "corpus", required=True)
