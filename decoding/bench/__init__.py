@@ -24,7 +24,9 @@ The suites:
   the ops a round dispatches besides its graph replays (`python -m decoding.bench.launches`);
 - batch (`python -m decoding.bench.batch`): requests batched (decoding.batch) against one after
   another;
-- ties (`python -m decoding.bench.ties`): how often bf16 greedy runs reproduce `ar`.
+- ties (`python -m decoding.bench.ties`): how often bf16 greedy runs reproduce `ar`;
+- prefill_stall (`python -m decoding.bench.prefill_stall`): the running streams' latency when a
+  long prompt arrives, whole or chunked.
 
 Benches of what training makes live in training.bench; the packing of a GPU run for a leased
 machine is tools/gpu_pack.py, outside the package.

@@ -36,6 +36,9 @@ def parser() -> argparse.ArgumentParser:
                          "joint-always: the budget every round; independent: each request sizes its own tree")
     ap.add_argument("--max-batch", type=int, default=8, help="most requests in one round")
     ap.add_argument("--max-queue", type=int, default=64, help="most requests waiting (more: 503)")
+    ap.add_argument("--prefill-chunk", type=int, default=0,
+                    help="prompt tokens a request feeds a round at most, so a long prompt goes in over several "
+                         "rounds beside the running streams instead of stalling them (0: whole prompts)")
     ap.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM / SIGINT: seconds the requests in flight get to finish (new ones: 503); "
                          "those still running then end with an error event")
@@ -47,10 +50,17 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def batch_engine(decoder, budget: str = "joint"):
+def batch_engine(decoder, budget: str = "joint", chunk: int | None = None):
     """The BatchEngine of a loaded Decoder: its pair, its largest tree, and either one grow budget
     across requests (over q or the decider's scores, with the decider's or this machine's cost
-    curve) or each request's own copy of the decoder's stop policy."""
+    curve) or each request's own copy of the decoder's stop policy; `chunk`: prompt tokens a request
+    feeds a round at most (BatchEngine.chunk)."""
+    engine = _batch_engine(decoder, budget)
+    engine.chunk = chunk or None
+    return engine
+
+
+def _batch_engine(decoder, budget: str):
     from decoding.batch.budget import JointGrow
     from decoding.batch.scheduler import BatchEngine
     from decoding.growth import GrowPolicy
@@ -84,7 +94,7 @@ def serve(decoder, args) -> None:
     s = decoder.session
     eos = s.eos_token_id
     limit = getattr(s.target.config, "max_position_embeddings", None) or 1 << 20
-    worker = EngineWorker(batch_engine(decoder, args.budget), args.max_batch, args.max_queue)
+    worker = EngineWorker(batch_engine(decoder, args.budget, args.prefill_chunk), args.max_batch, args.max_queue)
     served = Served(args.model_name, s.tokenizer, limit - len(decoder.config.k_levels) - 1,
                     tuple([eos] if isinstance(eos, int) else eos or ()), args.default_max_tokens)
     server = uvicorn.Server(uvicorn.Config(create_app(served, worker), host=args.host, port=args.port,
@@ -128,8 +138,8 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         check_options(args)
-        if args.max_batch < 1 or args.max_queue < 0 or args.drain_timeout < 0:
-            raise ValueError("--max-batch must be >= 1, --max-queue and --drain-timeout >= 0")
+        if args.max_batch < 1 or args.max_queue < 0 or args.drain_timeout < 0 or args.prefill_chunk < 0:
+            raise ValueError("--max-batch must be >= 1, --max-queue, --drain-timeout and --prefill-chunk >= 0")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
