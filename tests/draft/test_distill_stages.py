@@ -80,7 +80,7 @@ def test_grown_draft_starts_as_the_warm_start_and_reselects_its_head(target_dir,
 
 
 def test_draft_cost_refuses_a_missing_draft_with_one_line(tmp_path):
-    from training.draft import cost as draft_cost
+    from training.bench import draft_cost
 
     with pytest.raises(SystemExit, match="error: model directory not found"):
         draft_cost.main(["--draft", str(tmp_path / "nope")])

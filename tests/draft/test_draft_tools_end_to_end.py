@@ -78,7 +78,8 @@ def test_shipped_distill_configs_chain_on_a_tiny_target(target_dir, corpus_dir, 
 
 def test_draft_cost_and_distill_eval_on_a_tiny_pair(chat_target, tmp_path, capsys):
     from support.distill import TINY_DRAFT
-    from training.draft import evaluate as distill_eval, cost as draft_cost
+    from training.bench import draft_cost
+    from training.draft import evaluate as distill_eval
     from training.draft.distill import export_draft
     from training.draft.module import DistillModule
 
