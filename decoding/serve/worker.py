@@ -15,6 +15,7 @@ other request is touched.
 from __future__ import annotations
 
 import asyncio
+import copy
 import collections
 import threading
 import time
@@ -264,3 +265,38 @@ class EngineWorker:
         self.counters.requests[value if kind == "done" else "error"] += 1
         job.req = None
         job.push(kind, value, self._outbox)
+
+
+def batch_engine(decoder, budget: str = "joint", chunk: int | None = None):
+    """The BatchEngine of a loaded Decoder: its pair, its largest tree, and either one grow budget
+    across requests (over q or the decider's scores, with the decider's or this machine's cost
+    curve) or each request's own copy of the decoder's stop policy; `chunk`: prompt tokens a request
+    feeds a round at most (BatchEngine.chunk)."""
+    engine = _batch_engine(decoder, budget)
+    engine.chunk = chunk or None
+    return engine
+
+
+def _batch_engine(decoder, budget: str):
+    from decoding.batch.budget import JointGrow
+    from decoding.batch.scheduler import BatchEngine
+    from decoding.growth import GrowPolicy
+    from decoding.stopping import make_stop_policy
+    from decoding.tree import layout_from_k_config
+
+    s, cfg = decoder.session, decoder.config
+    if cfg.strategy == "ar" or s.draft is None:
+        return BatchEngine(s.target, None)
+    layout = layout_from_k_config(cfg.k_levels)
+    stop = decoder._stop
+    if budget in ("joint", "joint-always"):
+        from decoding.batch.measured import MeasuredChoice
+
+        grow = stop if isinstance(stop, GrowPolicy) else s.grow_policy(cfg, scorer=None)
+        return BatchEngine(s.target, s.draft, layout, budget=JointGrow(
+            grow.scorer, grow.cost, max_width=grow.max_width, max_nodes=grow.max_nodes,
+            label=grow.label, needs_hidden=grow.needs_hidden),
+            measured=MeasuredChoice() if budget == "joint" else None)
+    own = (lambda: copy.deepcopy(stop)) if stop is not None else \
+        (lambda: make_stop_policy(cfg.stop, cfg.confidence_threshold, cfg.confidence_rule))
+    return BatchEngine(s.target, s.draft, layout, stop=own)
