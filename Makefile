@@ -174,7 +174,7 @@ gpu-pack: venv
 
 # The maintainer's step that changes what every install decodes with: one entry of the package's
 # decoding/defaults.yaml from a kept report of the shipped pair (a compare run, or the GPU suite's),
-# e.g. REPORT=reports/feature-bench-2026-11-27-fp32-panels-48. A bench run never writes that file.
+# e.g. REPORT=reports/bench-2026-11-27/fp32-panels-48. A bench run never writes that file.
 defaults: venv
 	@test -n "$(REPORT)" || { echo "usage: make defaults REPORT=reports/DIR"; exit 2; }
 	$(BIN)/python -m decoding.bench.pick_defaults $(REPORT)

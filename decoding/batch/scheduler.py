@@ -204,7 +204,7 @@ class BatchEngine:
         steady = all(len(r.committed) - r.cache.length == 1 for r in reqs)  # no prompt in this round
         # one request drafts every round, as the batch-1 engine does: no other request's rows compete
         # with its tree, and the measured choice, timing rounds, erred to plain rounds there
-        # (reports/joint-decider-2026-11-28, "One request")
+        # (reports/serve-2026-11-28/joint-decider, "One request")
         drafts = self.measured is None or len(reqs) == 1 or self.measured.drafts(len(reqs))
         trees = self._propose(reqs) if drafts else self._plain(reqs)
         t1 = time.perf_counter()

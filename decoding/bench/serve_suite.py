@@ -13,7 +13,7 @@ here, 2026-11-28; repeats on one process hid that):
   ours, ar           decoding.serve --strategy ar (plain decoding, batched)
   ours, fixed chain  decoding.serve --strategy sd --gamma 2 --budget independent (every request a
                      chain of 2 every round: the fastest fixed chain in process, 1 and 4 clients,
-                     reports/serve-ceiling-2026-11-28)
+                     reports/serve-2026-11-28/ceiling)
   ours, joint, f16 KV  the default with --kv-dtype float16 (a GGUF target: its KV cache in float16)
   ours, one by one   decoding.serve --max-batch 1: the batch-1 engine serving requests in turn
   llama.cpp -np N    llama-server plain, and with our head (-md HEAD --spec-type draft-eagle3)
