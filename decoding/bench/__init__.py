@@ -20,7 +20,8 @@ The suites:
 - cli_suite (`cli`): a `generate` call end to end, as a user waits for it;
 - llama (`llama`): llama.cpp against us on one GGUF;
 - serve_suite (`serve`, `serve-load`): our server against llama-server under concurrent clients;
-- gpu_suite (`gpu`): what a GPU user gets, in one budgeted run; gpu_report its page; launches
+- gpu_suite (`gpu`): what a GPU user gets, in one budgeted run; gpu_rows its rows and warm-up;
+  gpu_report its page; launches
   the ops a round dispatches besides its graph replays (`python -m decoding.bench.launches`);
 - batch (`python -m decoding.bench.batch`): requests batched (decoding.batch) against one after
   another;
