@@ -162,7 +162,7 @@ exact-sampling cases are most of it); the timeouts keep the suite's time whateve
 RESTORE = (f"for d in {CARRY}/payload/checkpoints/drafts/*; do [ -f checkpoints/drafts/$(basename $d)/config.json ] || "
            f"{{ mkdir -p checkpoints/drafts && cp -r $d checkpoints/drafts/; }}; done; ")
 SUITE = (f"python3 tools/gpu_pack.py --join {CARRY} || exit 1; {{RESTORE}}python3 -m decoding.bench --suite gpu "
-         f"--target {CARRY}/payload/target.gguf{{DRAFT}} --budget {{BUDGET}} --out $OUT 2>&1 | tee $OUT/suite.log | tail -60")
+         f"--target {CARRY}/payload/target.gguf{{DRAFT}} --budget-seconds {{BUDGET}} --out $OUT 2>&1 | tee $OUT/suite.log | tail -60")
 
 
 def commands(parts: int, drafts: str = "none", budget: int = 460) -> list[dict]:
