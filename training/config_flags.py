@@ -9,7 +9,7 @@ import sys
 import typing
 from pathlib import Path
 
-from decoding.options import add_option
+from decoding.options import FLAGS, add_option
 
 
 def _flag_type(tp):
@@ -22,19 +22,53 @@ def _flag_type(tp):
     return tp if tp in (int, float, str) else None
 
 
+def field_docs(cls) -> dict[str, str]:
+    """A dataclass's attribute docstrings (the string right after each field; base classes' too)."""
+    import ast
+    import inspect
+    import textwrap
+
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        except (OSError, TypeError, IndexError):
+            continue
+        for a, b in zip(body, body[1:]):
+            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr) \
+                    and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str):
+                docs[a.target.id] = " ".join(b.value.value.split())
+    return docs
+
+
+def _help(f: dataclasses.Field, docs: dict[str, str]) -> str:
+    """A field's one help text: the shared flag's where the registry has one (decoding.options), else
+    the field's docstring; with the config's default."""
+    text = FLAGS[f.name].help if f.name in FLAGS else docs.get(f.name, "")
+    default = f.default if f.default is not dataclasses.MISSING else (
+        f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+    if default not in (None, "", [], {}, ()):
+        text += f" (default: {default})"
+    return text.replace("%", "%%")
+
+
 def parse_config(cls, argv=None, prog: str = "", description: str = "", aliases=None):
     """`--config FILE.yaml` then `--field value` overrides; errors end with one clear line.
-    `aliases` maps a field to extra flag spellings."""
+    `aliases` maps a field to extra flag spellings. Every flag's help is the shared registry's or
+    its field's docstring."""
     hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
     ap = argparse.ArgumentParser(prog=prog, description=description)
     add_option(ap, "config")
     for f in dataclasses.fields(cls):
         tp = _flag_type(hints[f.name])
         flags = ["--" + f.name.replace("_", "-"), *(aliases or {}).get(f.name, [])]
         if tp is None:  # lists: space-separated values
-            ap.add_argument(*flags, dest=f.name, nargs="+")
+            ap.add_argument(*flags, dest=f.name, nargs="+", help=_help(f, docs))
         else:
-            ap.add_argument(*flags, dest=f.name, type=tp)
+            ap.add_argument(*flags, dest=f.name, type=tp, help=_help(f, docs))
     args = vars(ap.parse_args(argv))
     values: dict = {}
     path = args.pop("config")

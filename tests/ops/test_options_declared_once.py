@@ -79,3 +79,29 @@ def test_several_values_replace_the_default():
     assert ap.parse_args(["--clients", "3", "5"]).clients == [3, 5]
     with pytest.raises(SystemExit):
         ap.parse_args(["--clients", "x"])
+
+
+def test_config_commands_explain_every_option():
+    """The trainers' flags generated from their config dataclasses: each has one help text (the
+    shared flag's, else its field's docstring), and the description is a whole paragraph."""
+    import contextlib
+    import io
+    import re
+
+    import pytest
+
+    from training.decider import ceiling, collect, retrain
+    from training.head import redistill
+
+    for mod in (collect, retrain, redistill, ceiling):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+            mod.main(["--help"])
+        text = out.getvalue()
+        options = text.split("options:", 1)[1]
+        entries = re.split(r"\n  (?=-)", options)[1:]
+        helps = [" ".join(e.split()[2:]) for e in entries]  # after the flag and its metavar
+        bare = [e.split()[0] for e, h in zip(entries, helps) if not re.sub(r"\(default: [^)]*\)", "", h).strip()]
+        assert not bare, f"{mod.__name__}: options without help: {bare}"
+        description = text.split("options:", 1)[0].strip().split("\n\n")[-1]
+        assert description.rstrip().endswith((".", ")", ":", "?")), f"{mod.__name__}: {description[-80:]!r}"

@@ -149,7 +149,7 @@ def plot(res: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    cfg = parse_config(CeilingConfig, argv, "python -m training.decider.ceiling", __doc__.split("\n")[0])
+    cfg = parse_config(CeilingConfig, argv, "python -m training.decider.ceiling", __doc__.split("\n\n")[0])
     try:
         res = ceiling(cfg)
     except (ValueError, OSError, KeyError) as e:

@@ -67,8 +67,11 @@ class CollectConfig:
     """Prompts per shard: the most work an interruption can lose."""
     seed: int = 0
     max_prompts: int | None = None
+    """Read at most this many prompts, in the order of --prompt-files (the first file first)."""
     shard_index: int = 0
+    """This process collects every num_shards-th prompt from this one (scale-out over processes)."""
     num_shards: int = 1
+    """Processes the prompts are split over; each writes its own part of the trace set."""
     threads: int | None = None
 
     def __post_init__(self):
@@ -139,7 +142,7 @@ def collect(cfg: CollectConfig, session, prompts, progress: bool = True) -> dict
 
 
 def main(argv=None) -> int:
-    cfg = parse_config(CollectConfig, argv, "python -m training.collect", __doc__.split("\n")[0])
+    cfg = parse_config(CollectConfig, argv, "python -m training.collect", __doc__.split("\n\n")[0])
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:

@@ -68,6 +68,7 @@ class RetrainConfig:
     deciders: str | None = None
     """Deciders root with registry.json (None = checkpoints/deciders)."""
     fit_config: str = "configs/fit_decider.yaml"
+    """The fit's YAML (training.fit --config) the challenger is trained with."""
     fit_overrides: list[str] = field(default_factory=list)
     """Extra `training.decider.fit` flags, e.g. ["--replay.cost_model", "default"]."""
     heldout_fraction: float = 0.25
@@ -90,7 +91,9 @@ class RetrainConfig:
     temperature: float = 0.0
     max_new_tokens: int = 128
     chat: bool = True
+    """Wrap each logged prompt in the tokenizer's chat template, as the server does."""
     hidden: bool = False
+    """Also record the draft's hidden states (for a hidden-state decider)."""
     redistill_below: float | None = None
     """Recommend re-distilling the draft when acceptance on the new prompts falls below this."""
     redistill_command: list[str] = field(default_factory=list)
@@ -286,7 +289,7 @@ def _log(msg: str) -> None:
 
 
 def main(argv=None) -> int:
-    cfg = parse_config(RetrainConfig, argv, "python -m training.retrain", __doc__.split("\n")[0])
+    cfg = parse_config(RetrainConfig, argv, "python -m training.retrain", __doc__.split("\n\n")[0])
     if cfg.threads:
         import torch
 

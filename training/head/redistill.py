@@ -83,7 +83,9 @@ class RedistillConfig:
     """Sampling temperature of the training continuations (held-out ones are greedy)."""
     max_new_tokens: int = 128
     batch_size: int = 16
+    """Prompts the target continues together when writing the new corpus."""
     shard_size: int = 64
+    """Rows per corpus shard file (a resumed run redoes at most one shard)."""
     depth: int = 4
     """Greedy chain depth the gate scores (teacher-forced steps 1..depth)."""
     margin: float = 0.02
@@ -95,8 +97,10 @@ class RedistillConfig:
     serve_check_python: str | None = ".venv-vllm/bin/python"
     """vLLM's python (make serve-check): a challenger about to be promoted must serve there as in
     specstop (training/export/gate.py); absent = skipped and recorded, null = off."""
-    serve_check_prompts: int = 4  # held-out prompts, and new tokens each, the serve gate runs
+    serve_check_prompts: int = 4
+    """Held-out prompts the serve gate runs."""
     serve_check_tokens: int = 48
+    """New tokens each of the serve gate's prompts generates."""
 
 
 def dir_sha(path: Path) -> str:
@@ -391,7 +395,7 @@ def load_config(path: str) -> RedistillConfig:
 def main(argv=None) -> int:
     from training.config_flags import parse_config
 
-    cfg = parse_config(RedistillConfig, argv, "python -m training.head.redistill", __doc__.split("\n")[0])
+    cfg = parse_config(RedistillConfig, argv, "python -m training.head.redistill", __doc__.split("\n\n")[0])
     return execute(cfg)
 
 
