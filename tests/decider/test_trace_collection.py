@@ -56,7 +56,7 @@ def test_labels_are_consistent(tmp_path, session):
 
 def test_resume_after_interruption_gives_same_traces(tmp_path, session, monkeypatch):
     full = tmp_path / "full"
-    C.collect(cfg(tmp_path, out=str(full)), session, PROMPTS, progress=False)
+    first = C.collect(cfg(tmp_path, out=str(full)), session, PROMPTS, progress=False)
     calls = {"n": 0}
     real = C.build_engine
 
@@ -80,6 +80,9 @@ def test_resume_after_interruption_gives_same_traces(tmp_path, session, monkeypa
     assert len(load_traces(part)[0]["shards"]) == 1
     C.collect(cfg(tmp_path, out=str(part)), session, PROMPTS, progress=False)
     assert sorted_rows(load_traces(part)[1]) == sorted_rows(load_traces(full)[1])
+    again = C.collect(cfg(tmp_path, out=str(part)), session, PROMPTS, progress=False)  # nothing left to do
+    assert again["new_prompts"] == 0 and again["new_acceptance_rate"] is None
+    assert 0 < again["acceptance_rate"] == first["acceptance_rate"] == first["new_acceptance_rate"]
 
 
 def test_sharded_collection_merges(tmp_path, session):
@@ -186,3 +189,15 @@ def test_every_position_walk_replays_the_engine_s_own_rounds(tmp_path, session):
     acc = np.bincount(rs.rid[kept & rs.accepted], minlength=rs.rounds)
     walked = rs.visited(acc)
     assert Counter(acc[walked].tolist()) == lengths  # round by round, as the engine ran them
+
+
+def test_max_prompts_says_what_it_kept(tmp_path, capsys):
+    files = []
+    for name, kind in (("chat", "general"), ("code", "code")):
+        f = tmp_path / f"{name}.jsonl"
+        f.write_text("".join(f'{{"id": "{name}{i}", "kind": "{kind}", "prompt": "p{i}"}}\n' for i in range(4)))
+        files.append(str(f))
+    rc = C.main(["--prompt-files", *files, "--max-prompts", "5", "--target", str(tmp_path / "none"),
+                 "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--max-prompts 5: kept 4 general from chat, 1 code from code" in err

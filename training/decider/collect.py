@@ -10,6 +10,7 @@ With --num-shards N, process I takes every N-th prompt and writes `<out>/part-I-
 
 from __future__ import annotations
 
+import collections
 import json
 import sys
 from dataclasses import asdict, dataclass, field
@@ -138,7 +139,19 @@ def collect(cfg: CollectConfig, session, prompts, progress: bool = True) -> dict
             w.write(pa.table(rows, schema=SCHEMA), [p.id for p in chunk])
         bar.close()
         total = sum(s["rows"] for s in w.manifest["shards"])
-    return {"new_prompts": len(todo), "rows": total, "acceptance_rate": rec.accepted / max(rec.drafted, 1)}
+    return {"new_prompts": len(todo), "rows": total, "acceptance_rate": set_acceptance(out_dir(cfg)),
+            "new_acceptance_rate": rec.accepted / rec.drafted if rec.drafted else None}
+
+
+def set_acceptance(folder: Path) -> float | None:
+    """Accepted / drafted (valid) nodes over the whole trace set in `folder`, resumed runs included
+    (a resumed run that drafted nothing new reported 0.0)."""
+    from training.shards import read_shards
+
+    _, t = read_shards(folder, KIND, SCHEMA_VERSION, SCHEMA)
+    valid = t.column("valid").to_pylist()
+    drafted = sum(valid)
+    return sum(a for a, v in zip(t.column("accepted").to_pylist(), valid) if v) / drafted if drafted else None
 
 
 def main(argv=None) -> int:
@@ -147,6 +160,10 @@ def main(argv=None) -> int:
         torch.set_num_threads(cfg.threads)
     try:
         prompts = read_prompts(cfg.prompt_files, cfg.max_prompts)
+        if cfg.max_prompts is not None:  # the first files first: say what was kept
+            kept = collections.Counter((p.split, p.kind) for p in prompts)
+            print(f"--max-prompts {cfg.max_prompts}: kept " + ", ".join(
+                f"{n} {kind} from {split}" for (split, kind), n in kept.items()), file=sys.stderr)
         from decoding.models.session import Session
 
         sess = Session.open(cfg.target, cfg.draft, cfg.dtype, need_draft=True)
