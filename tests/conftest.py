@@ -6,6 +6,7 @@ import pytest
 import decoding  # noqa: F401  before torch: $SPECSTOP_CPU=avx2 holds torch's kernels to AVX2
 import torch  # noqa: E402, I001
 
+from support.head import fit_head, tiny_feature_draft
 from support.models import noisy_copy, tiny_llama
 
 torch.set_num_threads(1)
@@ -26,6 +27,21 @@ def pytest_collection_modifyitems(items):
 def pair():
     target = tiny_llama(0, scale=6)
     return target, noisy_copy(target, 0.03)
+
+
+@pytest.fixture(scope="module")
+def feature_pair():
+    """A briefly fitted feature head on a 4-layer target (drafts get accepted)."""
+    target = tiny_llama(0, vocab=40, layers=4, hidden=32, scale=6)
+    return target, fit_head(target)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    """A random head over 4 of 6 ids, for exact sampling."""
+    target = tiny_llama(0, vocab=6, layers=2, hidden=16, scale=3)
+    # 4 of the 6 ids: the two others reach the output only through residual resampling
+    return target, tiny_feature_draft(target, draft_vocab=4, aux=(0, 1, 1), seed=3)
 
 
 @pytest.fixture(scope="module")

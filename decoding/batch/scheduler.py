@@ -212,11 +212,7 @@ class BatchEngine:
         chunks, self._chunks = self._chunks, []
         self.verify_rows.append(sum(s.rows for s in segs + chunks))
         logits = verify_many(self.target, segs + chunks)[:len(segs)]
-        for s in chunks:  # the chunk is in its cache now; a feature head takes in its rows next round
-            s.cache.commit([], 0)
-            proposer = getattr(s, "proposer", None)
-            if isinstance(proposer, FeatureProposer):
-                proposer.model.captured, proposer.model.tree_size = s.captured, 0
+        _chunks_fed(chunks)
         t2 = time.perf_counter()
         finished, before = [], sum(len(r.out) for r in reqs)
         for r, t, s, lg in zip(reqs, trees, segs, logits):
@@ -265,10 +261,7 @@ class BatchEngine:
             chunks, self._chunks = self._chunks, []
             self.verify_rows.append(sum(s.rows for s in chunks))
             verify_many(self.target, chunks)
-            for s in chunks:
-                s.cache.commit([], 0)
-                if isinstance(s.proposer, FeatureProposer):
-                    s.proposer.model.captured, s.proposer.model.tree_size = s.captured, 0
+            _chunks_fed(chunks)
 
     def _plain(self, reqs: list[Request]) -> list[DraftTree]:
         """No tree this round (one row a request); a feature head still takes in the target's
@@ -303,3 +296,11 @@ class BatchEngine:
             except Exception as e:  # the consumer is gone: this request ends, the round goes on
                 r.error, r.done = e, True
         return r.done
+
+
+def _chunks_fed(chunks: list[Segment]) -> None:
+    """The chunks are in their caches now; a feature head takes in their rows at its next round."""
+    for s in chunks:
+        s.cache.commit([], 0)
+        if isinstance(s.proposer, FeatureProposer):
+            s.proposer.model.captured, s.proposer.model.tree_size = s.captured, 0

@@ -6,8 +6,7 @@ outside the round call but its one host read."""
 import pytest
 
 from support.exact import SAMPLES, T1, WARPED, chi2_pvalue, exact_distribution, speculative_counts
-from support.head import GREEDY, N, PROMPTS, ar_output, fit_head, tiny_feature_draft
-from support.models import tiny_llama
+from support.head import GREEDY, N, PROMPTS, ar_output
 from decoding.round import accept
 from decoding.round.engine import RoundEngine
 from decoding.round.shape import RoundShape
@@ -19,21 +18,9 @@ HOST = {"sd": StrategyConfig("sd", gamma=3), "mcsd": StrategyConfig("mcsd", k_co
         "fork": StrategyConfig("ti-mcsd", width=2, depth=4)}
 
 
-@pytest.fixture(scope="module")
-def pair():
-    target = tiny_llama(0, vocab=40, layers=4, hidden=32, scale=6)
-    return target, fit_head(target)
-
-
-@pytest.fixture(scope="module")
-def tiny_pair():
-    target = tiny_llama(0, vocab=6, layers=2, hidden=16, scale=3)
-    return target, tiny_feature_draft(target, draft_vocab=4, aux=(0, 1, 1), seed=3)
-
-
 @pytest.mark.parametrize("name", SHAPES)
-def test_greedy_equals_ar_and_drafts_as_the_host_round(pair, name):
-    target, head = pair
+def test_greedy_equals_ar_and_drafts_as_the_host_round(feature_pair, name):
+    target, head = feature_pair
     eng = RoundEngine(target, head, RoundShape(SHAPES[name]), GREEDY, name)
     host = build_engine(target, head, HOST[name], GREEDY) if name in HOST else None
     accepted = 0
@@ -47,8 +34,8 @@ def test_greedy_equals_ar_and_drafts_as_the_host_round(pair, name):
     assert name == "ar" or accepted > 0, "no draft token accepted: the commit went untested"
 
 
-def test_built_from_the_options_and_refused_where_it_cannot_run(pair):
-    target, head = pair
+def test_built_from_the_options_and_refused_where_it_cannot_run(feature_pair):
+    target, head = feature_pair
     eng = build_engine(target, head, StrategyConfig("sd", gamma=2, round="device"), GREEDY)
     assert isinstance(eng, RoundEngine) and eng.name == "sd[g=2]+device"
     assert eng.generate(PROMPTS[0], N)[0] == ar_output(target, PROMPTS[0])
@@ -60,19 +47,19 @@ def test_built_from_the_options_and_refused_where_it_cannot_run(pair):
         eng.generate([], 4)
 
 
-def test_eos_ends_the_text_inside_a_round(pair):
-    target, head = pair
+def test_eos_ends_the_text_inside_a_round(feature_pair):
+    target, head = feature_pair
     ref = ar_output(target, PROMPTS[2])
     eos = ref[5]
     out, _ = RoundEngine(target, head, RoundShape((1, 1, 1)), GREEDY).generate(PROMPTS[2], N, eos_token_id=eos)
     assert out == ref[:ref.index(eos) + 1]
 
 
-def test_cache_growth_keeps_the_text(pair, monkeypatch):
+def test_cache_growth_keeps_the_text(feature_pair, monkeypatch):
     from decoding.round import runner
 
     monkeypatch.setattr(runner, "START_CAPACITY", 16)
-    target, head = pair
+    target, head = feature_pair
     eng = RoundEngine(target, head, RoundShape((2, 1)), GREEDY)
     for prompt in PROMPTS:
         assert eng.generate(prompt, N)[0] == ar_output(target, prompt)
@@ -96,13 +83,13 @@ def test_sampling_test_catches_a_broken_residual(tiny_pair, monkeypatch):
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=0.8, top_p=0.9)], ids=["greedy", "top-p"])
-def test_the_round_traces_whole_with_no_graph_break(pair, sampling):
+def test_the_round_traces_whole_with_no_graph_break(feature_pair, sampling):
     """fullgraph=True raises on any graph break: the round has no host sync and no Python that
     depends on device data."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    target, head = pair
+    target, head = feature_pair
     eng = RoundEngine(target, head, RoundShape((2, 1, 1)), sampling)
     eng.step = torch.compile(eng.runner.round, fullgraph=True, backend="eager", dynamic=False)
     out, st = eng.generate(PROMPTS[0], N)
@@ -111,10 +98,10 @@ def test_the_round_traces_whole_with_no_graph_break(pair, sampling):
         assert out == ar_output(target, PROMPTS[0])
 
 
-def test_no_op_outside_the_round_and_one_host_read(pair):
+def test_no_op_outside_the_round_and_one_host_read(feature_pair):
     from decoding.bench.launches import per_round
 
-    target, head = pair
+    target, head = feature_pair
     eng = RoundEngine(target, head, RoundShape((2, 1, 1)), GREEDY)
     eng.generate(PROMPTS[0], 4)
     r = per_round(eng, PROMPTS, N)
@@ -124,10 +111,10 @@ def test_no_op_outside_the_round_and_one_host_read(pair):
     assert r["host_reads_per_round"] <= 1.0
 
 
-def test_the_round_splits_into_its_steps(pair):
+def test_the_round_splits_into_its_steps(feature_pair):
     from decoding.round.timing import split_ms
 
-    target, head = pair
+    target, head = feature_pair
     eng = RoundEngine(target, head, RoundShape((2, 1, 1)), GREEDY)
     ms = split_ms(eng, PROMPTS[0], reps=3)
     assert set(ms) == {"draft_ms", "verify_ms", "accept_commit_ms", "round_ms"} and ms["round_ms"] > 0
@@ -135,10 +122,10 @@ def test_the_round_splits_into_its_steps(pair):
 
 
 @pytest.mark.parametrize("lookahead", [2, 3])
-def test_rounds_queued_ahead_of_the_read_keep_the_text(pair, lookahead):
+def test_rounds_queued_ahead_of_the_read_keep_the_text(feature_pair, lookahead):
     """Round r + 1 launched before round r is read (as on CUDA): the same text, EOS and the token
     budget honoured, the rounds launched past them dropped."""
-    target, head = pair
+    target, head = feature_pair
     eng = RoundEngine(target, head, RoundShape((2, 1, 1)), GREEDY, lookahead=lookahead)
     for prompt in PROMPTS:
         ref = ar_output(target, prompt)
