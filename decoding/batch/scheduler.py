@@ -26,6 +26,7 @@ from decoding import acceptance as acc
 from decoding.batch.budget import JointGrow
 from decoding.batch.drafting import Drafting, draft_jointly
 from decoding.batch.forward import Segment, verify_many
+from decoding.batch.logprobs import MAX_TOP, TokenLogprob, token_logprobs
 from decoding.batch.measured import MeasuredChoice
 from decoding.drafts.feature import FeatureDraft
 from decoding.drafts.feature_proposer import FeatureProposer
@@ -60,6 +61,10 @@ class Request:
     joined_round: int = 0
     error: BaseException | None = None
     """What `on_tokens` raised (a client gone): the request left there, the others ran on."""
+    top_logprobs: int | None = None
+    """None: no logprobs (none computed); k: each output token's logprob and k alternatives."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """One per token of `out`, where `top_logprobs` is set (decoding.batch.logprobs)."""
 
     @property
     def committed(self) -> list[int]:
@@ -129,15 +134,17 @@ class BatchEngine:
         with the request first."""
 
     def add(self, prompt, max_new_tokens: int = 128, sampling: SamplingConfig | None = None, seed: int = 0,
-            eos_token_id=None, on_tokens=None) -> Request:
-        """A request joining at the next round."""
+            eos_token_id=None, on_tokens=None, top_logprobs: int | None = None) -> Request:
+        """A request joining at the next round; `top_logprobs`: see Request."""
         if not prompt:
             raise ValueError("empty prompt")
+        if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP}] (got {top_logprobs})")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
         eos = frozenset([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
         req = Request(list(prompt), max_new_tokens, sampling or SamplingConfig(), seed, eos, on_tokens,
-                      next(self._ids), joined_round=self.rounds)
+                      next(self._ids), joined_round=self.rounds, top_logprobs=top_logprobs)
         req.cache = CachedModel(self.target)
         req.gen = torch.Generator(device=self.target.device).manual_seed(seed)
         req.stats = RunStats(self.name, True)
@@ -287,6 +294,8 @@ class BatchEngine:
         new = toks[: r.max_new_tokens - len(r.out)]
         hit = next((i for i, x in enumerate(new) if x in r.eos), None)
         new = new if hit is None else new[: hit + 1]
+        if r.top_logprobs is not None:
+            r.logprobs += token_logprobs(logits, tree.size, path, new, r.top_logprobs)
         r.out += new
         r.stats.add_round(tree, path, len(new), draft_s, verify_s, time.perf_counter() - t)
         r.done = hit is not None or len(r.out) >= r.max_new_tokens

@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from decoding.sampling import SamplingConfig
 from decoding.serve import protocol as P
+from decoding.serve.logprobs import Logprobs
 from decoding.serve.worker import Busy, EngineWorker, Job
 
 
@@ -95,8 +96,10 @@ async def _answer(served: Served, worker: EngineWorker, body, ids: list[int], ch
                             status_code=400)
     eos = served.eos + tuple(t for t in body.stop_token_ids or () if t not in served.eos)
     seed = body.seed if body.seed is not None else secrets.randbits(31)  # unseeded: random, as OpenAI's
+    alt = body.alternatives()
     job = Job(ids, budget, SamplingConfig(body.temperature, body.top_p), seed, eos,
-              asyncio.get_running_loop(), asyncio.Queue())
+              asyncio.get_running_loop(), asyncio.Queue(), logprobs=alt)
+    lp = Logprobs(served.tokenizer, chat, alt) if alt is not None else None
     try:
         worker.submit(job)
     except Busy as e:  # nothing accepted is dropped: the queue is full, so ask the client to come back
@@ -104,16 +107,19 @@ async def _answer(served: Served, worker: EngineWorker, body, ids: list[int], ch
                             headers={"Retry-After": "1"})
     text_of = _Text(served.tokenizer, eos, body.stop)
     if body.stream:
-        return StreamingResponse(_events(text_of, worker, job, chat, body.model), media_type="text/event-stream")
+        return StreamingResponse(_events(text_of, worker, job, chat, body.model, lp),
+                                 media_type="text/event-stream")
     try:
-        text, finish = await _collect(text_of, worker, job)
+        text, finish = await _collect(text_of, worker, job, lp)
     except asyncio.CancelledError:  # the client went away before the answer
         worker.cancel(job)
         raise
     if finish is None:
         return JSONResponse(P.error(text, kind="server_error"), status_code=500)
     make = P.chat_completion if chat else P.completion
-    return make(body.model, text, finish, len(ids), job.generated)
+    # after a stop string: the tokens whose text starts before the cut
+    logprobs = lp.take(len(text) if job.stopped else None, empty=True) if lp else None
+    return make(body.model, text, finish, len(ids), job.generated, logprobs)
 
 
 class _Text:
@@ -142,11 +148,13 @@ class _Text:
         return text
 
 
-async def _collect(text_of: _Text, worker: EngineWorker, job: Job) -> tuple[str, str | None]:
+async def _collect(text_of: _Text, worker: EngineWorker, job: Job, lp: Logprobs | None) -> tuple[str, str | None]:
     text = ""
     while True:
         kind, value = await job.queue.get()
-        if kind == "tokens":
+        if kind == "logprobs":
+            lp.add(value)
+        elif kind == "tokens":
             text, stopped = text_of.add(value)
             if stopped:
                 worker.cancel(job, stopped=True)
@@ -157,18 +165,21 @@ async def _collect(text_of: _Text, worker: EngineWorker, job: Job) -> tuple[str,
             return value, None
 
 
-async def _events(text_of: _Text, worker: EngineWorker, job: Job, chat: bool, model: str):
+async def _events(text_of: _Text, worker: EngineWorker, job: Job, chat: bool, model: str, lp: Logprobs | None):
     chunks, sent, text = P.Chunks(chat, model), "", ""
+    take = lp.take if lp else (lambda chars=None: None)  # a token goes with the piece its text starts in
     try:
         if chat:
             yield _sse(chunks.piece("", first=True))
         while True:
             kind, value = await job.queue.get()
-            if kind == "tokens":
+            if kind == "logprobs":
+                lp.add(value)
+            elif kind == "tokens":
                 text, stopped = text_of.add(value)
                 ready = text if stopped else text_of.safe(text)
                 if ready[len(sent):]:
-                    yield _sse(chunks.piece(ready[len(sent):]))
+                    yield _sse(chunks.piece(ready[len(sent):], logprobs=take(len(ready))))
                     sent = ready
                 if stopped:
                     worker.cancel(job, stopped=True)
@@ -177,8 +188,8 @@ async def _events(text_of: _Text, worker: EngineWorker, job: Job, chat: bool, mo
             elif kind == "done":
                 rest = text.rstrip("\ufffd")[len(sent):]
                 if rest:
-                    yield _sse(chunks.piece(rest))
-                yield _sse(chunks.piece("", finish=value))
+                    yield _sse(chunks.piece(rest, logprobs=take()))
+                yield _sse(chunks.piece("", finish=value, logprobs=take()))
                 break
             else:
                 yield _sse(P.error(value, kind="server_error"))

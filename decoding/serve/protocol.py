@@ -1,7 +1,7 @@
 """The OpenAI-compatible request bodies (pydantic, as FastAPI validates them) and response shapes.
 
 Only what a speculative decoder can honour is accepted; fields OpenAI clients send by default
-(`n`=1, `logprobs` off, ...) are checked rather than silently ignored where they would change
+(`n`=1, `echo` off, ...) are checked rather than silently ignored where they would change
 the answer."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 NEUTRAL = {"user": None, "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-           "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "logit_bias": ({},),
+           "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "logit_bias": ({},),
            "response_format": ({"type": "text"},), "parallel_tool_calls": (True, False), "store": (False,),
            "metadata": None, "service_tier": ("auto", "default")}
 """Fields this server does not implement, accepted only at the value that changes nothing (None:
@@ -68,6 +68,12 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    """The chosen token's logprob and this many alternatives (decoding.serve.logprobs)."""
+
+    def alternatives(self) -> int | None:
+        """Alternatives each token's logprobs list (None: no logprobs)."""
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -90,6 +96,17 @@ class Message(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[Message]
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("messages")
     @classmethod
@@ -108,16 +125,18 @@ def _head(kind: str, model: str) -> dict:
     return {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "object": kind, "created": int(time.time()), "model": model}
 
 
-def completion(model: str, text: str, finish: str, prompt_tokens: int, tokens: int) -> dict:
+def completion(model: str, text: str, finish: str, prompt_tokens: int, tokens: int,
+               logprobs: dict | None = None) -> dict:
     return {**_head("text_completion", model),
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
             "usage": usage(prompt_tokens, tokens)}
 
 
-def chat_completion(model: str, text: str, finish: str, prompt_tokens: int, tokens: int) -> dict:
+def chat_completion(model: str, text: str, finish: str, prompt_tokens: int, tokens: int,
+                    logprobs: dict | None = None) -> dict:
     return {**_head("chat.completion", model),
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish}],
+                         "logprobs": logprobs, "finish_reason": finish}],
             "usage": usage(prompt_tokens, tokens)}
 
 
@@ -132,8 +151,9 @@ class Chunks:
         self.chat = chat
         self.head = _head("chat.completion.chunk" if chat else "text_completion", model)
 
-    def piece(self, text: str, finish: str | None = None, first: bool = False) -> dict:
+    def piece(self, text: str, finish: str | None = None, first: bool = False, logprobs: dict | None = None) -> dict:
         if self.chat:
             delta = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
-            return {**self.head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-        return {**self.head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+            return {**self.head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                              "finish_reason": finish}]}
+        return {**self.head, "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}

@@ -40,7 +40,10 @@ class Job:
     eos: tuple[int, ...] = ()
     loop: asyncio.AbstractEventLoop | None = None
     queue: asyncio.Queue | None = None
-    """Receives ("tokens", ids), then ("done", reason) or ("error", message)."""
+    """Receives ("tokens", ids) (each after its ("logprobs", entries) where `logprobs` is set), then
+    ("done", reason) or ("error", message)."""
+    logprobs: int | None = None
+    """None: no logprobs; k: each token's logprob and k alternatives (decoding.batch.logprobs)."""
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     generated: int = 0
@@ -215,7 +218,8 @@ class EngineWorker:
             return
         try:
             job.req = self.engine.add(job.prompt, job.max_new_tokens, job.sampling, job.seed,
-                                      eos_token_id=list(job.eos), on_tokens=lambda ids, j=job: self._tokens(j, ids))
+                                      eos_token_id=list(job.eos), on_tokens=lambda ids, j=job: self._tokens(j, ids),
+                                      top_logprobs=job.logprobs)
         except ValueError as e:
             self._finish(job, "error", str(e))
             return
@@ -231,6 +235,8 @@ class EngineWorker:
         job.generated += len(ids)
         self.counters.generated += len(ids)
         self.counters.recent.append((now, len(ids)))
+        if job.logprobs is not None:
+            job.push("logprobs", job.req.logprobs[-len(ids):], self._outbox)
         job.push("tokens", list(ids), self._outbox)
 
     def _round(self) -> None:
