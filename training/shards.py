@@ -66,9 +66,11 @@ def read_manifest(folder: Path, kind: str, version: int) -> dict | None:
 class ShardWriter:
     """Appends shards to a directory whose manifest pins `identity` (model pair, settings)."""
 
-    def __init__(self, folder, kind: str, version: int, identity: dict):
+    def __init__(self, folder, kind: str, version: int, identity: dict, suffix: str = ".parquet"):
         self.folder = Path(folder)
         self.kind, self.version, self.identity = kind, version, identity
+        self.suffix = suffix
+        """Shard file extension: unlisted `shard-*<suffix>` files are leftovers of a killed run."""
 
     def __enter__(self) -> ShardWriter:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -86,7 +88,7 @@ class ShardWriter:
                 raise ValueError(f"{self.folder} was written with another {key} "
                                  f"({self.manifest.get(key)}); use another output directory")
         listed = {s["file"] for s in self.manifest["shards"]}
-        for stale in [*self.folder.glob(".*.tmp-*"), *self.folder.glob("shard-*.parquet")]:
+        for stale in [*self.folder.glob(".*.tmp-*"), *self.folder.glob(f"shard-*{self.suffix}")]:
             if stale.name not in listed:
                 stale.unlink()
         return self
@@ -98,11 +100,17 @@ class ShardWriter:
         return {k for s in self.manifest["shards"] for k in s["prompt_ids"]}
 
     def write(self, table: pa.Table, prompt_ids: list[str], **extra) -> str:
+        return self.add(lambda p: pq.write_table(table, p, compression="zstd"), rows=table.num_rows,
+                        prompt_ids=list(prompt_ids), **extra)
+
+    def add(self, write: Callable[[Path], None], sized: bool = False, **entry) -> str:
+        """Write the next shard with `write(path)`, then list it with `entry` (and its size in
+        `bytes` when `sized`) in the manifest."""
         idx = 1 + max((int(s["file"][6:11]) for s in self.manifest["shards"]), default=-1)
-        name = f"shard-{idx:05d}.parquet"
-        atomic_write(self.folder / name, lambda p: pq.write_table(table, p, compression="zstd"))
-        self.manifest["shards"].append({"file": name, "rows": table.num_rows,
-                                        "prompt_ids": list(prompt_ids), **extra})
+        name = f"shard-{idx:05d}{self.suffix}"
+        atomic_write(self.folder / name, write)
+        size = {"bytes": (self.folder / name).stat().st_size} if sized else {}
+        self.manifest["shards"].append({"file": name, **entry, **size})
         write_json(self.folder / MANIFEST, self.manifest)
         return name
 

@@ -104,9 +104,10 @@ def keep_rows(tok, conv: Conversation, cfg: ChatCorpusConfig) -> list[tuple]:
 
 
 def regenerate(teacher: Teacher, convs: list[Conversation], cfg: ChatCorpusConfig,
-               clock: GenClock, bar=None) -> dict[str, list[tuple]]:
+               clock: GenClock, bar=None, generate=generate_rows) -> dict[str, list[tuple]]:
     """Conversation id -> (row id, prompt ids, completion ids, finished) of every turn the
-    target wrote, turn k of all conversations batched together."""
+    target wrote, turn k of all conversations batched together. `generate`: generate_rows'
+    signature (training.corpus.scale passes the batched engine's)."""
     tok, gen = teacher.tokenizer, cfg.generation()
     history = {c.id: _head(c)[0] for c in convs}
     users = {c.id: _head(c)[1] for c in convs}
@@ -122,7 +123,7 @@ def regenerate(teacher: Teacher, convs: list[Conversation], cfg: ChatCorpusConfi
         if not todo:
             break
         rids = [f"{cid}{TURN_SEP}{k}" for cid, _ in todo]
-        res = generate_rows(teacher, [ids for _, ids in todo],
+        res = generate(teacher, [ids for _, ids in todo],
                             [prompt_seed(cfg.seed, r) for r in rids], gen, clock, bar)
         for (cid, ids), rid, (comp, fin) in zip(todo, rids, res):
             reply = tok.decode(comp[:-1] if fin else comp, skip_special_tokens=True)

@@ -125,13 +125,7 @@ def _sha256(data: bytes) -> str:
 
 
 def load_teacher(cfg: CorpusConfig) -> Teacher:
-    from decoding.models import (
-        DEFAULT_TARGET_NAME,
-        fingerprint,
-        load_model,
-        load_tokenizer,
-        resolve_model_dir,
-    )
+    from decoding.models import DEFAULT_TARGET_NAME, load_model, load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(cfg.target)
     model, tok = load_model(cfg.target, dtype=cfg.dtype), load_tokenizer(cfg.target)
@@ -146,17 +140,25 @@ def load_teacher(cfg: CorpusConfig) -> Teacher:
                                       add_generation_prompt=True, tokenize=True)
         return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
 
-    eos = model.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [tok.eos_token_id])
+    eos = eos_ids(model, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
-    # The weights' identity (decoding.models.fingerprint: weight-defining config fields + a
-    # weight sample, so a newer transformers keeps it) plus the tokenizer and chat template.
     name = DEFAULT_TARGET_NAME if cfg.target is None else model_dir.name
-    info = fingerprint(model, name) | {
-        "vocab_size": len(tok),
-        "chat_template_sha256": _sha256((tok.chat_template or "").encode()),
-    }
-    return Teacher(model, encode, eos, pad, info, tok)
+    return Teacher(model, encode, eos, pad, target_info(model, tok, name), tok)
+
+
+def eos_ids(model, tok) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [tok.eos_token_id])
+
+
+def target_info(model, tok, name: str) -> dict:
+    """A corpus's target identity: the weights' (decoding.models.fingerprint: weight-defining
+    config fields + a weight sample, so a newer transformers keeps it) plus the tokenizer and
+    chat template."""
+    from decoding.models import fingerprint
+
+    return fingerprint(model, name) | {
+        "vocab_size": len(tok), "chat_template_sha256": _sha256((tok.chat_template or "").encode())}
 
 
 def with_writer(teacher: Teacher, cfg: CorpusConfig) -> Teacher:

@@ -235,10 +235,9 @@ def build(corpora: list[str], root, settings: CacheSettings, teacher, max_tokens
           vocab: torch.Tensor | None = None) -> tuple[Path, DraftVocab]:
     """Cache every corpus shard not cached yet (up to max_minutes); returns (folder, vocab).
     `vocab`: fixed draft-vocabulary ids (see open_cache)."""
-    import pyarrow.parquet as pq
     from tqdm import tqdm
 
-    from training.corpus.teacher import read_manifest
+    from training.corpus.tokens import any_manifest as read_manifest, columns
     from training.head.vocab import special_ids
 
     mans = {}
@@ -259,9 +258,8 @@ def build(corpora: list[str], root, settings: CacheSettings, teacher, max_tokens
     for c, s in todo:
         if max_minutes is not None and time.time() - t0 > 60 * max_minutes:
             break
-        t = pq.read_table(Path(c) / s["file"], columns=["prompt_ids", "completion_ids"])
-        seqs, starts = rows_of_shard(t.column(0).to_pylist(), t.column(1).to_pylist(),
-                                     settings.max_prompt_tokens)
+        t = columns(c, s, ["prompt_ids", "completion_ids"])
+        seqs, starts = rows_of_shard(t["prompt_ids"], t["completion_ids"], settings.max_prompt_tokens)
         out = compute_shard(teacher.model, seqs, starts, settings, vocab.used, teacher.pad_token_id,
                             max_tokens)
         d = shard_dir(folder, c, mans[c])

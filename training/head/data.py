@@ -152,8 +152,8 @@ class FeatureDataModule(L.LightningDataModule):
         return CacheSettings(list(layers), size, self.k, self.max_prompt_tokens)
 
     def _manifests(self) -> dict[str, dict]:
-        from training.corpus.teacher import read_manifest
         from training.corpus.teacher import target_fingerprint
+        from training.corpus.tokens import any_manifest as read_manifest  # either corpus format
 
         self.target_info = self.target_info or target_fingerprint(self.target)
         out = {}
@@ -182,9 +182,8 @@ class FeatureDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows:
             return
-        import pyarrow.parquet as pq
-
         from decoding.models import load_model
+        from training.corpus.tokens import columns
 
         mans = self._manifests()
         settings = self.settings()
@@ -209,7 +208,7 @@ class FeatureDataModule(L.LightningDataModule):
             shards = (cached(folder, c, mans[c]) if folder else
                       [(s, None) for s in mans[c]["shards"]])
             for s, path in shards:
-                cols = pq.read_table(Path(c) / s["file"]).to_pydict()
+                cols = columns(c, s)
                 for i in range(s["rows"]):
                     val = is_val(cols["prompt_id"][i], self.val_percent)
                     if val and (n > 0 or len(self.val_rows) >= self.max_val_rows):

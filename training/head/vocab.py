@@ -47,9 +47,7 @@ class DraftVocab:
 
 def count_tokens(corpora: list[str]) -> tuple[Counter, int]:
     """(completion token counts, target vocab size) over the corpora (same target required)."""
-    import pyarrow.parquet as pq
-
-    from training.corpus.teacher import read_manifest
+    from training.corpus.tokens import any_manifest as read_manifest, columns
 
     c: Counter = Counter()
     target = None
@@ -61,8 +59,7 @@ def count_tokens(corpora: list[str]) -> tuple[Counter, int]:
             raise ValueError(f"{corpus} was written for another target than {corpora[0]}")
         target = m["target"]
         for s in m["shards"]:
-            col = pq.read_table(Path(corpus) / s["file"], columns=["completion_ids"]).column(0)
-            for ids in col.to_pylist():
+            for ids in columns(corpus, s, ["completion_ids"])["completion_ids"]:
                 c.update(ids)
     return c, int(target["vocab_size"])
 
