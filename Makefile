@@ -112,7 +112,7 @@ gemma3: venv
 
 # Opt-in (never part of `make test`): the shipped head exported and loaded in vLLM's CPU build
 # beside the embedded target; fp32 outputs and per-prompt accepted draft tokens must equal
-# specstop's own (training/export/check.py). Writes reports/serve-check/; exit 1 = contract broken.
+# specstop's own (training/export/check.py). Writes runs/serve-check/; exit 1 = contract broken.
 # vLLM lives in its own venv: its wheel pulls CUDA builds of torchvision / torchaudio /
 # torchcodec that break `import vllm` on a CPU machine (removed), and speculative decoding wants
 # tcmalloc + Intel OpenMP preloaded (libiomp5 ships in the venv; tcmalloc from Debian).

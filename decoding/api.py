@@ -9,7 +9,8 @@
         print(piece, end="", flush=True)
 
 `target` / `draft` are model directories or already-loaded Hugging Face causal LMs (then pass
-`tokenizer=`; they are used in the dtype and on the device they are in). Options left None come
+`tokenizer=`; they are used in the dtype and on the device they are in; a specstop stand-alone
+draft loaded by plain transformers drafts with its recorded pruned head, as from its directory). Options left None come
 from `decoding/defaults.yaml` for the shipped pair on this device kind, else its `other-pairs`
 entry, as a whole and only when no strategy or shape is named: `strategy="sd", gamma=3` is sd
 g3 at fixed depth, whatever the defaults' stop rule. Every bad input raises ValueError (decoding.models.ModelError for models) with one clear line.
@@ -260,6 +261,10 @@ def _session_from_models(target, draft, tokenizer, draft_tokenizer) -> Session:
         draft_tokenizer = load_tokenizer(draft_tokenizer)
     target.eval()
     if draft is not None:
-        draft.eval()
+        from decoding.drafts.pruned import with_recorded_head
+
+        # a stand-alone draft loaded by plain transformers drafts with the head its directory
+        # records, as when loaded from that directory (same fingerprint, same deciders)
+        draft = with_recorded_head(draft.eval())
         check_pair(target, draft, tokenizer, draft_tokenizer or tokenizer)
     return Session(target, draft, tokenizer, None, None)

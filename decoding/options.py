@@ -248,8 +248,9 @@ FLAGS: dict[str, Flag] = {
                    unset="the embedded SmolLM2-135M-Instruct"),
     "draft": Flag("the draft: a feature-head or stand-alone draft directory", unset="the shipped one"),
     "head": Flag("the feature head our rows draft with (a directory)", unset="the shipped one"),
-    "decider": Flag("decider checkpoint: a directory, or 'latest' (the newest in "
-                    "checkpoints/deciders/registry.json)", unset="latest"),
+    "decider": Flag("decider checkpoint: a run directory, a deciders root holding registry.json "
+                    "(its latest, e.g. runs/deciders), or 'latest' (the shipped pair's: "
+                    "checkpoints/deciders)", unset="latest"),
     "dtype": Flag("the models' dtype: the one they load and compute in, or the one a command that writes "
                   "weights writes; auto: bfloat16 on CUDA, a CPU with AMX, or one with AVX512-BF16 and the "
                   "packed forward, float32 elsewhere (measured faster there)",

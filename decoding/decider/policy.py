@@ -1,9 +1,13 @@
 """The decision model: predicts from draft-side features whether a drafted token will be
 accepted, and the stop policy that uses it. Checkpoints describe themselves:
 
-    checkpoints/deciders/<run-id>/config.json        kind, schema version, model pair, threshold, rule
-                                 /model.safetensors  weights + feature normalisation
-                                 /metrics.json       held-out metrics and replay results
+    <root>/<run-id>/config.json        kind, schema version, model pair, threshold, rule
+                   /model.safetensors  weights + feature normalisation
+                   /metrics.json       held-out metrics and replay results
+    <root>/registry.json               every run, and `latest` (training.decider.registry)
+
+Roots: checkpoints/deciders (DECIDERS_DIR: the shipped pair's, what `--decider latest`
+reads) and runs/deciders (RUNS_DECIDERS: where training.fit and training.retrain write user runs).
 """
 
 from __future__ import annotations
@@ -31,7 +35,13 @@ HIDDEN_KINDS = ("hidden", "hybrid")  # kinds that read the draft's hidden state
 
 def uses_hidden(kind: str) -> bool:
     return kind in HIDDEN_KINDS
+
+
 DECIDERS_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "deciders"
+"""The shipped deciders root (tracked): written only by an explicit `--export.out` to it."""
+RUNS_DECIDERS = "runs/deciders"
+"""Default root of user fits and retrains (relative to the working directory, like runs/traces)."""
+REGISTRY = "registry.json"
 
 
 @dataclass
@@ -189,30 +199,42 @@ def save_decider(out: str | os.PathLike, net: DeciderNet, cfg: DeciderConfig, me
     return out
 
 
-def resolve_decider_dir(path: str | os.PathLike | None) -> Path:
+def registry_root(path: str | os.PathLike | None) -> Path | None:
+    """The deciders root `path` names ('latest' or None: the shipped one; a directory holding
+    registry.json and no config.json), else None (a run directory)."""
     if path in (None, "latest"):
-        reg = DECIDERS_DIR / "registry.json"
-        try:
-            latest = json.loads(reg.read_text())["latest"]
-        except (OSError, ValueError, KeyError, TypeError):
-            raise ModelError(f"no usable decider registry at {reg}: pass --decider DIR") from None
-        if not isinstance(latest, str) or not latest or "/" in latest or latest.startswith("."):
-            raise ModelError(f"{reg} names no latest decider (latest = {json.dumps(latest)}): "
-                             f"fit one (python -m training.fit) or pass --decider DIR")
-        return DECIDERS_DIR / latest
-    return Path(path)
+        return DECIDERS_DIR
+    p = Path(path)
+    return p if (p / REGISTRY).is_file() and not (p / "config.json").exists() else None
 
 
-def _registered_for(role: str, name: str | None) -> str:
-    """A hint naming the registered deciders whose `role` model has this name (newest first), for
-    `latest` refused because it belongs to another pair (the registry's latest is the default
-    pair's)."""
+def resolve_decider_dir(path: str | os.PathLike | None) -> Path:
+    """The decider directory `path` names: 'latest' (or None) = the shipped registry's latest; a
+    deciders root (registry.json inside) = its latest; anything else = that run directory."""
+    root = registry_root(path)
+    if root is None:
+        return Path(path)
+    reg = root / REGISTRY
     try:
-        runs = json.loads((DECIDERS_DIR / "registry.json").read_text())["runs"]
+        latest = json.loads(reg.read_text())["latest"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ModelError(f"no usable decider registry at {reg}: pass --decider DIR") from None
+    if not isinstance(latest, str) or not latest or "/" in latest or latest.startswith("."):
+        raise ModelError(f"{reg} names no latest decider (latest = {json.dumps(latest)}): "
+                         f"fit one (python -m training.fit) or pass --decider DIR")
+    return root / latest
+
+
+def _registered_for(root: Path, role: str, name: str | None) -> str:
+    """A hint naming the deciders registered in `root` whose `role` model has this name (newest
+    first), for a root's `latest` refused because it belongs to another pair."""
+    try:
+        runs = json.loads((root / REGISTRY).read_text())["runs"]
         ids = [r["run_id"] for r in reversed(runs) if r.get("model_pair", {}).get(role) == name]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return ""
-    return f"pass --decider {DECIDERS_DIR.parent.name}/{DECIDERS_DIR.name}/{ids[0]} (registered for {name})" if ids else ""
+    where = f"{root.parent.name}/{root.name}" if root == DECIDERS_DIR else str(root)
+    return f"pass --decider {where}/{ids[0]} (registered for {name})" if ids else ""
 
 
 def load_decider(path, target=None, draft=None) -> tuple[DeciderNet, DeciderConfig]:
@@ -237,7 +259,8 @@ def load_decider(path, target=None, draft=None) -> tuple[DeciderNet, DeciderConf
             raise ModelError(f"decider {d} records an older model fingerprint: update it with "
                              f"`python -m training.migrate_fingerprints {d}` (see --help)")
         if model is not None and want is not None and not same_model(want, fingerprint(model)):
-            hint = _registered_for(role, fingerprint(model).get("name")) if path in (None, "latest") else ""
+            root = registry_root(path)
+            hint = _registered_for(root, role, fingerprint(model).get("name")) if root else ""
             hint = hint or ("collect traces and fit one for this pair (python -m training.collect, then "
                             "python -m training.fit), or stop with fixed or confidence")
             raise ModelError(f"decider {d} was trained for another {role} model ({want.get('name')}): {hint}")

@@ -150,3 +150,35 @@ def save_draft_weights(model, out: Path) -> list[int] | None:
         model.generation_config.save_pretrained(out)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     return None if full else ids
+
+
+def with_recorded_head(model):
+    """`model` as its draft directory defines it: a stand-alone draft loaded by plain transformers
+    (AutoModelForCausalLM) has the full tied output layer, while its directory's specstop_draft.json
+    records the pruned head it was trained, measured and fit deciders with (and its fingerprint
+    names). Returns a view proposing from those ids that shares every weight with `model` (the
+    caller's object keeps its own head); any other model is returned as it is."""
+    import copy
+
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    src = Path(str(getattr(model.config, "_name_or_path", "") or ""))
+    if isinstance(head, PrunedHead) or not src.is_dir() or not isinstance(head, torch.nn.Linear) \
+            or head.bias is not None or emb is None or head.weight is not emb.weight:
+        return model  # only a stock tied head over the loaded embedding can be the recorded one
+    try:
+        ids = head_ids_of(src)
+    except ValueError as e:
+        raise ModelError(str(e)) from None
+    if ids is None:
+        return model
+    vocab, hidden = emb.weight.shape
+    if not ids or min(ids) < 0 or max(ids) >= vocab or len(set(ids)) != len(ids):
+        raise ModelError(f"{src}: head_ids must be unique token ids below {vocab}")
+    with torch.device("meta"):  # its weight is the loaded embedding: allocate nothing
+        pruned = PrunedHead(vocab, hidden, len(ids))
+    pruned.weight = emb.weight
+    pruned.ids = torch.tensor(ids, dtype=torch.long, device=emb.weight.device)
+    view = copy.copy(model)
+    view._modules = dict(model._modules)  # its own module table: `model` keeps its head
+    view.set_output_embeddings(pruned)
+    return view

@@ -1,12 +1,17 @@
 """training.decider.ceiling: the AUC an estimate needs for the grow rule to pay, on synthetic traces."""
 
 import json
+import re
+import shlex
+import shutil
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 
 from support.traces import PAIR, write_traces
 from training.decider.ceiling import CeilingConfig, ceiling, main, needed_auc
+from training.decider.registry import register
 from training.decider.threshold import DEFAULT_COST
 
 
@@ -49,3 +54,25 @@ def test_refuses_sampled_traces_and_another_pair(tmp_path, decider_dir, capsys):
     (sampled / "manifest.json").write_text(json.dumps(m))
     assert main(["--traces", str(sampled), "--decider", str(decider_dir)]) == 2
     assert "greedy traces only" in capsys.readouterr().err
+
+
+def readme_command(module: str) -> list[str]:
+    """The flags the README's `python -m <module> ...` line passes (it may wrap)."""
+    text = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    cmd = re.search(rf"`python -m {re.escape(module)}([^`]*)`", text).group(1)
+    return shlex.split(cmd)
+
+
+def test_the_readme_command_runs_after_the_readmes_collect_and_fit(tmp_path, decider_dir, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    argv = readme_command("training.decider.ceiling")
+    assert main(argv) == 2  # nothing collected yet: the error names the flag
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: runs/traces-mine-heldout: no trace manifest") and "--traces" in err
+    write_traces(tmp_path / "runs" / "traces-mine-heldout", n_prompts=30)  # the README's held-out collect
+    root = tmp_path / "runs" / "deciders"  # the README's fit: its root, the run promoted
+    shutil.copytree(decider_dir, root / "run-1")
+    register(root, "run-1", {})
+    assert main(argv) == 0 and main([]) == 0  # the defaults are the README's paths too
+    assert json.loads((tmp_path / "runs" / "ceiling" / "run-1" / "ceiling.json").read_text())["decider"] == str(
+        Path("runs/deciders/run-1"))

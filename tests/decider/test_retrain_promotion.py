@@ -15,6 +15,7 @@ from support import retrain_seams
 from support.models import noisy_copy, tiny_llama
 from support.retrain_seams import make_decider
 from support.decider import write_prompts
+from decoding.decider import policy as D
 from training.decider import registry
 from training.decider import retrain as R
 
@@ -129,3 +130,21 @@ def test_crash_during_promotion_is_completed_not_recomputed(env, monkeypatch, wh
     assert rc == R.EXIT_PROMOTED and env.state["assessed"] == 0  # completed, not re-compared
     assert d["champion"] == "champ" and env.latest() == d["challenger"] != "champ"
     assert env.run()[0] == R.EXIT_UP_TO_DATE
+
+
+@pytest.mark.parametrize("shipped_kind", ["timid", "good"])
+def test_a_new_root_is_judged_against_the_shipped_latest_and_only_it_changes(env, tmp_path, monkeypatch,
+                                                                             shipped_kind):
+    shipped = tmp_path / "shipped"
+    make_decider(shipped, "ship", shipped_kind, promote=True)
+    monkeypatch.setattr(D, "DECIDERS_DIR", shipped)
+    monkeypatch.setattr(R, "DECIDERS_DIR", shipped)
+    before = {p.name: p.read_bytes() for p in shipped.rglob("*") if p.is_file()}
+    rc, _ = env.run(margin=0.02)
+    d = env.decision()
+    assert d["champion"] == str(shipped / "ship") and d["champion_metrics"]["tokens_per_s"] > 0
+    if shipped_kind == "timid":  # beaten: the challenger becomes the user root's latest
+        assert rc == R.EXIT_PROMOTED and env.latest() == d["challenger"]
+    else:
+        assert rc == R.EXIT_KEPT and env.latest() is None and not d["promoted"]
+    assert {p.name: p.read_bytes() for p in shipped.rglob("*") if p.is_file()} == before

@@ -1,6 +1,6 @@
 """How good must an acceptance estimate be for the grow rule to pay on this pair and machine?
 
-    python -m training.decider.ceiling --traces runs/traces-heldout [--decider latest]
+    python -m training.decider.ceiling --traces runs/traces-mine-heldout --decider runs/deciders
 
 Replays the grow rule (grow_replay, decisions exactly as the engine makes them) on greedy traces
 with a family of estimators that know more and more about the outcome: the draft's q with the
@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from decoding.decider.policy import resolve_decider_dir
+from decoding.decider.policy import RUNS_DECIDERS, resolve_decider_dir
+from decoding.models.fingerprint import same_model
 
 from training.config_flags import parse_config
 from training.decider.grow_replay import grow_policy
@@ -38,12 +39,13 @@ from training.decider.traces import load_traces
 
 @dataclass
 class CeilingConfig:
-    traces: str = "runs/traces-heldout"
-    """Greedy trace dir to replay (held-out prompts)."""
-    decider: str = "latest"
-    """Decider checkpoint: its stored cost model prices the replay; its test ROC-AUC is marked."""
+    traces: str = "runs/traces-mine-heldout"
+    """Greedy trace dir to replay (held-out prompts; the README's held-out collect)."""
+    decider: str = RUNS_DECIDERS
+    """Decider: a run dir, a deciders root (its latest) or 'latest' (the shipped pair's). Its
+    stored cost model prices the replay; its test ROC-AUC is marked."""
     out: str | None = None
-    """Report dir (default: reports/decider/<decider id>/ceiling)."""
+    """Report dir (default: runs/ceiling/<decider id>)."""
     betas: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0])
     """How much of the outcome each estimator of the family knows (0 = q alone)."""
     noise: float = 1.0
@@ -78,13 +80,18 @@ def needed_auc(aucs: list[float], tps: list[float], goal: float) -> float | None
 
 
 def ceiling(cfg: CeilingConfig) -> dict:
-    manifest, table = load_traces(cfg.traces)
+    try:
+        manifest, table = load_traces(cfg.traces)
+    except ValueError as e:  # the default path: name the flag that picks another
+        raise ValueError(f"{e}: pass --traces DIR (held-out greedy traces from training.collect)") from None
     if float(manifest.get("collect", {}).get("temperature", 0.0)) != 0.0:
         raise ValueError(f"{cfg.traces}: traces were sampled; the ceiling replays greedy traces only")
     ddir = resolve_decider_dir(cfg.decider)
     dconf = json.loads((ddir / "config.json").read_text())
-    if dconf.get("model_pair") != manifest.get("model_pair"):
-        raise ValueError(f"decider {ddir} was trained for another model pair than {cfg.traces}")
+    pair, want = dconf.get("model_pair") or {}, manifest.get("model_pair") or {}
+    if set(pair) != set(want) or not all(same_model(pair[r], want[r]) for r in pair):
+        raise ValueError(f"decider {ddir} was trained for another model pair than {cfg.traces}: "
+                         f"pass --decider DIR (the one fit on these traces' pair)")
     cm = dconf["cost_model"]
     cost = CostModel(**cm)  # the fit stores asdict(CostModel); a curve without a unit reads as nodes
     rs = ReplaySet(table)
@@ -155,7 +162,7 @@ def main(argv=None) -> int:
     except (ValueError, OSError, KeyError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    out = Path(cfg.out or Path("reports/decider") / Path(res["decider"]).name / "ceiling")
+    out = Path(cfg.out or Path("runs/ceiling") / Path(res["decider"]).name)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "ceiling.json.tmp"
     tmp.write_text(json.dumps(res, indent=1, default=float))

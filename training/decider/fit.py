@@ -6,7 +6,9 @@ LightningCLI (run=False): `model.*` DeciderModule, `data.*` TraceDataModule, `tr
 `checkpoint.*` (best-val ModelCheckpoint), `replay.*` (cost model, threshold grid) and
 `export.*` (output root, reports). After training, the global-zero process scores the
 splits, fits the scikit-learn baselines, replays thresholds on VAL, reports on TEST, writes
-`<export.out>/<run-id>/` via decoding.decider.policy.save_decider and registers it as `latest`.
+`<export.out>/<run-id>/` via decoding.decider.policy.save_decider and registers it in
+`<export.out>/registry.json` (as `latest` unless --export.promote false). The default root is
+runs/deciders; only `--export.out checkpoints/deciders` changes the shipped pair's.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 
-from decoding.decider.policy import DECIDERS_DIR, DeciderConfig, DeciderNet, save_decider, uses_hidden
+from decoding.decider.policy import RUNS_DECIDERS, DeciderConfig, DeciderNet, save_decider, uses_hidden
 from decoding.decider.features import FEATURE_GROUPS, FEATURE_SCHEMA_VERSION, NUM_FEATURES
 from decoding.options import add_option
 
@@ -42,10 +44,10 @@ from training.decider.threshold import ReplayConfig, load_cost, policy_ms, selec
 class ExportConfig:
     """Where the trained decider and its report go."""
 
-    out: str | None = None
-    """Deciders root: <out>/<run-id>/ and <out>/registry.json. None = checkpoints/deciders of
-    this checkout (decoding.decider.policy.DECIDERS_DIR), the one `--decider latest` reads."""
-    reports: str | None = "reports/decider"
+    out: str = RUNS_DECIDERS
+    """Deciders root: <out>/<run-id>/ and <out>/registry.json (`--decider <out>` reads its
+    latest). checkpoints/deciders is the shipped pair's, what `--decider latest` reads."""
+    reports: str | None = None
     """Plots and summary.md go to <reports>/<run-id>/ (null: into the run directory)."""
     run_id: str | None = None
     """Default: <UTC timestamp>-<6 hex of the config and trace identity>."""
@@ -205,7 +207,7 @@ def export(model: DeciderModule, dm: TraceDataModule, rcfg: ReplayConfig, ecfg: 
                       "traces": {"path": dm.traces, "test_path": dm.test_traces,
                                  "collect": dm.manifest.get("collect"), "splits": sizes},
                       "training": training, **results, "config": config})
-    out_root = Path(ecfg.out) if ecfg.out else DECIDERS_DIR
+    out_root = Path(ecfg.out or RUNS_DECIDERS)
     run_dir = save_decider(out_root / run_id, net, dcfg, metrics)
     rep_dir = Path(ecfg.reports) / run_id if ecfg.reports else run_dir
     rep_dir.mkdir(parents=True, exist_ok=True)
@@ -240,7 +242,7 @@ def main(argv=None) -> int:
     dm, model, trainer = cli.datamodule, cli.model, cli.trainer
     rcfg, ecfg = cli.config_init.replay, cli.config_init.export
     try:
-        taken = Path(ecfg.out or DECIDERS_DIR) / ecfg.run_id if ecfg.run_id else None
+        taken = Path(ecfg.out or RUNS_DECIDERS) / ecfg.run_id if ecfg.run_id else None
         if taken is not None and taken.exists():  # decider dirs are write-once: refuse before training
             raise ValueError(f"{taken} already exists: decider checkpoints are write-once, pick another export.run_id")
         dm.load()  # fail on bad traces before any process is launched

@@ -5,8 +5,9 @@
 Each run lives in `<work>/<input-key>/` (config.json, traces, decision.json), where the key
 hashes the new prompt files, this config and the model pair: re-running on the same inputs
 finds decision.json and changes nothing; a run killed midway resumes (collection skips
-finished prompts, a finished fit is reused). The champion is the registry's `latest`; the
-challenger is promoted only when it beats the champion on the SAME held-out traces by the
+finished prompts, a finished fit is reused). The champion is the registry's `latest` (while
+the root has none: the shipped `latest`, if it fits the pair; promotion still writes only this
+root); the challenger is promoted only when it beats the champion on the SAME held-out traces by the
 configured margin (replayed tokens/s, ROC-AUC not worse) and does not lose the live check.
 
 Promotion is a compare-and-swap: the decision is written to decision.pending.json, then
@@ -43,7 +44,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 
-from decoding.decider.policy import DECIDERS_DIR, load_decider, uses_hidden
+from decoding.decider.policy import DECIDERS_DIR, RUNS_DECIDERS, load_decider, resolve_decider_dir, uses_hidden
 from decoding.drafts.io import is_feature_draft
 from decoding.models import ModelError, fingerprint, same_model
 
@@ -65,8 +66,9 @@ class RetrainConfig:
     """Directory of JSONL files of logged prompts ({"prompt": ..., optional "id", "kind"})."""
     work: str = "runs/retrain"
     """Versioned run directories live here."""
-    deciders: str | None = None
-    """Deciders root with registry.json (None = checkpoints/deciders)."""
+    deciders: str = RUNS_DECIDERS
+    """Deciders root with registry.json that challengers are written to and promoted in
+    (checkpoints/deciders: the shipped pair's, what `--decider latest` reads)."""
     fit_config: str = "configs/fit_decider.yaml"
     """The fit's YAML (training.fit --config) the challenger is trained with."""
     fit_overrides: list[str] = field(default_factory=list)
@@ -155,6 +157,18 @@ def comparable_champion(decider_dir: Path, session, draft_dir) -> bool:
         return False
 
 
+def shipped_champion(root: Path, session) -> Path | None:
+    """The shipped `latest` when it fits this pair: a root's first challenger is judged against it."""
+    if root.resolve() == DECIDERS_DIR.resolve():
+        return None
+    try:
+        d = resolve_decider_dir("latest")
+        load_decider(d, session.target, session.draft)
+    except ModelError:  # none shipped, or for another pair: the first challenger stands alone
+        return None
+    return d
+
+
 def run_redistill(rd_cfg, cfg: RetrainConfig, session, log) -> dict:
     """The head's re-distillation (training.head.redistill) on this run's prompts and pair."""
     from training.head import redistill as RD
@@ -181,7 +195,7 @@ def run(cfg: RetrainConfig, session=None, log=print) -> int:
     from decoding.models.session import Session
     from training.decider.replay import CostModel
 
-    root = Path(cfg.deciders) if cfg.deciders else DECIDERS_DIR
+    root = Path(cfg.deciders or RUNS_DECIDERS)
     prompts = read_logged(Path(cfg.new_prompts))
     rd_cfg = None
     if cfg.redistill:  # a bad config fails now, not after the night's work
@@ -204,10 +218,12 @@ def run(cfg: RetrainConfig, session=None, log=print) -> int:
             return EXIT_UP_TO_DATE
         if (run_dir / PENDING).exists():  # a promotion cut short: finish it, never re-compare
             return finish_promotion(root, run_dir, json.loads((run_dir / PENDING).read_text()), log)
-        champion_id = read_registry(root).get("latest")
+        latest = read_registry(root).get("latest")
+        champion = root / latest if latest else shipped_champion(root, session)
+        champion_id = latest or (str(champion) if champion else None)
         draft_dir = getattr(session, "draft_dir", None) or cfg.draft
         # fail before any work on a corrupt or foreign champion
-        comparable = champion_id is None or comparable_champion(root / champion_id, session, draft_dir)
+        comparable = champion is None or comparable_champion(champion, session, draft_dir)
         run_dir.mkdir(exist_ok=True)
         write_json(run_dir / "config.json", {"config": asdict(cfg), "prompts": len(prompts),
                                              "champion": champion_id})
@@ -237,11 +253,11 @@ def run(cfg: RetrainConfig, session=None, log=print) -> int:
         chall = assess(root / challenger_id, run_dir / "traces_heldout", cost, hidden)
         champ = None
         if champion_id and comparable:
-            champ_hidden = uses_hidden(json.loads((root / champion_id / "config.json").read_text())["kind"])
-            champ = assess(root / champion_id, run_dir / "traces_heldout", cost, champ_hidden)
+            champ_hidden = uses_hidden(json.loads((champion / "config.json").read_text())["kind"])
+            champ = assess(champion, run_dir / "traces_heldout", cost, champ_hidden)
         if champ is not None and cfg.live_prompts > 0:
             live = held[: cfg.live_prompts]
-            champ["live_tokens_per_s"] = live_tokens_per_s(session, root / champion_id, live, cfg)
+            champ["live_tokens_per_s"] = live_tokens_per_s(session, champion, live, cfg)
             chall["live_tokens_per_s"] = live_tokens_per_s(session, root / challenger_id, live, cfg)
         promote, reason = decide(champ, chall, cfg)
         if not comparable:
@@ -253,7 +269,7 @@ def run(cfg: RetrainConfig, session=None, log=print) -> int:
             redistill |= run_redistill(rd_cfg, cfg, session, log)
         elif redistill["recommended"] and cfg.redistill_command:
             redistill["exit_code"] = subprocess.run(cfg.redistill_command).returncode
-        decision = {"promoted": promote, "reason": reason, "champion": champion_id,
+        decision = {"promoted": promote, "reason": reason, "champion": champion_id, "root_latest": latest,
                     "challenger": challenger_id, "champion_metrics": champ, "challenger_metrics": chall,
                     "collect": stats, "redistill": redistill,
                     "decided": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -274,7 +290,7 @@ def finish_promotion(root: Path, run_dir: Path, decision: dict, log=print) -> in
         info = next((r for r in read_registry(root)["runs"] if r.get("run_id") == chall), {})
         try:
             register(root, chall, {k: v for k, v in info.items() if k != "run_id"}, promote=True,
-                     expect_latest=decision["champion"])
+                     expect_latest=decision.get("root_latest", decision["champion"]))
         except LatestMoved as e:
             pending.unlink()  # judged against a champion that is gone: the next run re-compares
             log(f"error: {e}; nothing promoted, run again to compare against it")

@@ -1,7 +1,7 @@
 """`make serve-check`: the exported head in vLLM beside the embedded target, checked against
 specstop's own engine (a contract, not a format on paper).
 
-    python -m training.export.check [--python .venv-vllm/bin/python] [--out reports/serve-check]
+    python -m training.export.check [--python .venv-vllm/bin/python] [--out runs/serve-check]
         [--per-domain 6] [--max-new-tokens 96] [--contract-only]
 
 On the project's held-out prompts (the first `per_domain` of heldout_general / heldout_code,
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--python", default=VLLM_PYTHON, help="python of the venv vLLM is installed in")
     add_option(ap, "draft")
     add_option(ap, "target")
-    add_option(ap, "out", default="reports/serve-check")
+    add_option(ap, "out", default="runs/serve-check")
     ap.add_argument("--per-domain", type=int, default=6, help="held-out prompts per domain")
     add_option(ap, "max_new_tokens", default=96)
     ap.add_argument("--contract-only", action="store_true", help="fp32 contract only (no speed rows)")

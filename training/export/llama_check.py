@@ -1,7 +1,7 @@
 """`make llama-check` (opt-in): llama.cpp serves our exported head as we do.
 
     python -m training.export.llama_check [--prompts 6] [--new-tokens 96] [--threads 1]
-        [--llama-server PATH] [--out reports/llama-check]
+        [--llama-server PATH] [--out runs/llama-check]
 
 On the float32 GGUF of the embedded target (its blocks dequantized, written once into the cache:
 llama.cpp's f32 path is where its batched verify and its steps agree) llama-server runs plain and
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     add_option(ap, "new_tokens", default=96)
     add_option(ap, "threads", default=1)
     add_option(ap, "llama_server")
-    add_option(ap, "out", default="reports/llama-check")
+    add_option(ap, "out", default="runs/llama-check")
     a = ap.parse_args(argv)
     command = "python -m training.export.llama_check " + " ".join(argv if argv is not None else sys.argv[1:])
     try:
