@@ -119,3 +119,32 @@ def test_a_swap_keeps_the_engine_s_kind(feature_pair):
     with pytest.raises(ValueError, match="draft for a draft"):
         BatchEngine(target, None).swap(head)
     assert eng.models.version == 0
+
+
+def test_a_faulty_round_rebuilds_each_request_from_its_own_models(feature_pair, pristine, monkeypatch):
+    """Fault isolation after a swap: every request of the round is rebuilt, the old one on the old
+    head, the new one on the new head, and both still write `ar`'s text."""
+    from decoding.batch import scheduler as S
+
+    target, head = feature_pair
+    new_head = copy.deepcopy(pristine)
+    eng = BatchEngine(target, head, LAYOUT, budget=JointGrow(q_scores, COST, max_width=3))
+    old = eng.add(PROMPTS[0], N)
+    eng.step()
+    eng.swap(new_head, budget=JointGrow(q_scores, COST, max_width=3))
+    new = eng.add(PROMPTS[1], N)
+    eng.step()
+    verify, hit = S.verify_many, []
+
+    def once(*a):
+        if not hit:
+            hit.append(1)
+            raise RuntimeError("injected verify fault")
+        return verify(*a)
+    monkeypatch.setattr(S, "verify_many", once)
+    eng.step()
+    assert hit and not eng.failed
+    assert old.proposer.model.draft is head and new.proposer.model.draft is new_head
+    eng.run()
+    ar = build_engine(target, None, StrategyConfig(strategy="ar"), SamplingConfig())
+    assert old.out == ar.generate(PROMPTS[0], N)[0] and new.out == ar.generate(PROMPTS[1], N)[0]

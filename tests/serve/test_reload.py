@@ -174,6 +174,20 @@ def test_a_head_waits_for_its_decider_then_both_swap(site):
     assert r.out == ar(dec, PROMPTS[0]) and s.out == ar(dec, PROMPTS[1])
 
 
+def test_a_promoted_decider_for_the_same_pair_swaps_alone(site):
+    target, _, served = site
+    register(target, served, "run1")
+    dec = load(target, served, stop="decider")
+    eng, rel, lines = reloading(dec, "joint")
+    head, scorer = eng.draft, eng.budget.scorer
+    register(target, served, "run2")
+    assert rel.check() == "ok" and rel.serving.decider == "run2" and rel.serving.version == 1
+    assert eng.draft is head and eng.budget.scorer is not scorer  # the head was not reloaded
+    r = eng.add(PROMPTS[0], N)
+    eng.run()
+    assert r.out == ar(dec, PROMPTS[0])
+
+
 def test_a_decider_for_another_pair_is_refused(site):
     target, heads, served = site
     register(target, served, "run1")
