@@ -137,11 +137,14 @@ class Reloader:
     def tick(self) -> None:
         if self.due():
             self._next = self.clock() + self.interval
-            self.check()
+            try:
+                self.check()
+            except Exception as e:  # noqa: BLE001 reading the disk failed: the engine thread must go on
+                self.log(f"reload: the check failed, kept version {self.serving.version}: {_first(e)}")
 
     def check(self) -> str | None:
         """Reload if the checkpoints changed since the models serving (or a failed attempt) were
-        read: "ok", "failed", or None when nothing changed. Never raises."""
+        read: "ok", "failed", or None when nothing changed. A failed load never raises."""
         now = self.look()
         if now in (self._serving_look, self._failed_look):
             return None
