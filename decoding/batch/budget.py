@@ -96,6 +96,7 @@ class JointGrow:
     step, decoding.batch.drafting.read_level): a request going deeper pays what its rows add to
     that one forward, not a forward of its own."""
     _reqs: list = field(default_factory=list, repr=False)
+    _own: list = field(default_factory=list, repr=False)
     _rows: int = 0
     _feeds: float = 0.0
 
@@ -106,10 +107,13 @@ class JointGrow:
             raise ValueError(f"max_nodes must be in 1..{MAX_TREE_NODES} (got {self.max_nodes})")
         self._cost = RoundCost(self.cost)
 
-    def begin(self, pending_rows: list[int], drafting: list[bool], contexts: list[int] | None = None) -> None:
+    def begin(self, pending_rows: list[int], drafting: list[bool], contexts: list[int] | None = None,
+              own: list[JointGrow] | None = None) -> None:
         """A new round: request r feeds pending_rows[r] committed tokens and drafts if drafting[r];
         contexts[r]: its cached tokens (the curve is read at their mean: each row reads its own
-        request's keys)."""
+        request's keys); own[r]: the budget request r was admitted under, whose scorer and label
+        score its nodes (a decider swapped in meanwhile scores only later requests'; default: this)."""
+        self._own = list(own) if own is not None else [self] * len(pending_rows)
         curve = self.cost.at_context(sum(contexts) // len(contexts)) if contexts else self.cost
         if self._cost.curve is not curve:
             self._cost = RoundCost(curve)
@@ -140,9 +144,9 @@ class JointGrow:
                 vals.append([])
                 keys.append([])
                 continue
-            st = self._reqs[r]
-            cand = candidate_level(fr, self.max_width, features=self.label != "q")
-            scores = self.scorer(cand)
+            st, own = self._reqs[r], self._own[r]
+            cand = candidate_level(fr, self.max_width, features=own.label != "q")
+            scores = own.scorer(cand)
             st.seen = {(p, t, b): float(x) for p, t, b, x in
                        zip(cand.parent_nodes, cand.tokens, cand.branch, scores.tolist())}
             v = child_values([st.value.get(n, 0.0) for n in fr.nodes], cand.parent_of, cand.valid, scores)
@@ -171,7 +175,7 @@ class JointGrow:
                 continue
             st = self._reqs[r]
             pv = {row: st.value.get(p, 0.0) for row, p in zip(level.parent_of, level.parent_nodes)}
-            scores = self._scores(st, level)
+            scores = self._scores(r, level)
             vals = child_values([pv.get(i, 0.0) for i in range(len(level.parent_q))], level.parent_of,
                                 level.valid, scores)
             st.value.update(zip(level.nodes, vals))
@@ -193,8 +197,9 @@ class JointGrow:
             out[r] = [go and ok and v > 0.0 for ok, v in zip(level.valid, keep_val[r])]
         return out
 
-    def _scores(self, st: _Req, level: DraftLevel) -> torch.Tensor:
+    def _scores(self, r: int, level: DraftLevel) -> torch.Tensor:
+        st = self._reqs[r]
         keys = list(zip(level.parent_nodes, level.tokens, level.branch))
         if all(k in st.seen for k in keys):
             return torch.tensor([st.seen[k] for k in keys])
-        return self.scorer(level)
+        return self._own[r].scorer(level)

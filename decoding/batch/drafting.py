@@ -6,7 +6,8 @@ before any child is drawn. `Drafting` is that loop cut at its seams (read a leve
 sizes the children -> draw -> the budget says who goes deeper), over the proposer's own helpers,
 so the tree, its q and its bookkeeping are the ones TreeProposer builds. Each request keeps its
 own draft cache; a feature head's step of a level runs every request's rows at once
-(`read_level`), as the target's verify does.
+(`read_level`), as the target's verify does: one step per head, since requests admitted before
+and after a head swap draft with different heads (decoding.batch.binding).
 """
 
 from __future__ import annotations
@@ -102,17 +103,19 @@ class Drafting:
 
 @torch.inference_mode()
 def read_level(live: list[Drafting | None]) -> list[Frontier | None]:
-    """[d.read() for each live drafting], the feature head's steps of every request in ONE step
-    (decoding.drafts.head_graph.head_steps: its weights read once a level, not once a request)."""
+    """[d.read() for each live drafting], the feature head's steps of every request in ONE step per
+    head (decoding.drafts.head_graph.head_steps: its weights read once a level, not once a request)."""
     plans = [d.plan() if d is not None else None for d in live]
     if any(d is not None and p is None for d, p in zip(live, plans)):
         return [d.read() if d is not None else None for d in live]
     stepping = [(d, p) for d, p in zip(live, plans) if d is not None and p[0] is not None]
+    heads: dict[int, list] = {}
+    for d, p in stepping:
+        heads.setdefault(id(d.p.model.draft), []).append((d, p))
     outs = {}
-    if stepping:
-        draft = stepping[0][0].p.model.draft
-        got = head_steps(draft, [d.p.model.cache for d, _ in stepping], [p[0] for _, p in stepping])
-        outs = {id(d): o for (d, _), o in zip(stepping, got)}
+    for group in heads.values():
+        got = head_steps(group[0][0].p.model.draft, [d.p.model.cache for d, _ in group], [p[0] for _, p in group])
+        outs.update({id(d): o for (d, _), o in zip(group, got)})
     return [p[1](outs.get(id(d))) if d is not None else None for d, p in zip(live, plans)]
 
 

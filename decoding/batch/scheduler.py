@@ -9,7 +9,9 @@ engine's acceptance rules. Requests join (`add`) and leave (`remove`, or when do
 rounds; leaving drops that request's caches and touches no other request's.
 
 Trees are sized either per request (each request's own StopPolicy, the batch-1 proposer as is) or
-by one budget across requests (`budget`: decoding.batch.budget.JointGrow).
+by one budget across requests (`budget`: decoding.batch.budget.JointGrow). `swap` replaces the
+draft and stop policy / budget for requests that join later; each request keeps the ones it was
+admitted with (decoding.batch.binding).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoding import acceptance as acc
+from decoding.batch.binding import Models, check_swap
 from decoding.batch.budget import JointGrow
 from decoding.batch.drafting import Drafting, draft_jointly
 from decoding.batch.forward import Segment, verify_many
@@ -65,6 +68,10 @@ class Request:
     """None: no logprobs (none computed); k: each output token's logprob and k alternatives."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """One per token of `out`, where `top_logprobs` is set (decoding.batch.logprobs)."""
+    models: Models | None = field(default=None, repr=False)
+    """The draft and stop policy / budget it was admitted with (dropped when it leaves)."""
+    version: int = 0
+    """Its models' version (Models.version), kept after it leaves."""
 
     @property
     def committed(self) -> list[int]:
@@ -102,16 +109,13 @@ class BatchEngine:
         kind = forward_kind(target)
         if kind not in ("eager", "packed", "lean"):
             raise ValueError(f"batched rounds run the eager, packed or lean forward (the target runs {kind})")
-        self.target, self.draft, self.layout = target, draft, layout
-        self.stop_factory = stop or FixedDepth
-        self.budget = budget
+        self.target, self.layout = target, layout
+        self.models = Models(draft, stop or FixedDepth, budget)
+        """What requests joining now are bound to (`swap` replaces it)."""
         self.measured = measured if budget is not None else None
         """Whether a round drafts at all, by its own timings (decoding.batch.measured; the joint
         budget only)."""
-        if budget is not None and isinstance(draft, FeatureDraft):  # its levels run as one forward
-            from decoding.drafts.lean_step import shares_steps
-
-            budget.shared_draft = shares_steps(draft)
+        _share_steps(self.models)
         self.replacement = replacement
         self.name = name
         self.active: list[Request] = []
@@ -133,6 +137,28 @@ class BatchEngine:
         round with a tree: trace collection (training.decider.collect), as SpeculativeEngine.observer
         with the request first."""
 
+    @property
+    def draft(self):
+        return self.models.draft
+
+    @property
+    def stop_factory(self) -> Callable[[], StopPolicy]:
+        return self.models.stop
+
+    @property
+    def budget(self) -> JointGrow | None:
+        return self.models.budget
+
+    def swap(self, draft, stop: Callable[[], StopPolicy] | None = None, budget: JointGrow | None = None) -> Models:
+        """Requests joining from now on draft with `draft` and stop by `stop` (or the joint
+        `budget`); those running keep theirs until they leave. The run's kind stays (a draft for a
+        draft, a budget for a budget: ValueError otherwise). Returns the new binding."""
+        new = Models(draft, stop or FixedDepth, budget, self.models.version + 1)
+        check_swap(self.models, new)
+        _share_steps(new)
+        self.models = new
+        return new
+
     def add(self, prompt, max_new_tokens: int = 128, sampling: SamplingConfig | None = None, seed: int = 0,
             eos_token_id=None, on_tokens=None, top_logprobs: int | None = None) -> Request:
         """A request joining at the next round; `top_logprobs`: see Request."""
@@ -144,26 +170,31 @@ class BatchEngine:
             raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
         eos = frozenset([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
         req = Request(list(prompt), max_new_tokens, sampling or SamplingConfig(), seed, eos, on_tokens,
-                      next(self._ids), joined_round=self.rounds, top_logprobs=top_logprobs)
+                      next(self._ids), joined_round=self.rounds, top_logprobs=top_logprobs,
+                      models=self.models, version=self.models.version)
         req.cache = CachedModel(self.target)
         req.gen = torch.Generator(device=self.target.device).manual_seed(seed)
         req.stats = RunStats(self.name, True)
-        if self.draft is not None:
-            req.proposer = self._proposer(req.sampling)
-            req.stop = self.stop_factory()
+        self._bind(req)
         self.active.append(req)
         return req
 
-    def _proposer(self, sampling: SamplingConfig) -> TreeProposer:
-        if isinstance(self.draft, FeatureDraft):
-            return FeatureProposer(self.draft, self.target, self.layout, sampling, self.replacement)
-        return TreeProposer(self.draft, self.layout, sampling, self.replacement)
+    def _bind(self, r: Request) -> None:
+        """A fresh proposer and stop policy from the request's own models."""
+        draft = r.models.draft
+        if draft is None:
+            return
+        if isinstance(draft, FeatureDraft):
+            r.proposer = FeatureProposer(draft, self.target, self.layout, r.sampling, self.replacement)
+        else:
+            r.proposer = TreeProposer(draft, self.layout, r.sampling, self.replacement)
+        r.stop = r.models.stop()
 
     def remove(self, req: Request) -> None:
         """The request leaves: its caches go (no other request's cache is touched)."""
         if req in self.active:
             self.active.remove(req)
-        req.cache = req.proposer = req.stop = None
+        req.cache = req.proposer = req.stop = req.models = None  # the last request of a swapped-out draft frees it
 
     def step(self) -> list[Request]:
         """One round for every active request; returns those that finished (and left). A request
@@ -195,8 +226,7 @@ class BatchEngine:
 
     def _rebuild(self, r: Request) -> None:
         r.cache = CachedModel(self.target)
-        if self.draft is not None:
-            r.proposer, r.stop = self._proposer(r.sampling), self.stop_factory()
+        self._bind(r)  # its own models, not the engine's current ones
 
     def _step(self, reqs: list[Request]) -> list[Request]:
         if self.chunk:  # a long prompt goes in chunks beside the others' rounds, deciding nothing yet
@@ -250,9 +280,9 @@ class BatchEngine:
         if self.budget is None:
             return [r.proposer.propose(r.committed, r.stop, r.gen, None, len(r.out),
                                        r.stop.needs_hidden) for r in reqs]
-        ds = [Drafting(r.proposer, r.committed, r.gen, len(r.out), self.budget.needs_hidden) for r in reqs]
+        ds = [Drafting(r.proposer, r.committed, r.gen, len(r.out), r.models.budget.needs_hidden) for r in reqs]
         self.budget.begin([len(r.committed) - r.cache.length for r in reqs], [not d.done for d in ds],
-                          [r.cache.length for r in reqs])
+                          [r.cache.length for r in reqs], [r.models.budget for r in reqs])
         return draft_jointly(ds, self.budget)
 
     def _fill(self, filling: list[Request], others: list[Request]) -> None:
@@ -305,6 +335,15 @@ class BatchEngine:
             except Exception as e:  # the consumer is gone: this request ends, the round goes on
                 r.error, r.done = e, True
         return r.done
+
+
+def _share_steps(models: Models) -> None:
+    """A feature head on the lean step runs a level's rows of every request as one forward: the
+    joint budget prices a level so."""
+    if models.budget is not None and isinstance(models.draft, FeatureDraft):
+        from decoding.drafts.lean_step import shares_steps
+
+        models.budget.shared_draft = shares_steps(models.draft)
 
 
 def _chunks_fed(chunks: list[Segment]) -> None:

@@ -44,6 +44,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM / SIGINT: seconds the requests in flight get to finish (new ones: 503); "
                          "those still running then end with an error event")
+    ap.add_argument("--reload-interval", type=float, default=5.0,
+                    help="seconds between checks for a promoted decider (the registry's latest that --decider "
+                         "resolves to, with --stop decider) or head (the --draft directory replaced); what changed "
+                         "loads between rounds, is checked against the pair, and serves requests admitted after "
+                         "it, while requests in flight finish on their models; a failed load keeps the old "
+                         "(0: never; docs/server.md, Reloading)")
     ap.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     add_option(ap, "dtype", only=("float32", "bfloat16"))
     add_options(ap, "device", "forward", "kv_dtype", "threads")
@@ -62,6 +68,7 @@ def serve(decoder, args) -> None:
     eos = s.eos_token_id
     limit = getattr(s.target.config, "max_position_embeddings", None) or 1 << 20
     worker = EngineWorker(batch_engine(decoder, args.budget, args.prefill_chunk), args.max_batch, args.max_queue)
+    attach_reloader(worker, decoder, args.budget, args.reload_interval)
     served = Served(args.model_name, s.tokenizer, limit - len(decoder.config.k_levels) - 1,
                     tuple([eos] if isinstance(eos, int) else eos or ()), args.default_max_tokens)
     server = uvicorn.Server(uvicorn.Config(create_app(served, worker), host=args.host, port=args.port,
@@ -83,11 +90,21 @@ def serve(decoder, args) -> None:
     front.start()
     print(f"serving {args.model_name} ({decoder.config.name}, budget {args.budget}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
+    del s  # a reload swaps the session's draft out: nothing here may keep the old one alive
     worker.run()  # on this thread, the one that loaded the model (decoding.serve.worker says why)
     server.should_exit = True
     front.join(30)
     if not server.started:
         raise ValueError(f"could not serve on {args.host}:{args.port} (uvicorn's message above)")
+
+
+def attach_reloader(worker, decoder, budget: str, interval: float) -> None:
+    """Watch the checkpoints a speculative engine was loaded from (decoding.serve.reload); plain
+    decoding has nothing to swap."""
+    from decoding.serve.reload import Reloader
+
+    if worker.engine.draft is not None:
+        worker.seam = Reloader(decoder, worker.engine, budget, interval)
 
 
 def check_port(host: str, port: int) -> None:
@@ -107,6 +124,8 @@ def main(argv=None) -> int:
         check_options(args)
         if args.max_batch < 1 or args.max_queue < 0 or args.drain_timeout < 0 or args.prefill_chunk < 0:
             raise ValueError("--max-batch must be >= 1, --max-queue, --drain-timeout and --prefill-chunk >= 0")
+        if not args.reload_interval >= 0:
+            raise ValueError(f"--reload-interval must be >= 0 (got {args.reload_interval})")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from decoding.sampling import SamplingConfig
 from decoding.serve import protocol as P
 from decoding.serve.logprobs import Logprobs
+from decoding.serve.reload import ReloadMetrics, serving_status
 from decoding.serve.worker import Busy, EngineWorker, Job
 
 
@@ -42,6 +43,7 @@ def create_app(served: Served, worker: EngineWorker) -> FastAPI:
     app.add_middleware(_JsonBodies)
     registry = CollectorRegistry()
     registry.register(_Metrics(worker))
+    registry.register(ReloadMetrics(worker))
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(_, exc: RequestValidationError):
@@ -54,7 +56,7 @@ def create_app(served: Served, worker: EngineWorker) -> FastAPI:
     async def health():
         if not worker.alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
-        return {"status": "ok", "active": worker.active, "waiting": worker.queue_depth}
+        return {"status": "ok", "active": worker.active, "waiting": worker.queue_depth, **serving_status(worker)}
 
     @app.get("/v1/models")
     async def models():

@@ -15,7 +15,6 @@ other request is touched.
 from __future__ import annotations
 
 import asyncio
-import copy
 import collections
 import threading
 import time
@@ -107,6 +106,9 @@ class EngineWorker:
         """Set by drain: when the loop ends whatever is still running."""
         self._looping = False
         self._thread = threading.Thread(target=self._loop, name="specstop-engine", daemon=True)
+        self.seam = None
+        """Optional: its tick() runs on this thread between rounds, outside the lock (so submit never
+        waits on it), its due() / wait_s() end an idle wait (decoding.serve.reload.Reloader)."""
         self._outbox: dict = {}
         """What a round has for the HTTP side, sent at once after it: one wake-up of the event loop
         a round, not one per request (each is a write to the loop's self-pipe, ~3% of the engine
@@ -180,9 +182,12 @@ class EngineWorker:
 
     def _rounds(self) -> None:
         while True:
+            if self.seam is not None:
+                self.seam.tick()
             with self._cv:
-                while not self._stop and not self._waiting and not self._running and self._deadline is None:
-                    self._cv.wait()
+                while not self._stop and not self._waiting and not self._running and self._deadline is None \
+                        and not (self.seam is not None and self.seam.due()):
+                    self._cv.wait(self.seam.wait_s() if self.seam is not None else None)
                 if self._stop or (self._deadline is not None and (
                         time.perf_counter() > self._deadline or not (self._waiting or self._running))):
                     break
@@ -284,25 +289,14 @@ def batch_engine(decoder, budget: str = "joint", chunk: int | None = None):
 
 
 def _batch_engine(decoder, budget: str):
-    from decoding.batch.budget import JointGrow
+    from decoding.batch.measured import MeasuredChoice
     from decoding.batch.scheduler import BatchEngine
-    from decoding.growth import GrowPolicy
-    from decoding.stopping import make_stop_policy
+    from decoding.serve.reload import engine_models  # what a reload rebuilds too
     from decoding.tree import layout_from_k_config
 
     s, cfg = decoder.session, decoder.config
     if cfg.strategy == "ar" or s.draft is None:
         return BatchEngine(s.target, None)
-    layout = layout_from_k_config(cfg.k_levels)
-    stop = decoder._stop
-    if budget in ("joint", "joint-always"):
-        from decoding.batch.measured import MeasuredChoice
-
-        grow = stop if isinstance(stop, GrowPolicy) else s.grow_policy(cfg, scorer=None)
-        return BatchEngine(s.target, s.draft, layout, budget=JointGrow(
-            grow.scorer, grow.cost, max_width=grow.max_width, max_nodes=grow.max_nodes,
-            label=grow.label, needs_hidden=grow.needs_hidden),
-            measured=MeasuredChoice() if budget == "joint" else None)
-    own = (lambda: copy.deepcopy(stop)) if stop is not None else \
-        (lambda: make_stop_policy(cfg.stop, cfg.confidence_threshold, cfg.confidence_rule))
-    return BatchEngine(s.target, s.draft, layout, stop=own)
+    m = engine_models(decoder, budget)
+    return BatchEngine(s.target, m.draft, layout_from_k_config(cfg.k_levels), stop=m.stop, budget=m.budget,
+                       measured=MeasuredChoice() if budget == "joint" else None)
