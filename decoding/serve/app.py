@@ -48,7 +48,13 @@ def create_app(served: Served, worker: EngineWorker) -> FastAPI:
 
     def sample(make):
         """The request's log row, or None when logging is off or the draw skips it."""
-        return make(rows) if served.log is not None and served.log.sampled() else None
+        if served.log is None or not served.log.sampled():
+            return None
+        try:
+            return make(rows)
+        except Exception:  # e.g. a template that renders only tokenized: the request is served anyway
+            served.log.dropped["bad_row"] += 1
+            return None
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(_, exc: RequestValidationError):

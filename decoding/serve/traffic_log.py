@@ -15,8 +15,9 @@ never wrapped again). Token-id completion prompts are decoded to text (raw).
 The event loop only builds the row and puts it on a bounded queue (full: the row is dropped and
 counted); a writer thread appends rows to `.traffic-<UTC>-<pid>-<n>.jsonl.part` and on rotation
 (size or age) or close fsyncs it and renames it to `traffic-<UTC>-<pid>-<n>.jsonl`: the retrain
-reads `*.jsonl`, so it only ever sees whole files. A write error (a full disk) loses that batch
-of rows, counts them and is said once on stderr; the server goes on.
+reads `*.jsonl`, so it only ever sees whole files (a killed server's open file is handed over by
+the next one started on the folder). A write error (a full disk) loses that batch of rows,
+counts them and is said once on stderr; the server goes on.
 """
 
 from __future__ import annotations
@@ -60,6 +61,16 @@ class LogConfig:
             raise ValueError("--log-rotate-mb and --log-rotate-minutes must be > 0")
         if self.queue_size < 1:
             raise ValueError("the log queue needs room for one row")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def utc(t: float) -> str:
@@ -113,7 +124,7 @@ class TrafficLog:
         self.folder = Path(cfg.folder)
         self.logged = 0
         """Rows written (a counter, read by /metrics)."""
-        self.dropped = {"queue_full": 0, "write_error": 0}
+        self.dropped = {"queue_full": 0, "write_error": 0, "bad_row": 0}
         self._rng = random.Random(cfg.seed)
         self._q: queue.Queue = queue.Queue(cfg.queue_size)
         self._stop = threading.Event()
@@ -136,8 +147,32 @@ class TrafficLog:
             raise ValueError(f"--log-prompts {self.folder}: {e.strerror or e}") from None
         if not os.access(self.folder, os.W_OK):
             raise ValueError(f"--log-prompts {self.folder}: not writable")
+        self.recover()
         self._thread.start()
         return self
+
+    def recover(self) -> list[Path]:
+        """Hand over the open files of servers that died without their drain (killed): each cut
+        to its last whole row and renamed. A file of a live process is left alone."""
+        out = []
+        for part in sorted(self.folder.glob(".traffic-*.jsonl.part")):
+            try:
+                pid = int(part.name.split("-")[2])
+                if pid != os.getpid() and _alive(pid):
+                    continue
+                data = part.read_bytes()
+                whole = data[: data.rfind(b"\n") + 1]
+                if whole:
+                    with open(part, "r+b") as f:
+                        f.truncate(len(whole))
+                        os.fsync(f.fileno())
+                    out.append(part.parent / part.name[1:].removesuffix(".part"))
+                    os.replace(part, out[-1])
+                else:
+                    part.unlink()
+            except (ValueError, IndexError, OSError):
+                continue  # not one of ours, or gone meanwhile
+        return out
 
     def sampled(self) -> bool:
         """Whether this request is logged (one draw per request; event loop only)."""

@@ -1,6 +1,7 @@
 """The traffic log's writer on its own (no server): the row format read_logged reads back, rotation
 by size and by age (a fake clock), only whole files visible to a retrain, reproducible sampling,
-a full queue dropping and counting, and a write error (a full disk) counted, said once, survived."""
+a full queue dropping and counting, a write error (a full disk) counted, said once, survived, and
+the open file of a killed server handed over by the next one, cut to its last whole row."""
 
 import errno
 import io
@@ -59,7 +60,7 @@ def test_rows_read_back_as_the_collect_should_feed_them(tmp_path):
     assert len(got) == 4  # the repeated prompt counts once
     assert got[one["id"]].text == "hello there" and not got[one["id"]].raw
     assert got[convo["id"]].raw and got[text["id"]].kind == "completion"
-    assert log.logged == 5 and log.dropped == {"queue_full": 0, "write_error": 0}
+    assert log.logged == 5 and log.dropped == {"queue_full": 0, "write_error": 0, "bad_row": 0}
 
 
 def test_rotation_by_size_hands_over_whole_files_only(tmp_path):
@@ -143,3 +144,20 @@ def test_a_write_error_is_counted_said_once_and_survived(tmp_path, monkeypatch):
     assert err.getvalue().count("\n") == 1 and "No space left on device" in err.getvalue()
     (f,) = logged_files(tmp_path / "logged")
     assert [json.loads(x)["prompt"] for x in f.read_text().splitlines()] == ["kept", "after"]  # no half row
+
+
+def test_a_killed_servers_open_file_is_handed_over_whole(tmp_path):
+    folder = tmp_path / "logged"
+    folder.mkdir()
+    dead = folder / f".traffic-20260101T000000Z-{2**22 + 1}-0003.jsonl.part"  # beyond any pid
+    dead.write_bytes(b'{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c')
+    live = folder / f".traffic-20260101T000000Z-{os.getppid()}-0000.jsonl.part"
+    live.write_bytes(b'{"prompt": "still written"}\n')
+    empty = folder / f".traffic-20260101T000000Z-{2**22 + 2}-0000.jsonl.part"
+    empty.write_bytes(b'{"prompt": "cut')
+    log = open_log(tmp_path).start()
+    log.close()
+    (f,) = logged_files(folder)
+    assert f.name == f"traffic-20260101T000000Z-{2**22 + 1}-0003.jsonl"
+    assert sorted(p.text for p in read_logged(folder)) == ["a", "b"]
+    assert live.exists() and not empty.exists()
