@@ -211,6 +211,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--sizes", default="1,2,4,8,16", help="forward suite: new tokens per forward")
     add_option(ap, "new_tokens", default=64)
     add_option(ap, "llama_server")
+    ap.add_argument("--serve-log", choices=("prompts", "responses"), default=None,
+                    help="serve suite: also the row `ours, joint, logged KEEP` (--log-prompts on, keeping KEEP)")
     ap.add_argument("--head-gguf", default=None, help="llama suite: a head GGUF (python -m training.export "
                     "--format gguf) for the row llama.cpp + head")
     ap.add_argument("--write-defaults", nargs="?", const="", default=None, metavar="PATH",

@@ -16,6 +16,8 @@ here, 2026-11-28; repeats on one process hid that):
                      reports/serve-2026-11-28/ceiling)
   ours, joint, f16 KV  the default with --kv-dtype float16 (a GGUF target: its KV cache in float16)
   ours, one by one   decoding.serve --max-batch 1: the batch-1 engine serving requests in turn
+  ours, joint, logged KEEP  with --serve-log KEEP: the default with --log-prompts (every request
+                     logged, keeping KEEP) into a temporary directory: logging on against "ours, joint"
   llama.cpp -np N    llama-server plain, and with our head (-md HEAD --spec-type draft-eagle3)
 Throughput = completion tokens of all requests / the wall time from first send to last answer
 (tokens counted with the target's tokenizer for every server alike).
@@ -139,13 +141,25 @@ def ours(extra: list[str], threads: int | None, target: str | None) -> list[str]
 
 
 def serve_suite(clients: list[int], prompts: int, new_tokens: int, threads: int | None, repeats: int,
-                llama_server: str | None, head_gguf: str | None, target: str | None, progress=print) -> dict:
+                llama_server: str | None, head_gguf: str | None, target: str | None, progress=print,
+                serve_log: str | None = None) -> dict:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="specstop-serve-log-") as logs:
+        return _serve_suite(clients, prompts, new_tokens, threads, repeats, llama_server, head_gguf, target,
+                            progress, serve_log, logs)
+
+
+def _serve_suite(clients, prompts, new_tokens, threads, repeats, llama_server, head_gguf, target, progress,
+                 serve_log, logs) -> dict:
     count = _counter(target)
     texts = held_out(max(prompts, max(clients)))
     rows = {"ours, joint": ours([], threads, target), "ours, independent": ours(["--budget", "independent"], threads, target),
             "ours, ar": ours(["--strategy", "ar"], threads, target),
             "ours, fixed chain": ours(["--strategy", "sd", "--gamma", "2", "--budget", "independent"], threads, target),
             "ours, one by one": ours(["--max-batch", "1"], threads, target)}
+    if serve_log:
+        rows[f"ours, joint, logged {serve_log}"] = ours(["--log-prompts", logs, "--log-keep", serve_log], threads, target)
     if target is None or str(target).endswith(".gguf"):  # a float32 target on the lean forward
         rows["ours, joint, f16 KV"] = ours(["--kv-dtype", "float16"], threads, target)
     if llama_server:
@@ -262,7 +276,7 @@ def main(a, command: str, progress=print) -> int:
     clients = a.clients
     if a.suite == "serve":
         res = serve_suite(clients, a.prompts or 16, a.new_tokens, a.threads, a.repeats or 2, a.llama_server,
-                          a.head_gguf, a.target, progress)
+                          a.head_gguf, a.target, progress, getattr(a, "serve_log", None))
         md, name = serve_markdown(res), "serve"
     else:
         res = load_test(clients[0], a.prompts or 50, a.threads, a.target, progress=progress)

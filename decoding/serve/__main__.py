@@ -15,6 +15,7 @@ import threading
 
 from decoding.defaults import check_options
 from decoding.options import add_option, add_options, add_strategy_args
+from decoding.serve.traffic_log import KEEP, LogConfig, TrafficLog
 from decoding.serve.worker import batch_engine  # noqa: F401 (the server's engine; tests build it here)
 
 BUDGETS = ("joint", "joint-always", "independent")
@@ -51,6 +52,16 @@ def parser() -> argparse.ArgumentParser:
                          "it, while requests in flight finish on their models; a failed load keeps the old "
                          "(0: never; docs/server.md, Reloading)")
     ap.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
+    log = ap.add_argument_group("traffic logging (off unless --log-prompts; docs/server.md)")
+    log.add_argument("--log-prompts", metavar="DIR", default=None,
+                     help="record sampled requests in DIR as rows `python -m training.retrain` reads "
+                          "(rotated files traffic-*.jsonl; no client addresses, headers or keys)")
+    log.add_argument("--log-keep", choices=KEEP, default="prompts",
+                     help="prompts: the request only; responses: also the generated text")
+    log.add_argument("--log-sample-rate", type=float, default=1.0, help="share of requests logged, in (0, 1]")
+    log.add_argument("--log-rotate-mb", type=float, default=64.0, help="hand the open file over at this size")
+    log.add_argument("--log-rotate-minutes", type=float, default=60.0,
+                     help="... or when its first row is this old")
     add_option(ap, "dtype", only=("float32", "bfloat16"))
     add_options(ap, "device", "forward", "kv_dtype", "threads")
     # generate's checks read these
@@ -58,7 +69,15 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def serve(decoder, args) -> None:
+def traffic_log(args) -> TrafficLog | None:
+    """The --log-* options as a (not yet started) TrafficLog; None without --log-prompts."""
+    cfg = LogConfig(args.log_prompts or "", args.log_keep, args.log_sample_rate, args.log_rotate_mb,
+                    args.log_rotate_minutes)
+    cfg.check()  # even when off: a bad value is a mistake either way
+    return TrafficLog(cfg) if args.log_prompts else None
+
+
+def serve(decoder, args, log: TrafficLog | None = None) -> None:
     import uvicorn
 
     from decoding.serve.app import Served, create_app
@@ -70,7 +89,7 @@ def serve(decoder, args) -> None:
     worker = EngineWorker(batch_engine(decoder, args.budget, args.prefill_chunk), args.max_batch, args.max_queue)
     attach_reloader(worker, decoder, args.budget, args.reload_interval)
     served = Served(args.model_name, s.tokenizer, limit - len(decoder.config.k_levels) - 1,
-                    tuple([eos] if isinstance(eos, int) else eos or ()), args.default_max_tokens)
+                    tuple([eos] if isinstance(eos, int) else eos or ()), args.default_max_tokens, log)
     server = uvicorn.Server(uvicorn.Config(create_app(served, worker), host=args.host, port=args.port,
                                            log_level="warning", timeout_graceful_shutdown=args.drain_timeout + 5))
 
@@ -91,9 +110,13 @@ def serve(decoder, args) -> None:
     print(f"serving {args.model_name} ({decoder.config.name}, budget {args.budget}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
     del s  # a reload swaps the session's draft out: nothing here may keep the old one alive
-    worker.run()  # on this thread, the one that loaded the model (decoding.serve.worker says why)
-    server.should_exit = True
-    front.join(30)
+    try:
+        worker.run()  # on this thread, the one that loaded the model (decoding.serve.worker says why)
+        server.should_exit = True
+        front.join(30)
+    finally:
+        if log is not None:  # after the last stream ended: its rows are in the file handed over
+            log.close()
     if not server.started:
         raise ValueError(f"could not serve on {args.host}:{args.port} (uvicorn's message above)")
 
@@ -126,6 +149,7 @@ def main(argv=None) -> int:
             raise ValueError("--max-batch must be >= 1, --max-queue, --drain-timeout and --prefill-chunk >= 0")
         if not args.reload_interval >= 0:
             raise ValueError(f"--reload-interval must be >= 0 (got {args.reload_interval})")
+        log = traffic_log(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -134,7 +158,9 @@ def main(argv=None) -> int:
 
     try:
         check_port(args.host, args.port)  # before the models load: a taken port should not cost that wait
-        serve(load_decoder(args), args)
+        if log is not None:
+            log.start()  # an unwritable DIR fails here, before the models load
+        serve(load_decoder(args), args, log)
     except (ModelError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

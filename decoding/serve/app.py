@@ -22,6 +22,7 @@ from decoding.sampling import SamplingConfig
 from decoding.serve import protocol as P
 from decoding.serve.logprobs import Logprobs
 from decoding.serve.reload import ReloadMetrics, serving_status
+from decoding.serve.traffic_log import Rows, TrafficLog
 from decoding.serve.worker import Busy, EngineWorker, Job
 
 
@@ -36,14 +37,27 @@ class Served:
     """Prompt + completion tokens a request may reach (the target's positions)."""
     eos: tuple[int, ...] = ()
     default_max_tokens: int = 256
+    log: TrafficLog | None = None
+    """Where sampled requests are recorded for retraining (--log-prompts); None: nothing is."""
 
 
 def create_app(served: Served, worker: EngineWorker) -> FastAPI:
     app = FastAPI(title="specstop", docs_url=None, redoc_url=None)
     app.add_middleware(_JsonBodies)
     registry = CollectorRegistry()
-    registry.register(_Metrics(worker))
+    registry.register(_Metrics(worker, served.log))
     registry.register(ReloadMetrics(worker))
+    rows = Rows(served.tokenizer) if served.log else None
+
+    def sample(make):
+        """The request's log row, or None when logging is off or the draw skips it."""
+        if served.log is None or not served.log.sampled():
+            return None
+        try:
+            return make(rows)
+        except Exception:  # e.g. a template that renders only tokenized: the request is served anyway
+            served.log.dropped["bad_row"] += 1
+            return None
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(_, exc: RequestValidationError):
@@ -69,7 +83,8 @@ def create_app(served: Served, worker: EngineWorker) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: P.CompletionRequest, request: Request):
         ids = body.prompt if isinstance(body.prompt, list) else served.tokenizer.encode(body.prompt)
-        return await _answer(served, worker, body, ids, chat=False, request=request)
+        row = sample(lambda r: r.completion(body.prompt))
+        return await _answer(served, worker, body, ids, chat=False, request=request, row=row)
 
     @app.post("/v1/chat/completions")
     async def chat(body: P.ChatRequest, request: Request):
@@ -79,12 +94,14 @@ def create_app(served: Served, worker: EngineWorker) -> FastAPI:
         except Exception as e:  # a template that refuses the roles given
             return JSONResponse(P.error(f"messages: {e}"), status_code=400)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        return await _answer(served, worker, body, ids, chat=True, request=request)
+        row = sample(lambda r: r.chat(msgs))
+        return await _answer(served, worker, body, ids, chat=True, request=request, row=row)
 
     return app
 
 
-async def _answer(served: Served, worker: EngineWorker, body, ids: list[int], chat: bool, request: Request):
+async def _answer(served: Served, worker: EngineWorker, body, ids: list[int], chat: bool, request: Request,
+                  row: dict | None = None):
     if body.model != served.model:
         return JSONResponse(P.error(f"model {body.model!r} is not served here (try {served.model!r})",
                                     code="model_not_found"), status_code=404)
@@ -107,15 +124,23 @@ async def _answer(served: Served, worker: EngineWorker, body, ids: list[int], ch
     except Busy as e:  # nothing accepted is dropped: the queue is full, so ask the client to come back
         return JSONResponse(P.error(f"server busy: {e}", kind="server_error"), status_code=503,
                             headers={"Retry-After": "1"})
+    log = served.log if row is not None else None
+    if log is not None and not log.responses:  # accepted: its prompt is traffic, whatever comes of it
+        log.put(row)
+        log = None
     text_of = _Text(served.tokenizer, eos, body.stop)
     if body.stream:
-        return StreamingResponse(_events(text_of, worker, job, chat, body.model, lp),
+        return StreamingResponse(_events(text_of, worker, job, chat, body.model, lp, log, row),
                                  media_type="text/event-stream")
+    text, finish = "", "cancelled"
     try:
         text, finish = await _collect(text_of, worker, job, lp)
     except asyncio.CancelledError:  # the client went away before the answer
         worker.cancel(job)
         raise
+    finally:
+        if log is not None:
+            _log_response(log, row, text if finish else "", finish or "error")
     if finish is None:
         return JSONResponse(P.error(text, kind="server_error"), status_code=500)
     make = P.chat_completion if chat else P.completion
@@ -167,8 +192,13 @@ async def _collect(text_of: _Text, worker: EngineWorker, job: Job, lp: Logprobs 
             return value, None
 
 
-async def _events(text_of: _Text, worker: EngineWorker, job: Job, chat: bool, model: str, lp: Logprobs | None):
-    chunks, sent, text = P.Chunks(chat, model), "", ""
+def _log_response(log: TrafficLog, row: dict, text: str, finish: str) -> None:
+    log.put({**row, "response": text, "finish_reason": finish})
+
+
+async def _events(text_of: _Text, worker: EngineWorker, job: Job, chat: bool, model: str,
+                  lp: Logprobs | None = None, log: TrafficLog | None = None, row: dict | None = None):
+    chunks, sent, text, finish = P.Chunks(chat, model), "", "", "cancelled"
     take = lp.take if lp else (lambda chars=None: None)  # a token goes with the piece its text starts in
     try:
         if chat:
@@ -185,20 +215,25 @@ async def _events(text_of: _Text, worker: EngineWorker, job: Job, chat: bool, mo
                     sent = ready
                 if stopped:
                     worker.cancel(job, stopped=True)
+                    finish = "stop"
                     yield _sse(chunks.piece("", finish="stop"))
                     break
             elif kind == "done":
+                finish = value
                 rest = text.rstrip("\ufffd")[len(sent):]
                 if rest:
                     yield _sse(chunks.piece(rest, logprobs=take()))
                 yield _sse(chunks.piece("", finish=value, logprobs=take()))
                 break
             else:
+                finish = "error"
                 yield _sse(P.error(value, kind="server_error"))
                 break
         yield "data: [DONE]\n\n"
     finally:  # normal end, error, or the client disconnected (the generator is closed)
         worker.cancel(job)
+        if log is not None:
+            _log_response(log, row, text.rstrip("\ufffd"), finish)
 
 
 def _sse(obj: dict) -> str:
@@ -226,8 +261,8 @@ class _JsonBodies:
 class _Metrics:
     """Prometheus collector read at scrape time from the worker's counters."""
 
-    def __init__(self, worker: EngineWorker):
-        self.worker = worker
+    def __init__(self, worker: EngineWorker, log: TrafficLog | None = None):
+        self.worker, self.log = worker, log
 
     def collect(self):
         c, w = self.worker.counters, self.worker
@@ -249,6 +284,13 @@ class _Metrics:
                                 value=c.tokens_per_s())
         yield GaugeMetricFamily("specstop_queue_depth", "Requests waiting for a slot", value=w.queue_depth)
         yield GaugeMetricFamily("specstop_active_requests", "Requests in the running batch", value=w.active)
+        if self.log is not None:
+            yield CounterMetricFamily("specstop_logged_requests", "Request rows written to the traffic log",
+                                      value=self.log.logged)
+            dropped = CounterMetricFamily("specstop_log_dropped", "Traffic-log rows lost", labels=["reason"])
+            for reason, n in self.log.dropped.items():
+                dropped.add_metric([reason], n)
+            yield dropped
         ttft = sorted(c.ttft_s[-1024:])
         yield GaugeMetricFamily("specstop_ttft_p50_seconds", "Median time to first token, last 1024",
                                 value=ttft[len(ttft) // 2] if ttft else 0.0)

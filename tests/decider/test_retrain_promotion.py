@@ -46,7 +46,7 @@ def env(tmp_path, monkeypatch):
         logs = []
         cfg = R.RetrainConfig(new_prompts=str(tmp_path / "logged"), work=str(tmp_path / "work"),
                               deciders=str(tmp_path / "deciders"), heldout_fraction=0.4,
-                              live_prompts=1, **kw)
+                              live_prompts=1, min_prompts=8, fit_overrides=["--data.val_fraction", "0.3"], **kw)
         return R.run(cfg, session=sess, log=logs.append), logs
 
     def latest():

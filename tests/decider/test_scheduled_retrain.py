@@ -31,7 +31,7 @@ def make_cfg(tmp_path, models, **kw) -> dict:
     t, d = models
     base = dict(new_prompts=str(tmp_path / "logged"), work=str(tmp_path / "work"),
                 deciders=str(tmp_path / "deciders"), target=t, draft=d, dtype="float32", width=2,
-                depth=3, max_new_tokens=16, chat=False, live_prompts=1, heldout_fraction=0.3, threads=1,
+                depth=3, max_new_tokens=16, chat=False, live_prompts=1, heldout_fraction=0.3, threads=1, min_prompts=8,
                 fit_overrides=["--replay.cost_model", "default", "--trainer.max_epochs", "2",
                                "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path / "fit"),
                                "--threads", "1", "--data.val_fraction", "0.3", "--data.test_fraction", "0.0",
@@ -83,9 +83,9 @@ def test_bad_inputs_one_error_line(tmp_path, models, capsys):
     cfg = make_cfg(tmp_path, models)
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    assert R.main(["--config", str(path)]) == R.EXIT_BAD_INPUT  # no prompt files yet
+    assert R.main(["--config", str(path)]) == R.EXIT_BAD_INPUT  # no logged directory yet
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: no new prompt files")
+    assert err.count("\n") == 1 and err.startswith("error: logged prompts directory not found")
 
 
 def test_corrupt_champion_and_full_disk_leave_registry_untouched(tmp_path, models, capsys, monkeypatch):

@@ -179,7 +179,9 @@ def test_retrain_runs_the_head_redistill_behind_its_gate(tmp_path, damaged_champ
     retrain_seams.install(monkeypatch.setattr, {"kind": "good"})
     monkeypatch.setattr(R, "live_tokens_per_s", lambda *a: 1.0)
     calls = []
-    monkeypatch.setattr(RD, "execute", lambda c, teacher=None, log=None: calls.append(c) or RD.EXIT_KEPT)
+    given = []
+    monkeypatch.setattr(RD, "execute", lambda c, teacher=None, log=None, prompts=None:
+                        calls.append(c) or given.append(prompts) or RD.EXIT_KEPT)
     monkeypatch.setattr(R.subprocess, "run", lambda cmd: calls.append(cmd) or SimpleNamespace(returncode=0))
     write_prompts(tmp_path / "logged", "day1.jsonl", 16)
     rd_path = tmp_path / "rd.yaml"
@@ -189,14 +191,14 @@ def test_retrain_runs_the_head_redistill_behind_its_gate(tmp_path, damaged_champ
         cfg = R.RetrainConfig(new_prompts=str(tmp_path / "logged"), work=str(tmp_path / kw.pop("work")),
                               deciders=str(tmp_path / "deciders"), heldout_fraction=0.4, live_prompts=0,
                               redistill_below=1.0, redistill_command=["echo"], redistill=str(rd_path),
-                              target=str(target), **kw)
+                              target=str(target), min_prompts=8, fit_overrides=["--data.val_fraction", "0.3"], **kw)
         return R.run(cfg, session=session, log=lambda m: None)
 
     feature = SimpleNamespace(target=tmodel, draft=head, draft_dir=Path(damaged))
     assert retrain(feature, work="w1") == R.EXIT_PROMOTED
     (c,) = calls
     assert (c.max_steps, c.margin, c.draft, c.target) == (5, 0.1, str(damaged), str(target))
-    assert c.new_prompts == str(tmp_path / "logged")
+    assert c.new_prompts == str(tmp_path / "logged") and len(given[0]) == 16  # the retrain's new prompts
     (d,) = (tmp_path / "w1").glob("*/decision.json")
     assert json.loads(d.read_text())["redistill"]["exit_code"] == RD.EXIT_KEPT
     plain = SimpleNamespace(target=tmodel, draft=tiny_llama(0, vocab=64))

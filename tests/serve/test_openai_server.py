@@ -12,11 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-import uvicorn
-from support.models import WORDS, noisy_copy, save_tiny, tiny_llama
+from support.serving import running, tiny_pair
 
 from decoding import Decoder
-from decoding.models import load_tokenizer
 from decoding.serve.__main__ import batch_engine
 from decoding.serve.app import Served, create_app
 from decoding.serve.worker import EngineWorker
@@ -27,14 +25,7 @@ PROMPTS = ["w1 w2 w3", "w4 w5", "w6 w1 w2 w7 w3", "w2"]
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("served")
-    target = tiny_llama(0, vocab=len(WORDS), scale=6, max_pos=64)
-    t = save_tiny(root / "target", WORDS, target)
-    d = save_tiny(root / "draft", WORDS, noisy_copy(target, 0.03))
-    tok = load_tokenizer(t)  # a plain template, so the chat route has one to apply
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    tok.save_pretrained(t)
-    return t, d
+    return tiny_pair(tmp_path_factory.mktemp("served"))
 
 
 @pytest.fixture(scope="module", params=["joint", "independent"])
@@ -45,18 +36,9 @@ def server(pair, request):
     worker = EngineWorker(batch_engine(dec, request.param), max_active=4, max_queue=16).start()
     eos = dec.session.eos_token_id
     served = Served("tiny", dec.session.tokenizer, 60, (eos,) if isinstance(eos, int) else (), 8)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(create_app(served, worker), host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.01)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-    yield dec, worker, client, port
-    srv.should_exit = True
-    thread.join(10)
+    with running(create_app(served, worker)) as port:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        yield dec, worker, client, port
     worker.close()
 
 
@@ -228,9 +210,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_the_command_serves_on_its_main_thread_and_stops_on_sigterm(pair):
+def test_the_command_serves_on_its_main_thread_and_stops_on_sigterm(pair, tmp_path):
     """`python -m decoding.serve`: the engine's loop on the main thread, HTTP beside it; SIGTERM
-    ends both (exit 0); a port already taken is one error line and exit 2."""
+    ends both (exit 0) and hands over the traffic log's open file, whole; a port already taken is
+    one error line and exit 2."""
     import signal
     import subprocess
     import sys
@@ -239,7 +222,8 @@ def test_the_command_serves_on_its_main_thread_and_stops_on_sigterm(pair):
     t, d = pair
     port = _free_port()
     cmd = [sys.executable, "-m", "decoding.serve", "--target", str(t), "--draft", str(d), "--strategy", "sd",
-           "--gamma", "2", "--host", "127.0.0.1", "--model-name", "tiny"]
+           "--gamma", "2", "--host", "127.0.0.1", "--model-name", "tiny",
+           "--log-prompts", str(tmp_path / "logged"), "--log-keep", "responses"]
     proc = subprocess.Popen(cmd + ["--port", str(port)], stderr=subprocess.PIPE, text=True)
     try:
         for _ in range(600):
@@ -276,6 +260,12 @@ def test_the_command_serves_on_its_main_thread_and_stops_on_sigterm(pair):
         assert proc.wait(timeout=60) == 0  # drained, then a clean exit
     finally:
         proc.kill()
+    from training.logged import logged_files
+
+    (f,) = logged_files(tmp_path / "logged")
+    rows = {r["prompt"]: r for r in map(json.loads, f.read_text().splitlines())}
+    assert sorted(rows) == ["w1 w2", "w4 w5"] and rows["w1 w2"]["response"] == want.text
+    assert not list((tmp_path / "logged").glob(".*"))  # nothing left half-written
 
 
 # ---- the OpenAI parameters users send: honoured, or refused by name ----------------------------

@@ -127,7 +127,8 @@ def retrain_prepare(w: Path) -> None:
     make_decider(r / "deciders", "champ", "timid", promote=True)
     cfg = dict(new_prompts=str(r / "logged"), work=str(r / "work"), deciders=str(r / "deciders"),
                target=str(w / "target"), draft=str(w / "draft"), dtype="float32", chat=False,
-               heldout_fraction=0.4, live_prompts=0, threads=1)
+               heldout_fraction=0.4, live_prompts=0, threads=1, min_prompts=8,
+               fit_overrides=["--data.val_fraction", "0.3"])
     (r / "cfg.yaml").write_text(yaml.safe_dump(cfg))
 
 

@@ -118,6 +118,9 @@ class Prompt:
     kind: str
     split: str
     text: str
+    raw: bool = False
+    """The text is already what the model reads (a logged completion, or a chat rendered with
+    its template): fed as is, never wrapped in the chat template again."""
 
 
 def _sha256(data: bytes) -> str:
@@ -206,7 +209,7 @@ def read_prompts(paths: list[str], max_prompts: int | None = None) -> list[Promp
 
 def sampled(p: Prompt, k: int) -> Prompt:
     """The k-th continuation's row identity (k = 0: the prompt itself)."""
-    return p if k == 0 else Prompt(f"{p.id}{SAMPLE_SEP}{k}", p.kind, p.split, p.text)
+    return p if k == 0 else Prompt(f"{p.id}{SAMPLE_SEP}{k}", p.kind, p.split, p.text, p.raw)
 
 
 def base_id(row_id: str) -> str:
@@ -334,7 +337,8 @@ def build_corpus(cfg: CorpusConfig, teacher: Teacher, prompts: list[Prompt],
         for chunk in _chunks(todo, cfg.shard_size):
             if cfg.max_minutes is not None and time.time() - t0 > 60 * cfg.max_minutes:
                 break
-            encoded = [teacher.encode(p.text) for p in chunk]
+            encoded = [teacher.tokenizer.encode(p.text) if p.raw and teacher.tokenizer is not None
+                       else teacher.encode(p.text) for p in chunk]
             seeds = [prompt_seed(cfg.seed, p.id) for p in chunk]
             results = generate_rows(teacher, encoded, seeds, cfg, clock, bar)
             table = pa.table({

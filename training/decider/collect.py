@@ -119,7 +119,7 @@ def collect(cfg: CollectConfig, session, prompts, progress: bool = True) -> dict
         bar = tqdm(total=len(todo), unit="prompt", disable=not progress, dynamic_ncols=True)
         for i in range(0, len(todo), cfg.shard_size):
             chunk = todo[i : i + cfg.shard_size]
-            jobs = [(p.id, session.encode(p.text, chat=cfg.chat, max_new_tokens=cfg.max_new_tokens,
+            jobs = [(p.id, session.encode(p.text, chat=cfg.chat and not p.raw, max_new_tokens=cfg.max_new_tokens,
                                           tree_depth=len(scfg.k_levels)), prompt_seed(cfg.seed, p.id)) for p in chunk]
 
             def done(_):

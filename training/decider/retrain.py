@@ -2,10 +2,16 @@
 
     python -m training.retrain --config configs/retrain.yaml
 
+A run reads only the logged files (`new_prompts`, or `--logged DIR`; rows described in
+training.logged) that `<work>/cursor.json` does not list as consumed: whole files, each by name,
+size and sha256. Once its decision is written (promoted or kept) those files join the cursor, so
+a re-run with nothing new exits 11 and touches nothing. With fewer than `min_prompts` new prompts,
+or prompts whose hashes leave the held-out part or the fit's train or val split empty, it exits 11
+before any work and consumes nothing: they wait for more traffic.
+
 Each run lives in `<work>/<input-key>/` (config.json, traces, decision.json), where the key
-hashes the new prompt files, this config and the model pair: re-running on the same inputs
-finds decision.json and changes nothing; a run killed midway resumes (collection skips
-finished prompts, a finished fit is reused). The champion is the registry's `latest` (while
+hashes the new prompts, this config and the model pair; a run killed midway resumes (collection
+skips finished prompts, a finished fit is reused). The champion is the registry's `latest` (while
 the root has none: the shipped `latest`, if it fits the pair; promotion still writes only this
 root); the challenger is promoted only when it beats the champion on the SAME held-out traces by the
 configured margin (replayed tokens/s, ROC-AUC not worse) and does not lose the live check.
@@ -51,6 +57,7 @@ from decoding.models import ModelError, fingerprint, same_model
 from training.config_flags import parse_config
 from training.decider.collect import CollectConfig, collect
 from training.corpus.teacher import Prompt
+from training import logged as L
 from training.logged import is_heldout, read_logged  # noqa: F401  (re-exported)
 from training.decider.registry import LatestMoved, read_registry, register
 from training.shards import write_json
@@ -63,7 +70,13 @@ PENDING, DECISION = "decision.pending.json", "decision.json"
 @dataclass
 class RetrainConfig:
     new_prompts: str = "data/logged"
-    """Directory of JSONL files of logged prompts ({"prompt": ..., optional "id", "kind"})."""
+    """Directory of logged prompt files (*.jsonl; rows in training.logged), e.g. what
+    `python -m decoding.serve --log-prompts DIR` writes (flag alias: --logged)."""
+    min_prompts: int = 48
+    """Fewest new prompts a run trains on (fewer: exit 11, nothing consumed). At 48, with the
+    default held-out 0.25 and fit val 0.15, the fit's val split expects 5.4 prompts and is empty
+    by chance 0.3% of the time (then the run waits too); it may not be below the count at which
+    every part expects one prompt."""
     work: str = "runs/retrain"
     """Versioned run directories live here."""
     deciders: str = RUNS_DECIDERS
@@ -135,7 +148,7 @@ def live_tokens_per_s(session, decider_dir: Path, prompts: list[Prompt], cfg: Re
     eng = session.engine(scfg, SamplingConfig(cfg.temperature), decider=str(decider_dir))
     tokens = secs = 0.0
     for p in prompts:
-        ids = session.encode(p.text, chat=cfg.chat, max_new_tokens=cfg.max_new_tokens, tree_depth=cfg.depth)
+        ids = session.encode(p.text, chat=cfg.chat and not p.raw, max_new_tokens=cfg.max_new_tokens, tree_depth=cfg.depth)
         _, st = eng.generate(ids, cfg.max_new_tokens, session.eos_token_id)
         tokens, secs = tokens + st.new_tokens, secs + st.wall_s
     return tokens / secs if secs else 0.0
@@ -169,13 +182,13 @@ def shipped_champion(root: Path, session) -> Path | None:
     return d
 
 
-def run_redistill(rd_cfg, cfg: RetrainConfig, session, log) -> dict:
+def run_redistill(rd_cfg, cfg: RetrainConfig, session, prompts: list[Prompt], log) -> dict:
     """The head's re-distillation (training.head.redistill) on this run's prompts and pair."""
     from training.head import redistill as RD
 
     rd_cfg = replace(rd_cfg, new_prompts=cfg.new_prompts, target=cfg.target,
                      draft=str(getattr(session, "draft_dir", None) or cfg.draft))
-    return {"config": cfg.redistill, "exit_code": RD.execute(rd_cfg, log=log)}
+    return {"config": cfg.redistill, "exit_code": RD.execute(rd_cfg, log=log, prompts=prompts)}
 
 
 def decide(champ: dict | None, chall: dict, cfg: RetrainConfig) -> tuple[bool, str]:
@@ -192,17 +205,17 @@ def decide(champ: dict | None, chall: dict, cfg: RetrainConfig) -> tuple[bool, s
 
 
 def run(cfg: RetrainConfig, session=None, log=print) -> int:
-    from decoding.models.session import Session
-    from training.decider.replay import CostModel
-
     root = Path(cfg.deciders or RUNS_DECIDERS)
-    prompts = read_logged(Path(cfg.new_prompts))
+    work = Path(cfg.work)
+    ready = new_inputs(cfg, work, log)
+    if isinstance(ready, int):
+        return ready
+    files, prompts = ready
     rd_cfg = None
     if cfg.redistill:  # a bad config fails now, not after the night's work
         from training.head.redistill import load_config
 
         rd_cfg = load_config(cfg.redistill)
-    work = Path(cfg.work)
     work.mkdir(parents=True, exist_ok=True)
     with open(work / ".lock", "w") as lock:
         try:
@@ -210,76 +223,117 @@ def run(cfg: RetrainConfig, session=None, log=print) -> int:
         except OSError:
             log(f"error: another retrain run holds {work / '.lock'}")
             return EXIT_LOCKED
-        session = session or Session.open(cfg.target, cfg.draft, cfg.dtype, need_draft=True)
-        pair = {"target": fingerprint(session.target), "draft": fingerprint(session.draft)}
-        run_dir = work / input_key(cfg, prompts, pair)
-        if (run_dir / DECISION).exists():
-            log(f"up to date: {run_dir} already decided for these inputs")
-            return EXIT_UP_TO_DATE
-        if (run_dir / PENDING).exists():  # a promotion cut short: finish it, never re-compare
-            return finish_promotion(root, run_dir, json.loads((run_dir / PENDING).read_text()), log)
-        latest = read_registry(root).get("latest")
-        champion = root / latest if latest else shipped_champion(root, session)
-        champion_id = latest or (str(champion) if champion else None)
-        draft_dir = getattr(session, "draft_dir", None) or cfg.draft
-        # fail before any work on a corrupt or foreign champion
-        comparable = champion is None or comparable_champion(champion, session, draft_dir)
-        run_dir.mkdir(exist_ok=True)
-        write_json(run_dir / "config.json", {"config": asdict(cfg), "prompts": len(prompts),
-                                             "champion": champion_id})
-        held = [p for p in prompts if is_heldout(p.id, cfg.heldout_fraction)]
-        train = [p for p in prompts if not is_heldout(p.id, cfg.heldout_fraction)]
-        if not held or not train:
-            raise ValueError(f"{len(prompts)} new prompts give an empty train or held-out part: log more")
-        ccfg = CollectConfig(strategy=cfg.strategy, width=cfg.width, depth=cfg.depth, dtype=cfg.dtype,
-                             temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                             chat=cfg.chat, hidden=cfg.hidden, shard_size=8)
-        stats = {name: collect(replace(ccfg, out=str(run_dir / name)), session, ps, progress=False)
-                 for name, ps in (("traces_train", train), ("traces_heldout", held))}
-        challenger_id = f"retrain-{run_dir.name}"
-        if not (root / challenger_id / "metrics.json").exists():
-            from training.decider.fit import main as fit_main
+        if L.unconsumed(Path(cfg.new_prompts), work) != files:  # a run that held the lock consumed some
+            ready = new_inputs(cfg, work, log)
+            if isinstance(ready, int):
+                return ready
+            files, prompts = ready
+        rc = decide_files(cfg, root, work, prompts, session, rd_cfg, log)
+        if rc in (EXIT_PROMOTED, EXIT_KEPT, EXIT_UP_TO_DATE):  # decided: these files are done
+            L.consume(work, files)
+        return rc
 
-            rc = fit_main(["--config", cfg.fit_config, "--data.traces", str(run_dir / "traces_train"),
-                           "--data.test_traces", str(run_dir / "traces_heldout"), "--export.out", str(root),
-                           "--export.run_id", challenger_id, "--export.promote", "false",
-                           "--export.reports", str(run_dir / "reports"),
-                           "--trainer.default_root_dir", str(run_dir / "fit"), *cfg.fit_overrides])
-            if rc != 0:
-                return rc
-        chall_cfg = json.loads((root / challenger_id / "config.json").read_text())
-        cost = CostModel(**chall_cfg["cost_model"])  # one cost model judges both deciders
-        hidden = uses_hidden(chall_cfg["kind"])
-        chall = assess(root / challenger_id, run_dir / "traces_heldout", cost, hidden)
-        champ = None
-        if champion_id and comparable:
-            champ_hidden = uses_hidden(json.loads((champion / "config.json").read_text())["kind"])
-            champ = assess(champion, run_dir / "traces_heldout", cost, champ_hidden)
-        if champ is not None and cfg.live_prompts > 0:
-            live = held[: cfg.live_prompts]
-            champ["live_tokens_per_s"] = live_tokens_per_s(session, champion, live, cfg)
-            chall["live_tokens_per_s"] = live_tokens_per_s(session, root / challenger_id, live, cfg)
-        promote, reason = decide(champ, chall, cfg)
-        if not comparable:
-            reason = f"the champion {champion_id} was fit for the head this draft was re-distilled from"
-        acceptance = stats["traces_heldout"]["acceptance_rate"]
-        redistill = {"acceptance": acceptance, "below": cfg.redistill_below,
-                     "recommended": cfg.redistill_below is not None and acceptance < cfg.redistill_below}
-        if redistill["recommended"] and rd_cfg is not None and is_feature_draft(session.draft):
-            redistill |= run_redistill(rd_cfg, cfg, session, log)
-        elif redistill["recommended"] and cfg.redistill_command:
-            redistill["exit_code"] = subprocess.run(cfg.redistill_command).returncode
-        decision = {"promoted": promote, "reason": reason, "champion": champion_id, "root_latest": latest,
-                    "challenger": challenger_id, "champion_metrics": champ, "challenger_metrics": chall,
-                    "collect": stats, "redistill": redistill,
-                    "decided": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        decision = json.loads(json.dumps(decision, default=float))
-        if promote:
-            write_json(run_dir / PENDING, decision)  # recorded before the swap it describes
-            return finish_promotion(root, run_dir, decision, log)
-        write_json(run_dir / DECISION, decision)
-        log(json.dumps({"promoted": False, "reason": reason, "run_dir": str(run_dir)}))
-        return EXIT_KEPT
+
+def new_inputs(cfg: RetrainConfig, work: Path, log) -> tuple[list[dict], list[Prompt]] | int:
+    """The unconsumed files and their prompts, or EXIT_UP_TO_DATE (said in one line) when there
+    is nothing to do yet. ValueError: a missing directory, a bad row, a minimum below the floor."""
+    folder = Path(cfg.new_prompts)
+    if not folder.is_dir():
+        raise ValueError(f"logged prompts directory not found: {folder}")
+    val, seed = L.fit_split(cfg.fit_config, cfg.fit_overrides)
+    floor = L.prompts_floor(cfg.heldout_fraction, val)
+    if cfg.min_prompts < floor:
+        raise ValueError(f"min_prompts {cfg.min_prompts} is below {floor}, the fewest at which the held-out "
+                         f"part ({cfg.heldout_fraction}) and the fit's val split ({val}) expect a prompt each")
+    files = L.unconsumed(folder, work)
+    if not files:
+        log(f"up to date: no new logged files in {folder} (every *.jsonl is in {work / L.CURSOR})")
+        return EXIT_UP_TO_DATE
+    prompts = read_logged(folder, [folder / e["name"] for e in files])
+    if len(prompts) < cfg.min_prompts:
+        log(f"up to date: {len(prompts)} new prompts in {len(files)} file(s), below min_prompts "
+            f"{cfg.min_prompts}; nothing consumed")
+        return EXIT_UP_TO_DATE
+    empty = L.empty_part(prompts, cfg.heldout_fraction, val, seed)
+    if empty:
+        log(f"up to date: the {len(prompts)} new prompts leave the {empty} part empty; nothing consumed")
+        return EXIT_UP_TO_DATE
+    return files, prompts
+
+
+def decide_files(cfg: RetrainConfig, root: Path, work: Path, prompts: list[Prompt], session, rd_cfg, log) -> int:
+    """Collect, fit, judge and promote on `prompts` (the lock held)."""
+    from decoding.models.session import Session
+    from training.decider.replay import CostModel
+
+    session = session or Session.open(cfg.target, cfg.draft, cfg.dtype, need_draft=True)
+    pair = {"target": fingerprint(session.target), "draft": fingerprint(session.draft)}
+    run_dir = work / input_key(cfg, prompts, pair)
+    if (run_dir / DECISION).exists():
+        log(f"up to date: {run_dir} already decided for these inputs")
+        return EXIT_UP_TO_DATE
+    if (run_dir / PENDING).exists():  # a promotion cut short: finish it, never re-compare
+        return finish_promotion(root, run_dir, json.loads((run_dir / PENDING).read_text()), log)
+    latest = read_registry(root).get("latest")
+    champion = root / latest if latest else shipped_champion(root, session)
+    champion_id = latest or (str(champion) if champion else None)
+    draft_dir = getattr(session, "draft_dir", None) or cfg.draft
+    # fail before any work on a corrupt or foreign champion
+    comparable = champion is None or comparable_champion(champion, session, draft_dir)
+    run_dir.mkdir(exist_ok=True)
+    write_json(run_dir / "config.json", {"config": asdict(cfg), "prompts": len(prompts),
+                                         "champion": champion_id})
+    held = [p for p in prompts if is_heldout(p.id, cfg.heldout_fraction)]
+    train = [p for p in prompts if not is_heldout(p.id, cfg.heldout_fraction)]
+    ccfg = CollectConfig(strategy=cfg.strategy, width=cfg.width, depth=cfg.depth, dtype=cfg.dtype,
+                         temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                         chat=cfg.chat, hidden=cfg.hidden, shard_size=8)
+    stats = {name: collect(replace(ccfg, out=str(run_dir / name)), session, ps, progress=False)
+             for name, ps in (("traces_train", train), ("traces_heldout", held))}
+    challenger_id = f"retrain-{run_dir.name}"
+    if not (root / challenger_id / "metrics.json").exists():
+        from training.decider.fit import main as fit_main
+
+        rc = fit_main(["--config", cfg.fit_config, "--data.traces", str(run_dir / "traces_train"),
+                       "--data.test_traces", str(run_dir / "traces_heldout"), "--export.out", str(root),
+                       "--export.run_id", challenger_id, "--export.promote", "false",
+                       "--export.reports", str(run_dir / "reports"),
+                       "--trainer.default_root_dir", str(run_dir / "fit"), *cfg.fit_overrides])
+        if rc != 0:
+            return rc
+    chall_cfg = json.loads((root / challenger_id / "config.json").read_text())
+    cost = CostModel(**chall_cfg["cost_model"])  # one cost model judges both deciders
+    hidden = uses_hidden(chall_cfg["kind"])
+    chall = assess(root / challenger_id, run_dir / "traces_heldout", cost, hidden)
+    champ = None
+    if champion_id and comparable:
+        champ_hidden = uses_hidden(json.loads((champion / "config.json").read_text())["kind"])
+        champ = assess(champion, run_dir / "traces_heldout", cost, champ_hidden)
+    if champ is not None and cfg.live_prompts > 0:
+        live = held[: cfg.live_prompts]
+        champ["live_tokens_per_s"] = live_tokens_per_s(session, champion, live, cfg)
+        chall["live_tokens_per_s"] = live_tokens_per_s(session, root / challenger_id, live, cfg)
+    promote, reason = decide(champ, chall, cfg)
+    if not comparable:
+        reason = f"the champion {champion_id} was fit for the head this draft was re-distilled from"
+    acceptance = stats["traces_heldout"]["acceptance_rate"]
+    redistill = {"acceptance": acceptance, "below": cfg.redistill_below,
+                 "recommended": cfg.redistill_below is not None and acceptance < cfg.redistill_below}
+    if redistill["recommended"] and rd_cfg is not None and is_feature_draft(session.draft):
+        redistill |= run_redistill(rd_cfg, cfg, session, prompts, log)
+    elif redistill["recommended"] and cfg.redistill_command:
+        redistill["exit_code"] = subprocess.run(cfg.redistill_command).returncode
+    decision = {"promoted": promote, "reason": reason, "champion": champion_id, "root_latest": latest,
+                "challenger": challenger_id, "champion_metrics": champ, "challenger_metrics": chall,
+                "collect": stats, "redistill": redistill,
+                "decided": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    decision = json.loads(json.dumps(decision, default=float))
+    if promote:
+        write_json(run_dir / PENDING, decision)  # recorded before the swap it describes
+        return finish_promotion(root, run_dir, decision, log)
+    write_json(run_dir / DECISION, decision)
+    log(json.dumps({"promoted": False, "reason": reason, "run_dir": str(run_dir)}))
+    return EXIT_KEPT
 
 
 def finish_promotion(root: Path, run_dir: Path, decision: dict, log=print) -> int:
@@ -305,7 +359,8 @@ def _log(msg: str) -> None:
 
 
 def main(argv=None) -> int:
-    cfg = parse_config(RetrainConfig, argv, "python -m training.retrain", __doc__.split("\n\n")[0])
+    cfg = parse_config(RetrainConfig, argv, "python -m training.retrain", __doc__.split("\n\n")[0],
+                       aliases={"new_prompts": ["--logged"]})
     if cfg.threads:
         import torch
 

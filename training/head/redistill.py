@@ -263,7 +263,7 @@ def load_target(cfg: RedistillConfig, teacher):
     return teacher, teacher.model if fp32 else load_model(cfg.target, "float32")
 
 
-def run(cfg: RedistillConfig, teacher=None, log=print) -> int:
+def run(cfg: RedistillConfig, teacher=None, log=print, prompts=None) -> int:  # prompts: a retrain's new ones
     from decoding.drafts.io import load_feature_draft
     from decoding.models import ModelError, fingerprint
 
@@ -273,7 +273,7 @@ def run(cfg: RedistillConfig, teacher=None, log=print) -> int:
     from training.shards import write_json
     from training.bench.head import agreement
 
-    prompts = read_logged(Path(cfg.new_prompts))
+    prompts = prompts if prompts is not None else read_logged(Path(cfg.new_prompts))
     champ = Path(cfg.draft)
     if not champ.is_dir():
         raise ModelError(f"champion head not found: {champ}")
@@ -364,7 +364,7 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr if msg.startswith("error:") else sys.stdout)
 
 
-def execute(cfg: RedistillConfig, teacher=None, log=_log) -> int:
+def execute(cfg: RedistillConfig, teacher=None, log=_log, prompts=None) -> int:
     """run() with bad input and failures turned into exit codes and one `error:` line."""
     from decoding.models import ModelError
 
@@ -373,7 +373,7 @@ def execute(cfg: RedistillConfig, teacher=None, log=_log) -> int:
 
         torch.set_num_threads(cfg.threads)
     try:
-        return run(cfg, teacher, log)
+        return run(cfg, teacher, log, prompts)
     except (ModelError, ValueError) as e:
         log(f"error: {str(e).splitlines()[0]}")
         return EXIT_BAD_INPUT
