@@ -6,7 +6,7 @@ TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 LOCK    := constraints.txt
 
-.PHONY: venv lock test test-quick test-fast test-avx2 demo draft head bench serve-check llama-cpp llama-bench llama-check gpu-pack defaults lint clean gemma3
+.PHONY: venv lock test test-quick test-fast test-avx2 retrain-loop demo draft head bench serve-check llama-cpp llama-bench llama-check gpu-pack defaults lint clean gemma3
 
 venv: $(STAMP)
 
@@ -51,6 +51,11 @@ test-fast: venv
 AVX2_ENV := SPECSTOP_CPU=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 test-avx2: venv
 	$(AVX2_ENV) $(BIN)/python -m pytest -n 2 tests --durations=20
+
+# the retraining loop end to end on a tiny pair: serve with traffic logging, retrain on the logs,
+# promote, see the running server report the new decider, serve again (lossless throughout)
+retrain-loop: venv
+	$(BIN)/python -m pytest tests/loop -v
 
 # collect traces -> fit a decider -> generate with it beside fixed depth (writes runs/demo/)
 demo: venv

@@ -201,20 +201,27 @@ def save_decider(out: str | os.PathLike, net: DeciderNet, cfg: DeciderConfig, me
 
 def registry_root(path: str | os.PathLike | None) -> Path | None:
     """The deciders root `path` names ('latest' or None: the shipped one; a directory holding
-    registry.json and no config.json), else None (a run directory)."""
+    registry.json and no config.json; runs/deciders, the user root training.fit and
+    training.retrain write, even before they have), else None (a run directory)."""
     if path in (None, "latest"):
         return DECIDERS_DIR
     p = Path(path)
+    if p == Path(RUNS_DECIDERS) and not (p / "config.json").exists():
+        return p
     return p if (p / REGISTRY).is_file() and not (p / "config.json").exists() else None
 
 
 def resolve_decider_dir(path: str | os.PathLike | None) -> Path:
     """The decider directory `path` names: 'latest' (or None) = the shipped registry's latest; a
-    deciders root (registry.json inside) = its latest; anything else = that run directory."""
+    deciders root = its latest, or while it has none the shipped latest (the champion a retrain
+    judges its first challenger against: a server watching a user root serves it until then);
+    anything else = that run directory."""
     root = registry_root(path)
     if root is None:
         return Path(path)
     reg = root / REGISTRY
+    if root != DECIDERS_DIR and _no_latest(reg):
+        return resolve_decider_dir("latest")
     try:
         latest = json.loads(reg.read_text())["latest"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -223,6 +230,16 @@ def resolve_decider_dir(path: str | os.PathLike | None) -> Path:
         raise ModelError(f"{reg} names no latest decider (latest = {json.dumps(latest)}): "
                          f"fit one (python -m training.fit) or pass --decider DIR")
     return root / latest
+
+
+def _no_latest(reg: Path) -> bool:
+    """A user root with nothing promoted yet (no registry, or one whose latest is null)."""
+    try:
+        return json.loads(reg.read_text()).get("latest") is None
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError, AttributeError):
+        return False  # unreadable or corrupt: resolving it says so
 
 
 def _registered_for(root: Path, role: str, name: str | None) -> str:

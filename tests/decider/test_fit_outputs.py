@@ -12,7 +12,6 @@ from support.decider import fit_config
 from support.traces import write_traces
 
 from decoding.decider import policy as D
-from decoding.models import ModelError
 from training.decider import fit
 
 pytestmark = pytest.mark.xdist_group("test_fit")
@@ -42,14 +41,15 @@ def test_a_user_fit_writes_only_under_the_working_directory(tmp_path, monkeypatc
     cfg = default_paths_config(tmp_path, traces)
     monkeypatch.chdir(tmp_path)
     before = snapshot()
+    assert D.resolve_decider_dir("runs/deciders") == D.resolve_decider_dir("latest")  # before any run
     assert fit.main(["--config", str(cfg), "--export.run_id", "mine", "--export.promote", "false"]) == 0
     assert snapshot() == before  # nothing in the checkout's tracked folders changed
     runs = tmp_path / "runs" / "deciders"
     reg = json.loads((runs / "registry.json").read_text())
     assert reg["latest"] is None and [r["run_id"] for r in reg["runs"]] == ["mine"]
     assert (runs / "mine" / "summary.md").is_file() and (runs / "mine" / "roc.png").is_file()
-    with pytest.raises(ModelError, match="names no latest decider"):  # not promoted: a root has none yet
-        D.resolve_decider_dir("runs/deciders")
+    shipped_latest = D.resolve_decider_dir("latest")  # not promoted: the root serves the shipped one
+    assert D.resolve_decider_dir("runs/deciders") == shipped_latest
     assert D.resolve_decider_dir("runs/deciders/mine") == Path("runs/deciders/mine")
 
     # promoting into an explicitly named root (the shipped pair's) is what writes a registry there
