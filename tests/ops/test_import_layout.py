@@ -211,13 +211,14 @@ def test_tests_live_in_area_folders_and_import_no_other_test_file():
             assert not bad, f"{path.relative_to(ROOT)} imports the test file(s) {bad}: move shared code to tests/support"
 
 
-def test_readme_layout_names_every_room():
-    layout = (ROOT / "README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+def test_layout_doc_names_every_room():
+    layout = (ROOT / "docs" / "layout.md").read_text()
+    assert "docs/layout.md" in (ROOT / "README.md").read_text(), "the README no longer links docs/layout.md"
     for pkg in ("decoding", "training"):
         for room in sorted(p.parent.name for p in (ROOT / pkg).glob("*/__init__.py")):
-            assert f"{room}/" in layout, f"README's Layout does not name {pkg}/{room}/"
+            assert f"{room}/" in layout, f"docs/layout.md does not name {pkg}/{room}/"
     for area in sorted(p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
-        assert f"`{area}`" in layout or f"tests/{area}/" in layout, f"README's Layout does not name tests/{area}"
+        assert f"`{area}`" in layout or f"tests/{area}/" in layout, f"docs/layout.md does not name tests/{area}"
 
 
 def test_models_init_only_re_exports():
