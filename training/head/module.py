@@ -173,8 +173,10 @@ class FeatureDistillModule(L.LightningModule):
     def _online(self, batch: dict) -> dict:
         from training.head.cache import target_batch
 
-        used = self.head.used_ids
-        out = target_batch(self.target(), batch["input_ids"], batch["attention_mask"],
+        used, target = self.head.used_ids, self.target()
+        if target.device != batch["input_ids"].device:  # outside the module tree: Lightning never moves it
+            target.to(batch["input_ids"].device)
+        out = target_batch(target, batch["input_ids"], batch["attention_mask"],
                            batch["label_start"], self.layers, used, self.online_k)
         return batch | out
 
@@ -247,6 +249,11 @@ class FeatureDistillModule(L.LightningModule):
 
         timer = next((c for c in self.trainer.callbacks if isinstance(c, Timer)), None)
         return timer if timer is not None and timer._duration else None
+
+    def on_train_start(self) -> None:
+        from training.head.data import restore_position
+
+        restore_position(self.trainer)  # a resumed run goes on with the epoch's next unseen batch
 
     def on_train_batch_start(self, batch, idx: int) -> None:
         timer = self._timer() if self.hp["schedule"] == "time" else None

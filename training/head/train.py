@@ -38,6 +38,28 @@ class RunConfig:
     dtype: str = "bfloat16"
     """Dtype of the exported weights: bfloat16 | float16 | float32 (16-bit halves the size of
     the committed head; decoding casts to the run's dtype)."""
+    chunks: str | None = None
+    """Root of the committed training chunks (e.g. checkpoints/training): the run writes
+    <chunks>/<name>/latest (weights, optimizer, schedule, data position; training.head.chunks)
+    and continues from it on a fresh clone. None: no chunks (runs/ only, lost with the machine)."""
+    commit_every_minutes: float | None = 30.0
+    """With chunks: write the latest chunk every this many minutes of training (and always at
+    the session's end). None: only at the end."""
+    session_minutes: float | None = None
+    """With chunks: stop this session after this many minutes of training, writing a chunk (the
+    run goes on in the next session; trainer.max_time and max_steps bound the whole run)."""
+    session_steps: int | None = None
+    """Stop this session after this many optimizer steps, writing a chunk (smoke runs, tests)."""
+    chunk_moments: str = "float32"
+    """AdamW moments in a chunk: float32 (an exact continuation) | bfloat16 (a third smaller
+    chunk, the continuation then differs by the moments' rounding)."""
+    chunk_shard_mib: float = 15.0
+    """Largest tensor file of a chunk (a device call returns files of at most 16 MiB)."""
+    heldout_rows: int = 64
+    """Rows of the validation slice each chunk is scored on, beside `baseline` (0: no scores,
+    no best/ export)."""
+    baseline: str | None = "checkpoints/drafts/smollm2-135m-eagle3"
+    """The shipped head each chunk is compared with on the same held-out rows (paired)."""
 
 
 def load_feature_module(ckpt) -> FeatureDistillModule:
@@ -68,6 +90,30 @@ def export(module: FeatureDistillModule, out: Path, meta: dict, dtype: str = "fl
     return feature_io.save_feature_draft(head, out, module.target(), meta | {"dtype": dtype})
 
 
+def with_chunks(run: RunConfig, trainer, module, data, last: Path) -> str | None:
+    """Add the chunk writer; the checkpoint to continue from (last.ckpt or the committed chunk,
+    whichever is further). The data is set up first: a chunk's identity includes its vocabulary."""
+    from dataclasses import asdict
+
+    from training.head.chunk_run import LATEST, ChunkWriter, resume_path
+    from training.head.chunks import identity, manifests
+
+    if run.chunk_moments not in ("float32", "bfloat16"):
+        raise ValueError(f"run.chunk_moments must be float32 or bfloat16 (got {run.chunk_moments!r})")
+    data.prepare_data()
+    data.setup("fit")
+    ident = identity(module, data, trainer)
+    folder = Path(run.chunks) / run.name
+    ckpt = resume_path(folder / LATEST, last, ident) if run.resume else None
+    meta = {"run": asdict(run), "corpora_manifests": manifests(data.corpora),
+            "train_rows": len(data.train_rows), "train_positions": data.positions()}
+    trainer.callbacks.append(ChunkWriter(
+        folder, ident, meta, run.commit_every_minutes, run.session_minutes, run.session_steps, run.chunk_moments,
+        run.chunk_shard_mib, run.heldout_rows, run.baseline,
+        log=lambda m: print(f"distill: {m}", file=sys.stderr, flush=True)))
+    return ckpt
+
+
 def fit(argv: list[str] | None) -> None:
     from training.config_flags import ckpt_metrics, lightning_cli, relative_path, usage_error
     from training.corpus.teacher import target_fingerprint
@@ -78,9 +124,10 @@ def fit(argv: list[str] | None) -> None:
     if run.dtype not in ("bfloat16", "float16", "float32"):
         usage_error(f"run.dtype must be bfloat16, float16 or float32 (got {run.dtype!r})")
     try:
-        trainer.fit(module, datamodule=data,
-                    ckpt_path=str(last) if run.resume and last.exists() else None)
-    except ValueError as e:  # wrong target, nothing cached, bad settings: a config error
+        ckpt = with_chunks(run, trainer, module, data, last) if run.chunks else (
+            str(last) if run.resume and last.exists() else None)
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt)
+    except ValueError as e:  # wrong target, nothing cached, a foreign chunk, bad settings: a config error
         usage_error(str(e))
     if not run.export or trainer.global_rank != 0:
         return
