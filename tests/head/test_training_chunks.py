@@ -162,3 +162,17 @@ def test_an_interrupted_write_leaves_the_old_chunk_whole(tmp_path, monkeypatch):
     m = back["optimizer_states"][0]["state"][0]["exp_avg"]
     assert m.dtype == torch.float32 and not torch.equal(m, ckpt["optimizer_states"][0]["state"][0]["exp_avg"])
     assert torch.equal(back["state_dict"]["w"], ckpt["state_dict"]["w"])  # weights stay fp32
+
+
+def test_the_step_profile_splits_a_step_into_its_phases(head_corpus, tmp_path, monkeypatch, capsys):
+    from training.head.profile import main
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "profile.json"
+    main(config(tmp_path, head_corpus) + ["--data.source", "online", "--steps", "2", "--warmup", "1",
+                                           "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert {"data", "target", "head_fc", "head_step_1", "head_step_2", "loss", "backward", "optimizer"} <= set(res["ms"])
+    assert res["ms"]["target"] > 0 and sum(res["share"].values()) == pytest.approx(1.0, abs=1e-6)
+    assert "head_step_2" in capsys.readouterr().out
+    assert not (tmp_path / "chunks").exists()  # a profile writes no chunk

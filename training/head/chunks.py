@@ -3,7 +3,7 @@
 Lightning's own last.ckpt (runs/, git-ignored, a pickle) is lost with the machine. A chunk is the
 same checkpoint, losslessly re-encoded without pickle so that it can be committed to git and read
 on a fresh clone: every tensor (the head's fp32 weights, AdamW's moments, the counters held as
-tensors) in safetensors files of at most `shard_mib` each, everything else (step, epoch, the
+tensors) in safetensors files of about `shard_mib` each (a larger tensor alone in its file), everything else (step, epoch, the
 loops' progress with the dataloader's position, the LR scheduler, the callbacks' state, the
 run's identity and its held-out scores) in chunk.json. Written to a temp folder and swapped in
 (training.swap.replace_dir): a reader, or a run killed mid-write, finds the old chunk or the new.
@@ -93,6 +93,7 @@ def write_chunk(out: Path, ckpt: dict, meta: dict, moments: str = "float32", sha
     """Write the Lightning checkpoint dict `ckpt` and `meta` as a chunk at `out`, atomically."""
     from safetensors.torch import save_file
 
+    from decoding.models import make_shareable
     from training.swap import replace_dir
 
     if moments not in ("float32", "bfloat16"):
@@ -115,6 +116,7 @@ def write_chunk(out: Path, ckpt: dict, meta: dict, moments: str = "float32", sha
         doc = {"kind": "specstop-training-chunk", "schema_version": SCHEMA, "moments": moments,
                "files": files, "bytes": sizes, **meta, "checkpoint": skeleton}
         (tmp / CHUNK_JSON).write_text(json.dumps(doc, indent=1, allow_nan=True) + "\n")
+        make_shareable(tmp)  # mkdtemp's folder is private
         replace_dir(tmp, out)  # one swap: the old chunk stays whole until the new one is
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
