@@ -176,7 +176,7 @@ gpu-pack: venv
 # chunks"): the target, corpora, heads and the run's chunk in parts under .gpu-carry/train/, then the
 # device `run` calls, printed as JSON; MINUTES of training, the new chunk back in 15 MiB pieces
 CHUNKS ?= --config configs/distill_eagle3.yaml --config configs/distill_eagle3_continue.yaml --config configs/distill_eagle3_chunks.yaml
-MINUTES ?= 8
+MINUTES ?= 6
 gpu-train: venv
 	$(BIN)/python tools/train_pack.py $(CHUNKS) --minutes $(MINUTES)
 

@@ -92,13 +92,22 @@ GPU = ("--trainer.accelerator gpu --trainer.devices 1 --trainer.precision bf16-m
        "--run.export false --trainer.enable_progress_bar false")
 
 
+CALL = 600
+"""Seconds one device command may run: the training call holds the GGUF's conversion, loading, the
+session, the held-out scoring of its chunk, and cutting the pieces."""
+TRAIN_LIMIT = CALL - 45
+"""The training's own limit inside that call, leaving time to cut and copy the pieces."""
+STARTUP = 150
+"""Seconds to budget beside the session's minutes: conversion, loading, the last chunk's scoring."""
+
+
 def commands(parts: int, configs: list[str], minutes: float, folder: Path, pieces_hint: int = 12) -> list[dict]:
     """The device `run` calls: one per part in (the first installs the wheels), the last trains and
     returns the first pieces of the new chunk folder, then one per further four pieces."""
     cfg = " ".join(f"--config {c}" for c in configs)
     train = (f"python3 tools/gpu_pack.py --join {CARRY} >/dev/null || exit 1; cp -r {CARRY}/payload/tree/. ./; "
              "nvidia-smi -L; set -o pipefail; "
-             f"timeout {int(minutes * 60 + 240)} python3 -m training.distill {cfg} {GPU} "
+             f"timeout {TRAIN_LIMIT} python3 -m training.distill {cfg} {GPU} "
              f"--run.session_minutes {minutes:g} 2>&1 | tee $OUT/train.log | grep -v Warning | tail -25; "
              f"python3 tools/train_pack.py --pack-back {folder} && "
              f"cp -r $(ls -d {BACK}/part* | sort -V | head -{PER_CALL}) $OUT/")
@@ -107,7 +116,7 @@ def commands(parts: int, configs: list[str], minutes: float, folder: Path, piece
     for i in range(2, parts + 1):
         calls.append({"command": ENV + (train if i == parts else f"ls -l {CARRY}/part{i}"),
                       "carry": [f"{CARRY}/part{i}"], "timeout_s": 600 if i == parts else 60})
-    calls[-1]["timeout_s"] = min(600, int(minutes * 60 + 300))
+    calls[parts - 1]["timeout_s"] = 600
     for k in range(1, math.ceil(pieces_hint / PER_CALL)):
         calls.append({"command": f"cp -r $(ls -d {BACK}/part* | sort -V | tail -n +{k * PER_CALL + 1} | "
                                  f"head -{PER_CALL}) $OUT/ 2>/dev/null; ls {BACK}", "carry": [], "timeout_s": 60})
@@ -146,7 +155,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python tools/train_pack.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", action="append", default=[], help="the run's configs, in order (as training.distill)")
-    ap.add_argument("--minutes", type=float, default=8.0, help="training minutes of the device session")
+    ap.add_argument("--minutes", type=float, default=6.0, help="training minutes of the device session "
+                    f"(at most {(TRAIN_LIMIT - STARTUP) / 60:.1f}: one call runs {CALL} s at most)")
     ap.add_argument("--out", default=CARRY, help="where the parts go")
     ap.add_argument("--gguf", default=None, help="the target GGUF (default: the embedded one)")
     ap.add_argument("--wheels", default=".whl", help="folder of wheels to carry (transformers, gguf)")
@@ -167,6 +177,9 @@ def main(argv=None) -> int:
             return 0
         if not a.config:
             raise ValueError("--config: the run's configs (as given to python -m training.distill)")
+        if a.minutes * 60 + STARTUP > TRAIN_LIMIT:
+            raise ValueError(f"--minutes {a.minutes:g} leaves no room in a {CALL} s device call: at most "
+                             f"{(TRAIN_LIMIT - STARTUP) / 60:.1f} (the budget beside it: {STARTUP} s)")
         conf = merged(a.config)
         folder = run_folder(conf)
         from decoding.models.named_targets import smollm2_gguf_path
@@ -184,7 +197,10 @@ def main(argv=None) -> int:
             init.write_text('"""The embedded target\'s GGUF, carried (tools/train_pack.py)."""\n')
             m = gpu_pack.pack(payload(conf, gguf, init), wheels, Path(a.out), room)
         chunk = sum(v["bytes"] for k, v in m["files"].items() if k.startswith(f"tree/{folder}/"))
-        pieces = max(1, math.ceil(chunk * 1.05 / PIECE)) if chunk else 3
+        if not chunk:  # a first session: fp32 weights and two moments, plus best/ (bf16), of the warm start's head
+            warm = (conf.get("model") or {}).get("warm_start")
+            chunk = 7 * sum(f.stat().st_size for f in Path(warm).glob("*.safetensors")) if warm else 0
+        pieces = max(3, math.ceil(chunk * 1.05 / PIECE))
         for d, n in m["part_bytes"].items():
             print(f"{d}: {n / 2**20:.1f} MiB + the slimmed tree {tree / 2**20:.1f} MiB", file=sys.stderr)
         print(json.dumps(commands(m["parts"], a.config, a.minutes, folder, pieces), indent=1))

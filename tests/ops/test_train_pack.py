@@ -59,12 +59,12 @@ def test_the_pack_holds_what_the_session_reads(repo, tmp_path):
 
 
 def test_the_device_commands_fit_the_tool(repo):
-    calls = train_pack.commands(3, ["a.yaml", "b.yaml"], 8, Path("checkpoints/training/run"), pieces_hint=10)
+    calls = train_pack.commands(3, ["a.yaml", "b.yaml"], 6, Path("checkpoints/training/run"), pieces_hint=10)
     assert [c["carry"] for c in calls[:3]] == [[f".gpu-carry/train/part{i}"] for i in (1, 2, 3)]
     assert all(len(c["command"]) < 2000 and 1 <= c["timeout_s"] <= 600 for c in calls)
     assert ".whl" in calls[0]["command"] and "pip install" in calls[0]["command"]
     train = calls[2]["command"]
-    assert "--config a.yaml --config b.yaml" in train and "--run.session_minutes 8" in train
+    assert "--config a.yaml --config b.yaml" in train and "--run.session_minutes 6" in train
     assert "--trainer.accelerator gpu" in train and "bf16-mixed" in train and "$OUT" in train
     assert len(calls) == 3 + 2  # ten pieces: four with the training call, then two calls more
     with pytest.raises(ValueError, match="run.chunks"):
@@ -87,3 +87,4 @@ def test_a_chunk_comes_back_in_pieces_and_replaces_the_old_one(repo, monkeypatch
     assert got == want
     assert [p.name for p in folder.parent.iterdir()] == ["run"]  # nothing half-moved beside it
     assert train_pack.main(["--config", "missing.yaml"]) == 2
+    assert train_pack.main(["--config", "a.yaml", "--minutes", "9"]) == 2  # over one device call

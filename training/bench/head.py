@@ -237,7 +237,7 @@ def speed(a) -> dict:
 def load_head(a, target):
     """The head to measure: a Lightning checkpoint, an exported directory, or untrained."""
     if a.ckpt:
-        from training.head.train import load_feature_module
+        from training.head.module import load_feature_module
 
         m = load_feature_module(a.ckpt)
         return m.head.float().eval(), list(m.head.config.aux_layers)

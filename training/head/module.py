@@ -278,3 +278,22 @@ class FeatureDistillModule(L.LightningModule):
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def load_feature_module(ckpt) -> FeatureDistillModule:
+    """Rebuild the module from a checkpoint, reading only tensors and plain types (the head's
+    token embeddings are the target's: loaded from model.target, never stored)."""
+    from decoding.drafts.feature import FeatureDraft, FeatureDraftConfig
+
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    hp = dict(state["specstop_hparams"])
+    head_cfg, window = hp.pop("head"), hp.pop("trained_window", None)
+    module = FeatureDistillModule(**hp)
+    if window is not None:
+        module.hp["trained_window"] = window
+    cfg = FeatureDraftConfig.from_dict(head_cfg)
+    module.head = FeatureDraft(cfg, module.target().get_input_embeddings().weight)
+    module.hp["head"], module.layers = head_cfg, list(cfg.aux_layers)
+    module.load_state_dict(state["state_dict"])
+    module.freeze()
+    return module

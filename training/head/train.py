@@ -15,10 +15,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from training.head.data import FeatureDataModule
-from training.head.module import FeatureDistillModule
+from training.head.module import FeatureDistillModule, load_feature_module  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -61,25 +60,6 @@ class RunConfig:
     no best/ export)."""
     baseline: str | None = "checkpoints/drafts/smollm2-135m-eagle3"
     """The shipped head each chunk is compared with on the same held-out rows (paired)."""
-
-
-def load_feature_module(ckpt) -> FeatureDistillModule:
-    """Rebuild the module from a checkpoint, reading only tensors and plain types (the head's
-    token embeddings are the target's: loaded from model.target, never stored)."""
-    from decoding.drafts.feature import FeatureDraft, FeatureDraftConfig
-
-    state = torch.load(ckpt, map_location="cpu", weights_only=True)
-    hp = dict(state["specstop_hparams"])
-    head_cfg, window = hp.pop("head"), hp.pop("trained_window", None)
-    module = FeatureDistillModule(**hp)
-    if window is not None:
-        module.hp["trained_window"] = window
-    cfg = FeatureDraftConfig.from_dict(head_cfg)
-    module.head = FeatureDraft(cfg, module.target().get_input_embeddings().weight)
-    module.hp["head"], module.layers = head_cfg, list(cfg.aux_layers)
-    module.load_state_dict(state["state_dict"])
-    module.freeze()
-    return module
 
 
 def export(module: FeatureDistillModule, out: Path, meta: dict, dtype: str = "float32") -> Path:
