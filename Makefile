@@ -6,7 +6,7 @@ TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 LOCK    := constraints.txt
 
-.PHONY: venv lock test test-quick test-fast test-avx2 retrain-loop demo draft head bench serve-check llama-cpp llama-bench llama-check gpu-pack defaults lint clean gemma3
+.PHONY: venv lock test test-quick test-fast test-avx2 retrain-loop demo draft head bench serve-check llama-cpp llama-bench llama-check gpu-pack gpu-train profile-head defaults lint clean gemma3
 
 venv: $(STAMP)
 
@@ -176,6 +176,18 @@ llama-check: venv $(LLAMA_SERVER)
 PACK ?= --slim --drafts both
 gpu-pack: venv
 	$(BIN)/python tools/gpu_pack.py --out .gpu-carry $(PACK) --commands
+
+# a feature-head training session on a device machine (docs/feature-head.md, "Training in committed
+# chunks"): the target, corpora, heads and the run's chunk in parts under .gpu-carry/train/, then the
+# device `run` calls, printed as JSON; MINUTES of training, the new chunk back in 15 MiB pieces
+CHUNKS ?= --config configs/distill_eagle3.yaml --config configs/distill_eagle3_continue.yaml --config configs/distill_eagle3_chunks.yaml
+MINUTES ?= 6
+gpu-train: venv
+	$(BIN)/python tools/train_pack.py $(CHUNKS) --minutes $(MINUTES)
+
+# where a training step's time goes (data, target prefill, head per unrolled step, backward, AdamW)
+profile-head: venv
+	$(BIN)/python -m training.head.profile $(CHUNKS) --steps 8
 
 # The maintainer's step that changes what every install decodes with: one entry of the package's
 # decoding/defaults.yaml from a kept report of the shipped pair (a compare run, or the GPU suite's),

@@ -57,13 +57,14 @@ def agreement(target, head, rows: list[dict], layers: list[int], steps: int = ST
     from training.head.module import shift
 
     used, t2d = head.used_ids, head.t2d
+    dev = used.device  # the head's (a training run's GPU): counts come back to the CPU
     hits, chain, n, accept = (torch.zeros(len(rows), steps) for _ in range(4))
     walks = torch.zeros(len(rows), 2)  # sd rounds and the tokens they commit
     inside = 0.0
     seqs = [r["prompt_ids"] + r["completion_ids"] for r in rows]
     starts = [len(r["prompt_ids"]) - 1 for r in rows]
     for idx in length_batches([len(s) for s in seqs], max_tokens):
-        ids, mask = pad_batch([seqs[i] for i in idx])
+        ids, mask = (x.to(dev) for x in pad_batch([seqs[i] for i in idx]))
         b = target_batch(target, ids, mask, torch.tensor([starts[i] for i in idx]), layers, used, k,
                          temperature=temperature)
         outs = head.unroll(ids, b["feats"], steps, mask)
@@ -73,13 +74,13 @@ def agreement(target, head, rows: list[dict], layers: list[int], steps: int = ST
             m = shift(b["lab_mask"], 1 + j, False)
             hit = (used[lg.argmax(-1)] == shift(b["top1"], 1 + j, 0)) & m
             run = hit if run is None else run & hit  # position t's chain: steps 1..j+1 all right
-            hits[idx, j], chain[idx, j], n[idx, j] = hit.sum(-1).float(), run.sum(-1).float(), m.sum(-1).float()
+            hits[idx, j], chain[idx, j], n[idx, j] = (x.sum(-1).float().cpu() for x in (hit, run, m))
             q = torch.log_softmax(lg.float() / temperature, -1).gather(-1, shift(b["lab_ids"], 1 + j, 0)).exp()
             p = shift(b["lab_logp"], 1 + j, float("-inf")).exp()
-            accept[idx, j] = (torch.minimum(p, q).sum(-1) * m).sum(-1)
-            step_hits.append(hit)
+            accept[idx, j] = (torch.minimum(p, q).sum(-1) * m).sum(-1).cpu()
+            step_hits.append(hit.cpu())
         # index t drafts x_{t+2}: the first round after prefill is t = start
-        walks[idx] = walk_sd(step_hits, m, [starts[i] for i in idx]).float()
+        walks[idx] = walk_sd(step_hits, m.cpu(), [starts[i] for i in idx]).float()
     total = int(n[:, 0].sum())
     return {"positions": total, "target_top1_in_draft_vocab": inside / max(1, total),
             **summary(hits.sum(0), chain.sum(0), n.sum(0)),
@@ -236,7 +237,7 @@ def speed(a) -> dict:
 def load_head(a, target):
     """The head to measure: a Lightning checkpoint, an exported directory, or untrained."""
     if a.ckpt:
-        from training.head.train import load_feature_module
+        from training.head.module import load_feature_module
 
         m = load_feature_module(a.ckpt)
         return m.head.float().eval(), list(m.head.config.aux_layers)

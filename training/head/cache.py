@@ -117,12 +117,14 @@ def target_batch(model, ids: torch.Tensor, mask: torch.Tensor, label_start: torc
         hidden = layout.trunk(input_ids=ids, attention_mask=mask).last_hidden_state
     feats = cap.aux().float()
     b, w = ids.shape
-    t = torch.arange(w)
+    dev = ids.device  # a GPU run's batches: every output on the batch's device
+    t = torch.arange(w, device=dev)
+    label_start = label_start.to(dev)
     lab_mask = (t[None] >= label_start[:, None]) & (t[None] < mask.sum(-1, keepdim=True) - 1)
     rows = hidden[lab_mask]
-    lab_ids = torch.zeros(b, w, k, dtype=torch.long)
-    lab_logp = torch.full((b, w, k), float("-inf"))
-    top1 = torch.zeros(b, w, dtype=torch.long)
+    lab_ids = torch.zeros(b, w, k, dtype=torch.long, device=dev)
+    lab_logp = torch.full((b, w, k), float("-inf"), device=dev)
+    top1 = torch.zeros(b, w, dtype=torch.long, device=dev)
     li, lp, t1 = [], [], []
     for a in range(0, len(rows), chunk):  # full-vocabulary logits are big: a chunk at a time
         logits = layout.logits(rows[a: a + chunk]).float()

@@ -12,7 +12,10 @@ which resumes from last.ckpt.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -78,12 +81,62 @@ def token_batches(lengths: list[int], max_tokens: int, seed: int | None) -> list
 class _Batches(Dataset):
     def __init__(self, rows: list, batches: list[list[int]], load, pad_id: int):
         self.rows, self.batches, self.load, self.pad_id = rows, batches, load, pad_id
+        self.offset = 0  # batches already consumed this epoch (a resumed run starts past them)
 
     def __len__(self) -> int:
-        return len(self.batches)
+        return len(self.batches) - self.offset
 
     def __getitem__(self, i: int) -> dict:
-        return collate([self.load(self.rows[j]) for j in self.batches[i]], self.pad_id)
+        return collate([self.load(self.rows[j]) for j in self.batches[self.offset + i]], self.pad_id)
+
+
+def batches_digest(batches: list[list[int]]) -> str:
+    """Identity of one epoch's batch order (the rows, their grouping and the shuffle)."""
+    return hashlib.sha256(json.dumps(batches, separators=(",", ":")).encode()).hexdigest()
+
+
+class ResumableLoader(DataLoader):
+    """One epoch's fixed batch order whose position Lightning saves in its checkpoint (state_dict)
+    and restores (load_state_dict): a resumed run continues with the epoch's next unseen batch,
+    not its first. __len__ stays the whole epoch's, as Lightning counts the consumed batches in."""
+
+    def __init__(self, dataset: _Batches, epoch: int, **kw):
+        self.epoch, self.digest = epoch, batches_digest(dataset.batches)
+        self.total, self.consumed = len(dataset.batches), 0
+        super().__init__(dataset, batch_size=None, shuffle=False, **kw)
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __iter__(self):
+        self.consumed = self.dataset.offset
+        for batch in super().__iter__():
+            self.consumed += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "consumed": self.consumed, "batches": self.total, "digest": self.digest}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("epoch") != self.epoch:
+            return
+        skip = min(int(state.get("consumed", 0)), self.total)
+        if state.get("digest") != self.digest:  # the corpora changed: the rest of this epoch is reshuffled
+            print(f"note: the training rows changed since the checkpoint (epoch {self.epoch}): the epoch "
+                  f"continues after {skip} batches of a new order", file=sys.stderr)
+        self.dataset.offset = skip
+
+
+def restore_position(trainer) -> None:
+    """Hand a resumed run's saved loader position to its loader. Lightning applies it in
+    FitLoop.setup_data, which returns early when configure_optimizers already built the loader
+    (trainer.estimated_stepping_batches), leaving it unapplied; the loader's iteration has not
+    begun by on_train_start, so applying it there is in time."""
+    loop = trainer.fit_loop
+    states = getattr(loop, "_combined_loader_states_to_load", None)
+    if states and loop._combined_loader is not None:
+        loop._combined_loader._load_state_dicts(states)
+        loop._combined_loader_states_to_load = []
 
 
 class FeatureDataModule(L.LightningDataModule):
@@ -92,7 +145,8 @@ class FeatureDataModule(L.LightningDataModule):
                  draft_vocab_size: int = 8192, k: int = 32, layers: list[int] | None = None,
                  max_prompt_tokens: int = 256, max_tokens: int = 4096, val_percent: float = 5.0,
                  max_val_rows: int = 128, max_rows: int | None = None, build_cache: bool = True,
-                 cache_max_tokens: int = 4096, seed: int = 0, vocab_from: str | None = None):
+                 cache_max_tokens: int = 4096, seed: int = 0, vocab_from: str | None = None,
+                 num_workers: int = 0):
         """Args:
             corpora: corpus directories of one target; the first gives the validation slice.
             target: target model dir (None = embedded SmolLM2); the corpora must be its own.
@@ -113,6 +167,8 @@ class FeatureDataModule(L.LightningDataModule):
             vocab_from: an exported feature head whose draft vocabulary the cache and labels
                 use instead of one chosen from the corpora (re-distilling that head, e.g.
                 warm-started from it); its size replaces draft_vocab_size.
+            num_workers: dataloader worker processes (0: batches are read in the training
+                process; a GPU run on the cache may want 2-4, the online source needs none).
         """
         super().__init__()
         if source not in ("cached", "online"):
@@ -123,7 +179,7 @@ class FeatureDataModule(L.LightningDataModule):
         self.max_prompt_tokens, self.max_tokens = max_prompt_tokens, max_tokens
         self.val_percent, self.max_val_rows, self.max_rows = val_percent, max_val_rows, max_rows
         self.build_cache, self.cache_max_tokens, self.seed = build_cache, cache_max_tokens, seed
-        self.vocab_from = vocab_from
+        self.vocab_from, self.num_workers = vocab_from, num_workers
         self._fixed = None
         self.vocab: DraftVocab | None = None
         self.target_info: dict | None = None
@@ -247,14 +303,17 @@ class FeatureDataModule(L.LightningDataModule):
     def positions(self, rows: list | None = None) -> int:
         return sum(r["n"] for r in (self.train_rows if rows is None else rows))
 
-    def _loader(self, rows: list, seed: int | None) -> DataLoader:
-        batches = token_batches([r["n"] for r in rows], self.max_tokens, seed)
-        return DataLoader(_Batches(rows, batches, self._load, 0), batch_size=None, shuffle=False,
-                          num_workers=0)
+    def _loader(self, rows: list, seed: int | None, epoch: int | None = None) -> DataLoader:
+        batches = _Batches(rows, token_batches([r["n"] for r in rows], self.max_tokens, seed), self._load, 0)
+        # workers (num_workers > 0) read cached rows beside the step; pinned memory for a GPU's copies
+        cuda = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+        kw = {"num_workers": self.num_workers, "pin_memory": cuda}
+        return DataLoader(batches, batch_size=None, shuffle=False, **kw) if epoch is None else \
+            ResumableLoader(batches, epoch, **kw)
 
     def train_dataloader(self) -> DataLoader:
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
-        return self._loader(self.train_rows, self.seed + epoch)
+        return self._loader(self.train_rows, self.seed + epoch, epoch)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_rows, None)

@@ -173,8 +173,10 @@ class FeatureDistillModule(L.LightningModule):
     def _online(self, batch: dict) -> dict:
         from training.head.cache import target_batch
 
-        used = self.head.used_ids
-        out = target_batch(self.target(), batch["input_ids"], batch["attention_mask"],
+        used, target = self.head.used_ids, self.target()
+        if target.device != batch["input_ids"].device:  # outside the module tree: Lightning never moves it
+            target.to(batch["input_ids"].device)
+        out = target_batch(target, batch["input_ids"], batch["attention_mask"],
                            batch["label_start"], self.layers, used, self.online_k)
         return batch | out
 
@@ -248,6 +250,11 @@ class FeatureDistillModule(L.LightningModule):
         timer = next((c for c in self.trainer.callbacks if isinstance(c, Timer)), None)
         return timer if timer is not None and timer._duration else None
 
+    def on_train_start(self) -> None:
+        from training.head.data import restore_position
+
+        restore_position(self.trainer)  # a resumed run goes on with the epoch's next unseen batch
+
     def on_train_batch_start(self, batch, idx: int) -> None:
         timer = self._timer() if self.hp["schedule"] == "time" else None
         if timer is not None:
@@ -271,3 +278,22 @@ class FeatureDistillModule(L.LightningModule):
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def load_feature_module(ckpt) -> FeatureDistillModule:
+    """Rebuild the module from a checkpoint, reading only tensors and plain types (the head's
+    token embeddings are the target's: loaded from model.target, never stored)."""
+    from decoding.drafts.feature import FeatureDraft, FeatureDraftConfig
+
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    hp = dict(state["specstop_hparams"])
+    head_cfg, window = hp.pop("head"), hp.pop("trained_window", None)
+    module = FeatureDistillModule(**hp)
+    if window is not None:
+        module.hp["trained_window"] = window
+    cfg = FeatureDraftConfig.from_dict(head_cfg)
+    module.head = FeatureDraft(cfg, module.target().get_input_embeddings().weight)
+    module.hp["head"], module.layers = head_cfg, list(cfg.aux_layers)
+    module.load_state_dict(state["state_dict"])
+    module.freeze()
+    return module
