@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from support.serving import running, tiny_pair
+from support.serve import running, save_pair
 
 from decoding import Decoder
 from decoding.serve.__main__ import batch_engine
@@ -25,7 +25,7 @@ PROMPTS = ["w1 w2 w3", "w4 w5", "w6 w1 w2 w7 w3", "w2"]
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    return tiny_pair(tmp_path_factory.mktemp("served"))
+    return save_pair(tmp_path_factory.mktemp("served"))
 
 
 @pytest.fixture(scope="module", params=["joint", "independent"])

@@ -8,13 +8,10 @@ import http.client
 import json
 import os
 import shutil
-import socket
-import threading
 import time
 from pathlib import Path
 
 import pytest
-import uvicorn
 
 from decoding import Decoder
 from decoding.decider import policy
@@ -29,6 +26,7 @@ from decoding.serve.worker import EngineWorker
 from decoding.strategies import StrategyConfig, build_engine
 from support.head import make_head, make_head_target
 from support.models import noisy_copy
+from support.serve import running
 from training.swap import replace_dir
 
 pytestmark = pytest.mark.xdist_group("server")
@@ -234,34 +232,26 @@ def test_the_server_swaps_between_rounds_and_reports_it(site):
     attach_reloader(worker, dec, "joint", 0.05)
     worker.start()
     app = create_app(Served("tiny", dec.session.tokenizer, 120, (), N), worker)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
     try:
-        _until(lambda: srv.started, "the server started")
-        tok = dec.session.tokenizer
-        want = {i: tok.decode(ar(dec, p), skip_special_tokens=True) for i, p in enumerate(PROMPTS)}
-        assert _complete(port, PROMPTS[0])["choices"][0]["text"] == want[0]
-        before = _metrics(port)
-        info0 = [k for k in before if k[0] == "specstop_serving_info"]
-        assert len(info0) == 1 and dict(info0[0][1])["version"] == "0"
-        promote(heads["b"], served)  # the engine is idle: its wait ends for the check
-        _until(lambda: json.loads(_get(port, "/health")).get("version") == 1, "version 1 served")
-        assert _complete(port, PROMPTS[1])["choices"][0]["text"] == want[1]
-        after = _metrics(port)
-        assert after[("specstop_reloads_total", (("outcome", "ok"),))] == 1
-        info = [dict(k[1]) for k in after if k[0] == "specstop_serving_info"]
-        assert len(info) == 1 and info[0]["version"] == "1" and info[0]["head"] != dict(info0[0][1])["head"]
-        promote(heads["c"], served, _truncate)
-        _until(lambda: _metrics(port).get(("specstop_reloads_total", (("outcome", "failed"),))) == 1,
-               "the failed reload counted")
-        health = json.loads(_get(port, "/health"))
-        assert health["version"] == 1 and "not loaded" in health["reload_error"]
-        assert _complete(port, PROMPTS[2])["choices"][0]["text"] == want[2]
+        with running(app) as port:
+            tok = dec.session.tokenizer
+            want = {i: tok.decode(ar(dec, p), skip_special_tokens=True) for i, p in enumerate(PROMPTS)}
+            assert _complete(port, PROMPTS[0])["choices"][0]["text"] == want[0]
+            before = _metrics(port)
+            info0 = [k for k in before if k[0] == "specstop_serving_info"]
+            assert len(info0) == 1 and dict(info0[0][1])["version"] == "0"
+            promote(heads["b"], served)  # the engine is idle: its wait ends for the check
+            _until(lambda: json.loads(_get(port, "/health")).get("version") == 1, "version 1 served")
+            assert _complete(port, PROMPTS[1])["choices"][0]["text"] == want[1]
+            after = _metrics(port)
+            assert after[("specstop_reloads_total", (("outcome", "ok"),))] == 1
+            info = [dict(k[1]) for k in after if k[0] == "specstop_serving_info"]
+            assert len(info) == 1 and info[0]["version"] == "1" and info[0]["head"] != dict(info0[0][1])["head"]
+            promote(heads["c"], served, _truncate)
+            _until(lambda: _metrics(port).get(("specstop_reloads_total", (("outcome", "failed"),))) == 1,
+                   "the failed reload counted")
+            health = json.loads(_get(port, "/health"))
+            assert health["version"] == 1 and "not loaded" in health["reload_error"]
+            assert _complete(port, PROMPTS[2])["choices"][0]["text"] == want[2]
     finally:
-        srv.should_exit = True
-        thread.join(10)
         worker.close()

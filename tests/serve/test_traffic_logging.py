@@ -13,7 +13,7 @@ from decoding.serve.__main__ import batch_engine, main, parser, traffic_log
 from decoding.serve.app import Served, create_app
 from decoding.serve.traffic_log import LogConfig, TrafficLog
 from decoding.serve.worker import EngineWorker
-from support.serving import running, tiny_pair
+from support.serve import running, save_pair
 from training.logged import logged_files, read_logged
 
 pytestmark = pytest.mark.xdist_group("server")
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.xdist_group("server")
 
 @pytest.fixture(scope="module")
 def decoder(tmp_path_factory):
-    t, d = tiny_pair(tmp_path_factory.mktemp("logged-served"))
+    t, d = save_pair(tmp_path_factory.mktemp("logged-served"))
     return Decoder.load(t, d, strategy="ti-mcsd", width=2, depth=3)
 
 

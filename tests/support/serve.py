@@ -1,5 +1,5 @@
-"""decoding.serve on tiny models, in process: the saved pair the server tests load, and a server
-(uvicorn on a free port, its EngineWorker in a thread) over a loaded Decoder."""
+"""decoding.serve on tiny models, in process: the saved pair the server tests load, an app running
+on a free loopback port, and a server (uvicorn, its EngineWorker in a thread) over a loaded Decoder."""
 
 from __future__ import annotations
 
@@ -32,11 +32,27 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
+def running(app):
+    """Serve `app` (uvicorn, in a thread); yields its port, stops it after."""
+    import uvicorn
+
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.01)
+    try:
+        yield port
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+
+
+@contextlib.contextmanager
 def serving(dec, budget: str = "joint", max_active: int = 4, max_queue: int = 16, max_context: int = 60,
             default_max_tokens: int = 8, model: str = "tiny"):
     """Yields (worker, port) of a server of `dec` under the name `model`; stops both after."""
-    import uvicorn
-
     from decoding.serve.app import Served, create_app
     from decoding.serve.worker import EngineWorker, batch_engine
 
@@ -44,18 +60,10 @@ def serving(dec, budget: str = "joint", max_active: int = 4, max_queue: int = 16
     eos = dec.session.eos_token_id
     served = Served(model, dec.session.tokenizer, max_context, (eos,) if isinstance(eos, int) else (),
                     default_max_tokens)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(served, worker), host="127.0.0.1", port=port,
-                                        log_level="error"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.01)
     try:
-        yield worker, port
+        with running(create_app(served, worker)) as port:
+            yield worker, port
     finally:
-        srv.should_exit = True
-        thread.join(10)
         worker.close()
 
 
