@@ -13,7 +13,8 @@ The gate compares, at the current context's cost curve:
   (policy_ms per parent) and a tree round's fixed host cost (overhead_ms).
 A curve on which even certain acceptance of a chain cannot beat plain never drafts. Otherwise it
 drafts while the priced history says drafting wins, and, skipping, drafts one round every
-`explore_every` (the text changes; a skipped round records nothing).
+`explore_every` or up to 8x rarer as drafting falls behind (the text changes; a skipped round
+records nothing).
 
 Lossless as every stop policy: the decision reads only earlier rounds and the cost curve, never
 this round's draws, and a skipped round verifies no tree (the target's own next token).
@@ -52,7 +53,8 @@ class DraftGate:
     warmup: int = 2
     """Drafted rounds before the history may close the gate."""
     explore_every: int = 16
-    """Plain rounds in a row after which one round drafts again."""
+    """Plain rounds in a row after which one round drafts again (times the squared rate gap,
+    at most 8)."""
     max_depth: int = 8
     """Deepest chain the static bound (`can_pay`) considers."""
     _past: deque = field(default_factory=deque, repr=False)
@@ -60,9 +62,16 @@ class DraftGate:
 
     def drafts(self, cost) -> bool:
         """Does the next round draft, at this context's `cost`?"""
-        go = can_pay(cost, self.max_depth) and (
-            len(self._past) < self.warmup or self._plain >= self.explore_every
-            or self.rate(cost) > 1.0 / float(cost.target(1)))
+        if not can_pay(cost, self.max_depth):
+            go = False
+        elif len(self._past) < self.warmup:
+            go = True
+        else:
+            # skipping, look again every `explore_every` rounds, up to 8x rarer the further
+            # drafting falls behind (a look costs what drafting loses against a plain step)
+            drafted, plain = self.rate(cost), 1.0 / float(cost.target(1))
+            gap = min(8.0, (plain / drafted) ** 2) if drafted > 0 else 8.0
+            go = drafted > plain or self._plain >= self.explore_every * gap
         self._plain = 0 if go else self._plain + 1
         return go
 

@@ -55,13 +55,21 @@ def test_the_host_work_is_timed_on_the_proposers_code():
     assert policy >= 0.0 and overhead >= 0.0
 
 
+def _looks(gate, rounds=200):
+    """The rounds (1-based) at which a closed gate drafts to look again."""
+    return [i for i in range(1, rounds + 1) if gate.drafts(PAYS)]
+
+
 def test_the_history_closes_the_gate_and_exploring_reopens_it():
     gate = DraftGate(warmup=2, explore_every=4)
     assert gate.drafts(PAYS) and gate.drafts(PAYS)  # warm-up
     for _ in range(2):
         gate.record(1, 4, [2, 4], 5)  # trees of 4 nodes that committed only their pending token
-    seen = [gate.drafts(PAYS) for _ in range(10)]
-    assert seen == [False] * 4 + [True] + [False] * 4 + [True]  # one drafted round every 5th
+    # drafting runs at 1 token / 11.53 ms against 1 / 10: a look every 4 x 1.33 rounds
+    assert _looks(gate, 14) == [7, 14]
+    far = DraftGate(warmup=1, explore_every=4)
+    far.record(1, 64, [2] + [64] * 10, 640)  # far behind: looks 8x rarer, no rarer
+    assert _looks(far, 70) == [33, 66]
     good = DraftGate(warmup=1)
     good.record(4, 3, [2, 1, 1], 3)  # a chain of 3, all accepted: 4 tokens in ~12 ms beat 1 in 10
     assert good.drafts(PAYS)
