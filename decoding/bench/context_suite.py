@@ -10,7 +10,8 @@ the context's token count. Every variant runs each (context, prompt) in one proc
 loaded target (the GGUF one by default, as the llama suite), greedy, the variants' order rotating
 per prompt and repeat so drift hits all alike. Reported per context: decoding tokens per second
 after the first round (the prompt's forward left out), tokens per round, paired speedups with 95% intervals over prompts
-(decoding.bench.stats), and whether every variant's text equals `ar`'s.
+(decoding.bench.stats), and whether every variant's text equals `ar`'s. `--variants
+default,ar,default-ungated` adds the default with its gate always open (ON_REQUEST).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ VARIANTS = {
     "mcsd-2,1": {"strategy": "mcsd", "k_config": "2,1", "stop": "fixed"},
 }
 """Rows: the default, plain decoding and the fixed shapes that ran fastest on the CPU."""
+ON_REQUEST = ("default-ungated",)
+"""Rows run only when --variants names them: the default with its gate always open (every round
+drafts, as before decoding.gate), to isolate what the gate gives."""
 
 
 def filler_text() -> str:
@@ -71,6 +75,11 @@ def context_suite(contexts=(100, 600, 1200, 2400), prompts: int = 4, new_tokens:
     ar = Decoder.load(target, dtype="float32", strategy="ar")
     rows = {name: (ar.default_variant() if opts is None else ar if name == "ar" else ar.variant(**opts))
             for name, opts in VARIANTS.items() if variants is None or name in variants or name == "ar"}
+    if variants is not None and "default-ungated" in variants:
+        from decoding.gate import DraftGate
+
+        rows["default-ungated"] = ungated = ar.default_variant()
+        ungated._stop.gate = DraftGate(warmup=10 ** 9)  # the grow policy the engine is built with
     fill = ar.tokenizer(filler_text(), add_special_tokens=False)["input_ids"]
     todo = [(kind, r) for kind, f in BenchConfig().prompt_sets.items() for r in load_prompts(f, prompts)]
     ids = {(c, i): padded(ar, r["prompt"], c, fill) for c in contexts for i, (_, r) in enumerate(todo)}
@@ -120,10 +129,11 @@ def _summary(rows, runs, c: int, todo) -> dict:
                                       for x, y in zip(rx, ry)) for n in rows},
            "block_efficiency": {n: float(np.mean([x["block_efficiency"] or 1.0 for rep in runs[(n, c)] for x in rep]))
                                 for n in rows}}
-    fixed = [n for n in rows if n not in ("default", "ar")]
+    fixed = [n for n in rows if n not in ("default", "ar", *ON_REQUEST)]
     best = max(fixed, key=lambda n: out["tokens_per_s"][n]) if fixed else None
-    pairs = [(a, b) for a in rows for b in ("ar", *fixed) if a != b and a in ("default", *fixed) and not
-             (a in fixed and b in fixed)]
+    mine = [n for n in ("default", *ON_REQUEST) if n in rows]
+    pairs = [(a, b) for a in rows for b in ("ar", *fixed, *mine[1:]) if a != b and a in (*mine, *fixed)
+             and not (a in fixed and b in fixed) and not (a in mine[1:] and b in mine[1:])]
     kinds = {k: [i for i, (kk, _) in enumerate(todo) if kk == k] for k, _ in todo}
     out["best_fixed"] = best
     out["ratios"] = [{"a": a, "b": b, "kind": kind, **dict(zip(("speedup", "low", "high"), speedup_ci(
