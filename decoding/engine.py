@@ -104,6 +104,9 @@ class SpeculativeEngine:
     def _propose(self, committed, gen, anchor_p, position) -> DraftTree:
         if self.proposer is None or (self.longest_branch and anchor_p is None):
             return empty_tree()
+        if not self.stop.drafts(len(committed)):  # a plain round: no draft step, one row
+            self.proposer.plain()
+            return empty_tree()
         hidden = self.stop.needs_hidden or getattr(self.observer, "hidden", False)
         return self.proposer.propose(committed, self.stop, gen, anchor_p, position, hidden)
 

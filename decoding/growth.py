@@ -27,6 +27,7 @@ import torch
 
 from decoding.decider.features import TOP_K
 from decoding.forward.cost import CostCurve
+from decoding.gate import DraftGate
 from decoding.stopping import DraftLevel, Frontier, StopPolicy
 from decoding.tree import MAX_TREE_NODES
 
@@ -108,8 +109,9 @@ def candidate_order(values: list[float], parent_of: list[int], branch: list[int]
 
 def rate(cost, value: float, nodes: int, feeds: float) -> float:
     """Expected tokens per ms of a round: `value` expected committed tokens, a tree of `nodes`
-    verified with the pending token, `feeds` ms of draft (and policy) work so far."""
-    return value / (float(cost.target(nodes + 1)) + feeds + cost.overhead_ms)
+    verified with the pending token, `feeds` ms of draft steps and level host work so far, and a
+    tree round's fixed host cost once the tree has a node (an empty tree verifies one row)."""
+    return value / (float(cost.target(nodes + 1)) + feeds + (cost.overhead_ms if nodes else 0.0))
 
 
 def best_count(values: list[float], E: float, N: int, feeds: float, cost, room: int) -> int:
@@ -154,6 +156,8 @@ class GrowPolicy(StopPolicy):
     name: str = "grow"
     needs_hidden: bool = False
     sizes_children = True
+    gate: DraftGate = field(default_factory=DraftGate)
+    """Whether a round drafts at all, before its first draft step (decoding.gate)."""
     _round: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -162,11 +166,26 @@ class GrowPolicy(StopPolicy):
         if not 1 <= self.max_nodes <= MAX_TREE_NODES:
             raise ValueError(f"--max-nodes must be in 1..{MAX_TREE_NODES} (got {self.max_nodes})")
 
+    def drafts(self, context: int) -> bool:
+        """Does this round draft at all (`context`: cached tokens)? The gate's call, made before
+        the draft's first step: a skipped round is a plain step, with no draft step paid."""
+        self._round = {}
+        return self.gate.drafts(self.cost.at_context(context))
+
+    def update(self, drafted_depth: int, accepted_depth: int) -> None:
+        """A round was verified: a drafted one (its first level sized) goes to the gate's history
+        with the tokens it committed and the shape it paid for."""
+        st, self._round = self._round, {}
+        if "N" in st:
+            self.gate.record(1 + accepted_depth, st["N"], st["sizes"], st["parents"])
+
     def widths(self, fr: Frontier) -> list[int]:
         if fr.depth == 1:  # a new round: only the pending token is sure to be committed
             cost = self.cost.at_context(fr.context.upto) if fr.context is not None else self.cost
+            # the anchor's step and this level's host work (one parent); expand adds each
+            # deeper level's, per parent
             self._round = {"value": {-1: 1.0}, "E": 1.0, "N": 0, "cost": cost,
-                           "feeds": cost.draft(2) + cost.policy_ms}
+                           "feeds": cost.draft(2) + cost.policy_ms, "sizes": [2], "parents": 0}
         st = self._round
         cost = st.get("cost", self.cost)
         width = self.max_width
@@ -180,7 +199,7 @@ class GrowPolicy(StopPolicy):
                       zip(cand.parent_nodes, cand.tokens, cand.branch, scores.tolist())}
         vals = child_values([st["value"].get(n, 0.0) for n in fr.nodes], cand.parent_of, cand.valid, scores)
         order = candidate_order(vals, cand.parent_of, cand.branch)
-        feeds = st["feeds"] + cost.policy_ms
+        feeds = st["feeds"]
         room = min(self.max_nodes, MAX_TREE_NODES) - st["N"]
         best_k = best_count([vals[i] for i in order], st["E"], st["N"], feeds, cost, room)
         counts = [0] * len(fr.nodes)
@@ -188,12 +207,13 @@ class GrowPolicy(StopPolicy):
             counts[cand.parent_of[i]] += 1
         st["feeds"] = feeds
         st["N"] += best_k
+        st["parents"] = st.get("parents", 0) + len(fr.nodes)
         return counts
 
     def expand(self, level: DraftLevel) -> list[bool]:
         """After drawing: record the drawn nodes' values; go one level deeper only if a level
         whose nodes are worth this level's values times their own scores would raise the rate
-        after paying the draft forward that feeds this level."""
+        after paying the draft forward that feeds this level and the next level's host work."""
         st = self._round
         pv = {r: st["value"].get(p, 0.0) for r, p in zip(level.parent_of, level.parent_nodes)}
         scores = self._scores(level)
@@ -203,10 +223,12 @@ class GrowPolicy(StopPolicy):
         st["E"] += sum(vals)
         guess = sorted((v * float(s) for v, s in zip(vals, scores.tolist())), reverse=True)
         cost = st.get("cost", self.cost)
-        next_feeds = st["feeds"] + cost.draft(max(len(level.nodes), 1))
+        n = max(len(level.nodes), 1)  # the next level's parents
+        next_feeds = st["feeds"] + cost.draft(n) + n * cost.policy_ms
         go = worth_a_level(guess, st["E"], st["N"], st["feeds"], next_feeds, cost, self.max_nodes - st["N"])
         if go:  # the round pays that forward: every later rate counts it
             st["feeds"] = next_feeds
+            st.setdefault("sizes", [2]).append(n)
         return [go and ok and v > 0.0 for ok, v in zip(level.valid, vals)]
 
     def _scores(self, level: DraftLevel) -> torch.Tensor:

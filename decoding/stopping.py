@@ -2,7 +2,8 @@
 
 They read only draft-side information, so they change how much is drafted and never what
 is committed: every policy is lossless under a lossless acceptance rule.
-Interface (like transformers' CandidateGenerator): `widths(frontier)` may set how many children
+Interface (like transformers' CandidateGenerator): `drafts(context)` may skip a round's draft
+altogether (a plain step; decoding.gate), `widths(frontier)` may set how many children
 each frontier node gets (decoding.growth; default: the tree layout's), `expand(level)` during
 drafting says which nodes of the level just drafted get children (none: drafting ends; the default asks
 `should_stop` and extends the whole level), and `update(drafted_depth, accepted_depth)` once
@@ -82,6 +83,11 @@ class StopPolicy:
     needs_hidden = False
     sizes_children = False
     """True: `widths` chooses every node's child count (the tree layout only caps the depth)."""
+
+    def drafts(self, context: int) -> bool:
+        """Does this round draft at all (`context`: cached tokens)? Asked before the draft's first
+        step; False: a plain round (decoding.gate). Must read only earlier rounds."""
+        return True
 
     def widths(self, frontier: Frontier) -> list[int] | None:
         """Children to draw under each frontier node (None: as many as the tree layout has).

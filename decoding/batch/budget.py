@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoding.forward.cost import NODES, CostCurve
+from decoding.gate import DraftGate
 from decoding.growth import best_count, candidate_level, child_values, pooled_keys, worth_a_level
 from decoding.stopping import DraftLevel, Frontier
 from decoding.tree import MAX_TREE_NODES
@@ -95,10 +96,16 @@ class JointGrow:
     """The draft's forward of a level runs every request's rows at once (a feature head on the lean
     step, decoding.batch.drafting.read_level): a request going deeper pays what its rows add to
     that one forward, not a forward of its own."""
+    gate: DraftGate = field(default_factory=DraftGate)
+    """Whether a round of ONE request drafts at all (decoding.gate; with more, the engine's
+    measured choice decides)."""
     _reqs: list = field(default_factory=list, repr=False)
     _own: list = field(default_factory=list, repr=False)
     _rows: int = 0
     _feeds: float = 0.0
+    _sizes: list = field(default_factory=list, repr=False)
+    _parents: int = 0
+    _sized: bool = False
 
     def __post_init__(self):
         if not 1 <= self.max_width <= 64:
@@ -106,6 +113,19 @@ class JointGrow:
         if not 1 <= self.max_nodes <= MAX_TREE_NODES:
             raise ValueError(f"max_nodes must be in 1..{MAX_TREE_NODES} (got {self.max_nodes})")
         self._cost = RoundCost(self.cost)
+
+    def drafts(self, context: int) -> bool:
+        """Does a round of one request (`context` cached tokens) draft at all? Before its first
+        draft step; False: a plain round."""
+        self._sized = False
+        return self.gate.drafts(self.cost.at_context(context))
+
+    def record(self, accepted: int) -> None:
+        """A round of one request was verified: a drafted one (a level sized) goes to the gate's
+        history with the tokens it committed and the shape it paid for."""
+        if self._sized and len(self._reqs) == 1:
+            self.gate.record(1 + accepted, self.nodes, self._sizes, self._parents)
+        self._sized = False
 
     def begin(self, pending_rows: list[int], drafting: list[bool], contexts: list[int] | None = None,
               own: list[JointGrow] | None = None) -> None:
@@ -119,9 +139,10 @@ class JointGrow:
             self._cost = RoundCost(curve)
         self._reqs = [_Req() for _ in pending_rows]
         self._rows = sum(pending_rows)
-        n = sum(map(bool, drafting))
+        n = sum(map(bool, drafting))  # the anchors' steps and the first levels' host work (a parent each)
         self._feeds = n * self._cost.policy_ms + (
             (self._cost.draft(2 * n) if n else 0.0) if self.shared_draft else n * self._cost.draft(2))
+        self._sizes, self._parents, self._sized = [2 * n], 0, False
 
     @property
     def expected(self) -> float:
@@ -153,7 +174,8 @@ class JointGrow:
             cands.append(cand)
             vals.append(v)
             keys.append(pooled_keys(v, cand.parent_of))
-            self._feeds += self._cost.policy_ms
+        self._parents += sum(len(fr.nodes) for fr in frontiers if fr is not None)
+        self._sized = True
         room = [self.max_nodes - st.N for st in self._reqs]
         order = merged_order(keys, [c.branch if c else [] for c in cands],
                              [c.parent_of if c else [] for c in cands], room)
@@ -189,11 +211,12 @@ class JointGrow:
             n = max(len(level.nodes), 1)
             add = (self._cost.draft(rows + n) - (self._cost.draft(rows) if rows else 0.0)) if self.shared_draft \
                 else self._cost.draft(n)
-            nxt = self._feeds + add
+            nxt = self._feeds + add + n * self._cost.policy_ms  # its step, the next level's host work
             room = min(self.max_nodes - st.N, self.max_rows - self._rows - self.nodes)
             go = worth_a_level(guesses[r], self.expected, self._n(), self._feeds, nxt, self._cost, room)
             if go:
                 self._feeds, rows = nxt, rows + n
+                self._sizes.append(n)
             out[r] = [go and ok and v > 0.0 for ok, v in zip(level.valid, keep_val[r])]
         return out
 

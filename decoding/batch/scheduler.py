@@ -239,10 +239,13 @@ class BatchEngine:
                     return []
         t0 = time.perf_counter()
         steady = all(len(r.committed) - r.cache.length == 1 for r in reqs)  # no prompt in this round
-        # one request drafts every round, as the batch-1 engine does: no other request's rows compete
-        # with its tree, and the measured choice, timing rounds, erred to plain rounds there
-        # (reports/serve-2026-11-28/joint-decider, "One request")
-        drafts = self.measured is None or len(reqs) == 1 or self.measured.drafts(len(reqs))
+        # one request: the budget's priced gate decides, as the batch-1 engine's policy does (the
+        # measured choice, timing rounds, erred to plain rounds there: reports/serve-2026-11-28/
+        # joint-decider, "One request"); more: the measured choice, where there is one
+        gated = self.budget is not None and len(reqs) == 1
+        drafts = self.budget.drafts(len(reqs[0].committed)) if gated else \
+            self.measured is None or self.measured.drafts(len(reqs))
+        accepted = reqs[0].stats.accepted
         trees = self._propose(reqs) if drafts else self._plain(reqs)
         t1 = time.perf_counter()
         segs = [Segment(r.cache, r.committed, t.layout, t.tokens, self._capture(r)) for r, t in zip(reqs, trees)]
@@ -256,6 +259,8 @@ class BatchEngine:
             if self._commit(r, t, s, lg, t1 - t0, t2 - t1):
                 finished.append(r)
         t3 = time.perf_counter()
+        if gated:
+            self.budget.record(reqs[0].stats.accepted - accepted)
         if self.measured is not None and steady:
             self.measured.record(len(reqs), drafts, sum(len(r.out) for r in reqs) - before, 1000 * (t3 - t0))
         for r in reqs:  # the shared times, split evenly, so per-request stats add up to the wall
@@ -277,9 +282,9 @@ class BatchEngine:
     def _propose(self, reqs: list[Request]) -> list[DraftTree]:
         if self.draft is None:
             return [empty_tree() for _ in reqs]
-        if self.budget is None:
-            return [r.proposer.propose(r.committed, r.stop, r.gen, None, len(r.out),
-                                       r.stop.needs_hidden) for r in reqs]
+        if self.budget is None:  # each request's own policy, which may skip its draft (a plain row)
+            return [r.proposer.propose(r.committed, r.stop, r.gen, None, len(r.out), r.stop.needs_hidden)
+                    if r.stop.drafts(len(r.committed)) else self._plain([r])[0] for r in reqs]
         ds = [Drafting(r.proposer, r.committed, r.gen, len(r.out), r.models.budget.needs_hidden) for r in reqs]
         self.budget.begin([len(r.committed) - r.cache.length for r in reqs], [not d.done for d in ds],
                           [r.cache.length for r in reqs], [r.models.budget for r in reqs])

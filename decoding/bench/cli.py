@@ -7,6 +7,7 @@ only ratios from ONE run are quoted.
     python -m decoding.bench --suite forward               # one target forward: eager vs packed, per size
     python -m decoding.bench --suite cli                   # a generate call end to end: defaults vs ar
     python -m decoding.bench --suite llama                 # llama.cpp vs our ar / defaults on one GGUF
+    python -m decoding.bench --suite context               # defaults vs ar / fixed shapes by cached context
 """
 
 from __future__ import annotations
@@ -215,6 +216,8 @@ def parser() -> argparse.ArgumentParser:
                     help="serve suite: also the row `ours, joint, logged KEEP` (--log-prompts on, keeping KEEP)")
     ap.add_argument("--head-gguf", default=None, help="llama suite: a head GGUF (python -m training.export "
                     "--format gguf) for the row llama.cpp + head")
+    ap.add_argument("--contexts", default="100,600,1200,2400", help="context suite: tokens a prompt is padded to")
+    ap.add_argument("--variants", default=None, help="context suite: rows to run (default: context_suite.VARIANTS)")
     ap.add_argument("--write-defaults", nargs="?", const="", default=None, metavar="PATH",
                     help="record this run's fastest lossless greedy row as a defaults entry in the report's own "
                          "defaults.yaml, or in PATH (the package's file: make defaults REPORT=DIR)")
@@ -317,6 +320,15 @@ def _llama_main(a, command: str) -> int:
     return _write_suite(a, "llama", res, llama_markdown(res) + f"\nCommand: `{command}`\n")
 
 
+def _context_main(a, command: str) -> int:
+    from decoding.bench.context_suite import context_markdown, context_suite
+
+    res = context_suite([int(c) for c in a.contexts.split(",")], a.prompts or 4, a.new_tokens, a.repeats or 2,
+                        a.threads or 2, a.target, a.variants.split(",") if a.variants else None, progress=_log)
+    res["command"] = command
+    return _write_suite(a, "context", res, context_markdown(res, command))
+
+
 def _write_suite(a, name: str, res: dict, md: str) -> int:
     out = Path(a.out or f"reports/{name}-{time.strftime('%Y-%m-%d')}")
     write_atomic(out / "results.json", json.dumps(res, indent=2))
@@ -338,6 +350,7 @@ def main(argv=None) -> int:
     try:
         side = {"engine": lambda: _engine_main(a), "forward": lambda: _forward_main(a, command),
                 "cli": lambda: _cli_main(a, command), "llama": lambda: _llama_main(a, command),
+                "context": lambda: _context_main(a, command),
                 "serve": lambda: _serve_main(a, command), "serve-load": lambda: _serve_main(a, command)}
         if a.suite != "compare" and (a.quick or a.write_defaults is not None):
             raise ValueError("--quick and --write-defaults belong to the compare suite")

@@ -24,7 +24,11 @@ class CostCurve:
     target_ms: list[float]
     draft_ms: list[float]
     overhead_ms: float = 0.0
+    """A round with a tree: its fixed host cost beyond the forwards and the levels (the proposer's
+    setup, the layout, the walk over the verified rows; decoding.forward.host_cost)."""
     policy_ms: float = 0.0
+    """A drafted level's host work per parent (a level of P parents costs P times it): warp,
+    top-k and scores, draws, tree bookkeeping."""
     unit: str = TOKENS
     """What a size counts: see `at`."""
     context: int = 0
@@ -74,6 +78,7 @@ class CostCurve:
 
     def to_dict(self) -> dict:
         return {"sizes": self.sizes, "target_ms": self.target_ms, "draft_ms": self.draft_ms, "unit": self.unit,
+                "overhead_ms": self.overhead_ms, "policy_ms": self.policy_ms,
                 "context": self.context, "key_sizes": self.key_sizes, "target_key_ms": self.target_key_ms,
                 "draft_key_ms": self.draft_key_ms}
 
@@ -200,14 +205,20 @@ def measure_cost(target, draft, sizes=COST_SIZES, repeats: int = 3, contexts=CON
                  key_sizes=KEY_SIZES) -> CostCurve:
     """This machine's cost curve, in the dtype the models are in (2.3 s for the embedded GGUF
     target on a 2-core EPYC): every size after contexts[0] cached tokens, key_sizes after
-    contexts[1] too."""
+    contexts[1] too, and the host work of a level and of a tree round (host_cost)."""
+    from decoding.forward.host_cost import time_host_work
+
     sizes, ks = list(sizes), [n for n in key_sizes if n <= max(sizes)]
     short, long = (min(fit_context(m, c, sizes, repeats) for m in (target, draft)) for c in contexts)
+    host = dict(zip(("policy_ms", "overhead_ms"), time_host_work(
+        target.get_output_embeddings().weight.shape[0], repeats=max(repeats, 5), context=short,
+        device=next(draft.parameters()).device)))
     if long <= short:  # a model of few positions: no second context to fit a slope between
         return CostCurve(sizes, time_forwards(target, sizes, repeats, short),
-                         time_forwards(draft, sizes, repeats, short, verify=False), unit=TOKENS, context=short)
+                         time_forwards(draft, sizes, repeats, short, verify=False), unit=TOKENS, context=short,
+                         **host)
     t, d = time_forwards(target, sizes, repeats, short), time_forwards(draft, sizes, repeats, short, verify=False)
     tl, dl = time_forwards(target, ks, repeats, long), time_forwards(draft, ks, repeats, long, verify=False)
-    return CostCurve(sizes, t, d, unit=TOKENS, context=short, key_sizes=ks,
+    return CostCurve(sizes, t, d, unit=TOKENS, context=short, key_sizes=ks, **host,
                      target_key_ms=per_key(sizes, t, ks, tl, long - short),
                      draft_key_ms=per_key(sizes, d, ks, dl, long - short))

@@ -29,6 +29,10 @@ from decoding.forward.cost import CONTEXTS, COST_SIZES, KEY_SIZES, TOKENS, CostC
 from decoding.models.named_targets import cache_root
 from decoding.kv_cache import kv_dtype
 
+HOST_WORK = 1
+"""Revision of what a curve prices beyond the forwards (1: a level's and a tree round's host work,
+decoding.forward.host_cost): a curve stored without it is a miss and is timed again."""
+
 RETIME_ENV = "SPECSTOP_RETIME_COST"
 """Set to 1 to re-time (and overwrite) the stored curve on the next load."""
 
@@ -68,6 +72,7 @@ def cost_key(target, draft) -> dict:
         **({"kv_dtype": "float16"} if kv_dtype(target) is not None else {}),  # (absent: older curves still hit)
         "sizes": list(COST_SIZES), "unit": TOKENS,  # how it is timed: a curve of another kind is a miss
         "contexts": list(CONTEXTS), "key_sizes": list(KEY_SIZES),
+        "host_work": HOST_WORK,
     }
 
 

@@ -10,6 +10,7 @@ import pytest
 from support.models import noisy_copy, tiny_llama
 from support.decider import FORK, table
 from decoding.forward.cost import CostCurve
+from decoding.gate import DraftGate
 from decoding.growth import GrowPolicy, q_scores
 from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine
@@ -32,7 +33,7 @@ def test_a_free_tree_keeps_every_node_worth_something():
 
 def test_a_round_pays_the_forward_of_a_level_it_then_leaves_empty():
     """The grow rule feeds a level before sizing it: where the fed level then draws nothing,
-    the forward was paid all the same (and every decision costs the policy's ms)."""
+    the forward was paid all the same (and every level's parents cost the policy's ms each)."""
     chain = (-1, 0, 1)
     rs = ReplaySet(table([(chain, {0})]))
     cost = CostModel(sizes=[1, 64], target_ms=[10.0, 10.0], draft_ms=[1.0, 1.0], overhead_ms=0.0, unit="tokens")
@@ -40,12 +41,12 @@ def test_a_round_pays_the_forward_of_a_level_it_then_leaves_empty():
     spent = {}
     kept = grow_kept(rs, scores, cost, spent=spent)
     assert kept.tolist() == [True, False, False]
-    # the round's first forward, then the one that fed node 0 for level 2; three decisions (the
-    # round's start, level 1, level 2)
-    assert spent["draft_ms"].tolist() == [2.0] and spent["consults"].tolist() == [3]
+    # the round's first forward, then the one that fed node 0 for level 2; the host work of two
+    # parents (the anchor on level 1, node 0 on level 2)
+    assert spent["draft_ms"].tolist() == [2.0] and spent["consults"].tolist() == [2]
     paid = replace(cost, policy_ms=0.5)
     r = replay(rs, grow_policy(scores, cost), paid)
-    assert r["tokens_per_s"] == pytest.approx(1000 * 2 / (2.0 + 3 * 0.5 + 10.0))
+    assert r["tokens_per_s"] == pytest.approx(1000 * 2 / (2.0 + 2 * 0.5 + 10.0))
     # counted from the kept nodes alone, the empty level's forward and decisions were free
     assert rs.run(kept, paid)["tokens_per_s"] == pytest.approx(1000 * 2 / (1.0 + 0.5 + 10.0))
 
@@ -105,7 +106,8 @@ def test_replay_grows_the_tree_the_engine_grows(k_config):
     rec = TraceRecorder(greedy)
     full.observer = rec
     cfg = StrategyConfig(strategy="mcsd", k_config=k, stop="confidence", confidence_rule="grow")
-    pol = GrowPolicy(q_scores, GENTLE, max_width=max(k_config), level_widths=k_config, max_nodes=16)
+    pol = GrowPolicy(q_scores, GENTLE, max_width=max(k_config), level_widths=k_config, max_nodes=16,
+                     gate=DraftGate(warmup=10 ** 9))  # every first round drafts: the trees are compared
     grown = build_engine(target, draft, cfg, greedy, stop=pol)
     engine_trees, shapes = [], set()
     grown.observer = lambda tree, *_: engine_trees.append(tree)

@@ -338,17 +338,19 @@ def test_a_consumer_that_fails_ends_only_its_request(pair):
 def test_one_request_under_the_joint_budget_grows_growth_s_trees(pair):
     """With one request (a one-token prompt: one pending row, as growth.py assumes) the joint
     rule IS the grow rule: round by round the same trees as GrowPolicy's on the batch-1 engine."""
+    from decoding.gate import DraftGate
     from decoding.growth import GrowPolicy
 
     target, draft = pair
     cost = CostCurve([1, 8, 16, 64], [10.0, 11.0, 14.0, 40.0], [0.3, 0.3, 0.4, 0.5])
     score = lambda level: 0.5 + 0.5 * q_scores(level)  # above q: trees of several shapes
+    always = lambda: DraftGate(warmup=10 ** 9)  # every round drafts: the trees' sizing is compared
     one = build_engine(target, draft, StrategyConfig(strategy="ti-mcsd", width=3, depth=4), GREEDY,
-                       stop=GrowPolicy(score, cost, max_width=3))
+                       stop=GrowPolicy(score, cost, max_width=3, gate=always()))
     solo_trees = []
     one.observer = lambda tree, logits, out, pos: solo_trees.append(tree.layout.parents)
     one.generate([2], N)
-    eng = BatchEngine(target, draft, LAYOUT, budget=JointGrow(score, cost, max_width=3))
+    eng = BatchEngine(target, draft, LAYOUT, budget=JointGrow(score, cost, max_width=3, gate=always()))
     trees = []
     propose = eng._propose
     eng._propose = lambda reqs: [trees.append(t.layout.parents) or t for t in propose(reqs)]

@@ -48,7 +48,9 @@ def grow_kept(rs: ReplaySet, scores: np.ndarray, cost, max_nodes: int = 64,
     candidates, not the recorded draw; default `scores`, exact for greedy traces). `spent`, if
     given, gets what each round really pays before verifying, as the engine does: "draft_ms"
     (every draft forward fed, the last one included where its level then drew nothing) and
-    "consults" (the policy's decisions; ReplaySet.run prices each at its cost's policy_ms)."""
+    "consults" (the levels' parents, each a level's host work for one parent; ReplaySet.run prices
+    each at its cost's policy_ms). Costs are counted as decoding.growth counts them: the first
+    level's parent with the anchor's step, each deeper level's parents with the step feeding it."""
     scores = np.asarray(scores, np.float64)
     count_scores = scores if count_scores is None else np.asarray(count_scores, np.float64)
     ch = _Children(rs, rs.branch)
@@ -74,8 +76,6 @@ def grow_kept(rs: ReplaySet, scores: np.ndarray, cost, max_nodes: int = 64,
             pv = [value[p] for p in frontier]
             vals = child_values(pv, parent_of, rs.valid[cand].tolist(), count_scores[cand])
             order = candidate_order(vals, parent_of, rs.branch[cand].tolist())
-            feeds += cost.policy_ms
-            consults[rnd] += 1
             k = best_count([vals[i] for i in order], E, N, feeds, cost, room_cap - N)
             if k == 0:
                 break
@@ -89,11 +89,13 @@ def grow_kept(rs: ReplaySet, scores: np.ndarray, cost, max_nodes: int = 64,
             value.update(zip(drawn, dvals))
             E += sum(dvals)
             guess = sorted((v * scores[c] for c, v in zip(drawn, dvals)), reverse=True)
-            next_feeds = feeds + float(cost.draft(max(len(drawn), 1)))
+            n = max(len(drawn), 1)  # the next level's parents
+            next_feeds = feeds + float(cost.draft(n)) + n * cost.policy_ms
             if not worth_a_level(guess, E, N, feeds, next_feeds, cost, max_nodes - N):
                 break
             feeds = next_feeds
-            draft_ms[rnd] += float(cost.draft(max(len(drawn), 1)))
+            draft_ms[rnd] += float(cost.draft(n))
+            consults[rnd] += n
             frontier = [c for c in drawn if rs.valid[c] and value[c] > 0.0]
             depth += 1
     if spent is not None:

@@ -1,0 +1,145 @@
+"""decoding.gate: a round drafts nothing (a plain step, no draft step) where drafting cannot pay,
+priced with every cost (verify rows at the current context, draft steps, each level's host work, a
+tree round's fixed cost); the text stays ar's, for the single-request engine and the batch one."""
+
+import copy
+
+import pytest
+import torch
+
+from support.head import ar_output
+from support.models import noisy_copy, tiny_llama
+from decoding.batch.budget import JointGrow
+from decoding.batch.scheduler import BatchEngine
+from decoding.forward.cost import CostCurve
+from decoding.gate import DraftGate, can_pay, tree_ms
+from decoding.growth import GrowPolicy, q_scores
+from decoding.sampling import SamplingConfig
+from decoding.stopping import Frontier
+from decoding.strategies import StrategyConfig, build_engine
+from decoding.tree import layout_from_k_config
+
+PAYS = CostCurve([1, 16, 64], [10.0, 10.5, 12.0], [0.5, 0.5, 0.6], overhead_ms=0.2, policy_ms=0.1)
+"""Rows and steps cheap beside a plain step: a confident draft pays."""
+NEVER = CostCurve([1, 2, 16, 64], [10.0, 30.0, 200.0, 800.0], [0.5, 0.5, 0.5, 0.6])
+"""A second row costs as much as two plain steps, each further one 12 ms: not even certain
+acceptance pays."""
+SHORT_ONLY = CostCurve([1, 16, 64], [10.0, 10.5, 12.0], [0.5, 0.5, 0.6], overhead_ms=0.2, policy_ms=0.1,
+                       context=8, key_sizes=[1, 2], target_key_ms=[0.0, 0.5], draft_key_ms=[2.0, 2.0])
+"""Cheap up to 15 cached tokens; from 16, every row beyond the pending one and every draft step
+cost more than drafting can win (read at 16: a step 16.5 ms, a second row 4 ms): depth 0 there."""
+
+
+def test_a_curve_where_drafting_cannot_pay_drafts_nothing():
+    assert can_pay(PAYS, 8) and not can_pay(NEVER, 8)
+    assert not can_pay(SHORT_ONLY.at_context(20), 8) and can_pay(SHORT_ONLY.at_context(12), 8)
+    gate = DraftGate()
+    assert not any(gate.drafts(NEVER) for _ in range(100))  # no exploring a curve that cannot pay
+    pol = GrowPolicy(q_scores, NEVER)
+    assert not pol.drafts(100)
+    assert GrowPolicy(q_scores, PAYS).drafts(100)
+
+
+def test_every_cost_is_in_the_price_of_a_tree():
+    # 2 roots and a child: verify of 4 rows, the anchor's step and the roots', the host work of 3
+    # parents (1 on the first level, 2 on the second), the fixed cost
+    assert tree_ms(PAYS, 3, [2, 2], 3) == pytest.approx(PAYS.target(4) + 2 * 0.5 + 3 * 0.1 + 0.2)
+    assert tree_ms(PAYS, 0, [2], 1) == pytest.approx(PAYS.target(1) + 0.5 + 0.1)  # an empty tree: one row
+    assert CostCurve.from_dict(PAYS.to_dict()) == PAYS  # the host work is stored with the curve
+
+
+def test_the_host_work_is_timed_on_the_proposers_code():
+    from decoding.forward.host_cost import time_host_work
+
+    policy, overhead = time_host_work(64, width=2, depth=2, repeats=1)
+    assert policy >= 0.0 and overhead >= 0.0
+
+
+def _looks(gate, rounds=200):
+    """The rounds (1-based) at which a closed gate drafts to look again."""
+    return [i for i in range(1, rounds + 1) if gate.drafts(PAYS)]
+
+
+def test_the_history_closes_the_gate_and_exploring_reopens_it():
+    gate = DraftGate(warmup=2, explore_every=4)
+    assert gate.drafts(PAYS) and gate.drafts(PAYS)  # warm-up
+    for _ in range(2):
+        gate.record(1, 4, [2, 4], 5)  # trees of 4 nodes that committed only their pending token
+    # drafting runs at 1 token / 11.53 ms against 1 / 10: a look every 4 x 1.33 rounds
+    assert _looks(gate, 14) == [7, 14]
+    far = DraftGate(warmup=1, explore_every=4)
+    far.record(1, 64, [2] + [64] * 10, 640)  # far behind: looks 8x rarer, no rarer
+    assert _looks(far, 70) == [33, 66]
+    good = DraftGate(warmup=1)
+    good.record(4, 3, [2, 1, 1], 3)  # a chain of 3, all accepted: 4 tokens in ~12 ms beat 1 in 10
+    assert good.drafts(PAYS)
+
+
+def _frontier(q) -> Frontier:
+    return Frontier(depth=1, nodes=[-1], q=torch.tensor([q]), path_logq=[0.0], valid=[True], size=0)
+
+
+def test_a_tree_rounds_fixed_and_level_costs_can_make_the_first_level_empty():
+    q = [0.1] * 4  # 4 nodes add 0.4 tokens: 1.4 in 10.5 ms beats 1 in 10.5 (the step is paid)
+    assert sum(GrowPolicy(q_scores, CostCurve([1, 64], [10.0, 10.5], [0.5, 0.5]), max_width=4).widths(_frontier(q))) > 0
+    dear = CostCurve([1, 64], [10.0, 10.5], [0.5, 0.5], overhead_ms=6.0)  # a tree round's host work
+    assert GrowPolicy(q_scores, dear, max_width=4).widths(_frontier(q)) == [0]
+    slow = CostCurve([1, 64], [10.0, 10.5], [0.5, 0.5], policy_ms=30.0)  # a level's host work
+    assert not can_pay(slow, 8) and not GrowPolicy(q_scores, slow).drafts(100)
+
+
+def test_a_long_context_with_dear_rows_drafts_nothing():
+    assert GrowPolicy(q_scores, SHORT_ONLY).drafts(12)
+    assert not GrowPolicy(q_scores, SHORT_ONLY).drafts(40)
+
+
+def _mixed(stats_list):
+    """Rounds with a tree and rounds without one, beyond a head's first (prompt) round."""
+    sizes = sum((s.tree_sizes for s in stats_list), start=type(stats_list[0].tree_sizes)())
+    return sizes[0] > 2 * len(stats_list) and sum(v for k, v in sizes.items() if k > 0) > 0, sizes
+
+
+def _grow(curve):
+    return GrowPolicy(q_scores, curve, max_width=3, max_nodes=12)
+
+
+PROMPTS = [[1, 2, 3], [5, 9], [7, 7, 7, 1]]
+N = 30
+
+
+@pytest.fixture(scope="module")
+def model_pair():
+    target = tiny_llama(0, scale=40)
+    return target, noisy_copy(target, 0.005)
+
+
+@pytest.mark.parametrize("pair", ["model_pair", "feature_pair"])
+def test_greedy_equals_ar_with_plain_and_drafted_rounds(pair, request):
+    target, draft = request.getfixturevalue(pair)
+    cfg = StrategyConfig(strategy="ti-mcsd", width=3, depth=4, stop="confidence", confidence_rule="grow",
+                         max_nodes=12)
+    stats = []
+    for prompt in PROMPTS:
+        eng = build_engine(target, draft, cfg, SamplingConfig(), stop=_grow(SHORT_ONLY))
+        got, st = eng.generate(prompt, N)
+        assert got == ar_output(target, prompt, N)
+        stats.append(st)
+    ok, sizes = _mixed(stats)
+    assert ok and sum(s.accepted for s in stats) > 0, sizes
+
+
+@pytest.mark.parametrize("pair", ["model_pair", "feature_pair"])
+@pytest.mark.parametrize("mode", ["own", "joint"])
+def test_batched_greedy_equals_ar_with_plain_and_drafted_rounds(pair, mode, request):
+    target, draft = request.getfixturevalue(pair)
+    layout = layout_from_k_config((3, 1, 1, 1))
+    stats = []
+    for prompt in PROMPTS:  # one request at a time: the round's gate is the policy's (or the budget's)
+        eng = BatchEngine(target, draft, layout, stop=lambda: copy.deepcopy(_grow(SHORT_ONLY))) if mode == "own" \
+            else BatchEngine(target, draft, layout, budget=JointGrow(q_scores, SHORT_ONLY, max_width=3, max_nodes=12))
+        r = eng.add(prompt, N)
+        eng.run()
+        assert r.out == ar_output(target, prompt, N)
+        stats.append(r.stats)
+    ok, sizes = _mixed(stats)
+    assert ok and sum(s.accepted for s in stats) > 0, sizes
