@@ -51,7 +51,7 @@ def engine_models(decoder, budget: str) -> Models:
         grow = stop if isinstance(stop, GrowPolicy) else s.grow_policy(cfg, scorer=None)
         return Models(s.draft, budget=JointGrow(grow.scorer, grow.cost, max_width=grow.max_width,
                                                 max_nodes=grow.max_nodes, label=grow.label,
-                                                needs_hidden=grow.needs_hidden))
+                                                needs_hidden=grow.needs_hidden, gate=copy.deepcopy(grow.gate)))
     own = (lambda: copy.deepcopy(stop)) if stop is not None else \
         (lambda: make_stop_policy(cfg.stop, cfg.confidence_threshold, cfg.confidence_rule))
     return Models(s.draft, stop=own)
