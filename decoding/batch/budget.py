@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoding.forward.cost import NODES, CostCurve
-from decoding.gate import DraftGate
+from decoding.stopping import DraftGate
 from decoding.growth import best_count, candidate_level, child_values, pooled_keys, worth_a_level
 from decoding.stopping import DraftLevel, Frontier
 from decoding.tree import MAX_TREE_NODES
@@ -97,7 +97,7 @@ class JointGrow:
     step, decoding.batch.drafting.read_level): a request going deeper pays what its rows add to
     that one forward, not a forward of its own."""
     gate: DraftGate = field(default_factory=DraftGate)
-    """Whether a round of ONE request drafts at all (decoding.gate; with more, the engine's
+    """Whether a round of ONE request drafts at all (decoding.stopping; with more, the engine's
     measured choice decides)."""
     _reqs: list = field(default_factory=list, repr=False)
     _own: list = field(default_factory=list, repr=False)

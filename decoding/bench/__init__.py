@@ -19,6 +19,7 @@ The suites:
   probe (compiled_forward, `--forwards compiled`);
 - cli_suite (`cli`): a `generate` call end to end, as a user waits for it;
 - llama (`llama`): llama.cpp against us on one GGUF;
+- context_suite (`context`): the default against `ar` and fixed shapes at a given cached context;
 - serve_suite (`serve`, `serve-load`): our server against llama-server under concurrent clients;
 - gpu_suite (`gpu`): what a GPU user gets, in one budgeted run; gpu_rows its rows and warm-up;
   gpu_report its page; launches

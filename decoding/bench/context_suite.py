@@ -38,7 +38,7 @@ VARIANTS = {
 """Rows: the default, plain decoding and the fixed shapes that ran fastest on the CPU."""
 ON_REQUEST = ("default-ungated",)
 """Rows run only when --variants names them: the default with its gate always open (every round
-drafts, as before decoding.gate), to isolate what the gate gives."""
+drafts, as before decoding.stopping), to isolate what the gate gives."""
 
 
 def filler_text() -> str:
@@ -76,7 +76,7 @@ def context_suite(contexts=(100, 600, 1200, 2400), prompts: int = 4, new_tokens:
     rows = {name: (ar.default_variant() if opts is None else ar if name == "ar" else ar.variant(**opts))
             for name, opts in VARIANTS.items() if variants is None or name in variants or name == "ar"}
     if variants is not None and "default-ungated" in variants:
-        from decoding.gate import DraftGate
+        from decoding.stopping import DraftGate
 
         rows["default-ungated"] = ungated = ar.default_variant()
         ungated._stop.gate = DraftGate(warmup=10 ** 9)  # the grow policy the engine is built with

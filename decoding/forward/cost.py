@@ -25,7 +25,7 @@ class CostCurve:
     draft_ms: list[float]
     overhead_ms: float = 0.0
     """A round with a tree: its fixed host cost beyond the forwards and the levels (the proposer's
-    setup, the layout, the walk over the verified rows; decoding.forward.host_cost)."""
+    setup, the layout, the walk over the verified rows; decoding.growth.time_host_work)."""
     policy_ms: float = 0.0
     """A drafted level's host work per parent (a level of P parents costs P times it): warp,
     top-k and scores, draws, tree bookkeeping."""
@@ -202,15 +202,14 @@ def per_key(sizes, ms, key_sizes, long_ms, span: int) -> list[float]:
 
 
 def measure_cost(target, draft, sizes=COST_SIZES, repeats: int = 3, contexts=CONTEXTS,
-                 key_sizes=KEY_SIZES) -> CostCurve:
+                 key_sizes=KEY_SIZES, host_work=None) -> CostCurve:
     """This machine's cost curve, in the dtype the models are in (2.3 s for the embedded GGUF
     target on a 2-core EPYC): every size after contexts[0] cached tokens, key_sizes after
-    contexts[1] too, and the host work of a level and of a tree round (host_cost)."""
-    from decoding.forward.host_cost import time_host_work
-
+    contexts[1] too, and, with `host_work` (decoding.growth.time_host_work: the round's own code,
+    which this room may not import), the host work of a level and of a tree round (else 0)."""
     sizes, ks = list(sizes), [n for n in key_sizes if n <= max(sizes)]
     short, long = (min(fit_context(m, c, sizes, repeats) for m in (target, draft)) for c in contexts)
-    host = dict(zip(("policy_ms", "overhead_ms"), time_host_work(
+    host = {} if host_work is None else dict(zip(("policy_ms", "overhead_ms"), host_work(
         target.get_output_embeddings().weight.shape[0], repeats=max(repeats, 5), context=short,
         device=next(draft.parameters()).device)))
     if long <= short:  # a model of few positions: no second context to fit a slope between

@@ -31,7 +31,7 @@ from decoding.kv_cache import kv_dtype
 
 HOST_WORK = 1
 """Revision of what a curve prices beyond the forwards (1: a level's and a tree round's host work,
-decoding.forward.host_cost): a curve stored without it is a miss and is timed again."""
+decoding.growth.time_host_work): a curve stored without it is a miss and is timed again."""
 
 RETIME_ENV = "SPECSTOP_RETIME_COST"
 """Set to 1 to re-time (and overwrite) the stored curve on the next load."""
@@ -59,10 +59,11 @@ def _draft_step(draft) -> str:
     return "lean-kernels" if kernels.batch_invariant() else "lean-quant"
 
 
-def cost_key(target, draft) -> dict:
+def cost_key(target, draft, host_work=None) -> dict:
     """What the curve depends on (readable, stored beside the curve)."""
     dev = next(target.parameters()).device
     return {
+        "host_timed": host_work is not None,
         "target": fingerprint(target)["weights_sha256"], "draft": fingerprint(draft)["weights_sha256"],
         "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu.model_name(),
@@ -76,10 +77,12 @@ def cost_key(target, draft) -> dict:
     }
 
 
-def cached_cost(target, draft, root: Path | None = None, retime: bool | None = None) -> tuple[CostCurve, str]:
+def cached_cost(target, draft, root: Path | None = None, retime: bool | None = None,
+                host_work=None) -> tuple[CostCurve, str]:
     """(curve, how it was obtained): the stored curve for this key, else timed now and stored;
-    `retime` (None: $SPECSTOP_RETIME_COST) times it again whatever is stored."""
-    key = cost_key(target, draft)
+    `retime` (None: $SPECSTOP_RETIME_COST) times it again whatever is stored; `host_work`: as
+    measure_cost's (a curve timed without it is stored under another key)."""
+    key = cost_key(target, draft, host_work)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = (root or cache_root() / "cost") / f"{digest}.json"
     why = "once; stored in " + str(path.parent)
@@ -94,7 +97,7 @@ def cached_cost(target, draft, root: Path | None = None, retime: bool | None = N
         pass  # absent or unreadable: time it again and overwrite
     print(f"timing this machine's forwards for the grown tree's cost curve ({why})",
           file=sys.stderr, flush=True)
-    curve = measure_cost(target, draft)
+    curve = measure_cost(target, draft, host_work=host_work)
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

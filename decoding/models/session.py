@@ -16,7 +16,7 @@ from decoding.forward import cpu, gguf
 from decoding.forward.cost import CostCurve, measure_cost
 from decoding.forward.cost_cache import cached_cost
 from decoding.forward.packed import default_forward, set_forward
-from decoding.growth import GrowPolicy, q_scores
+from decoding.growth import GrowPolicy, q_scores, time_host_work
 from decoding.kv_cache import set_kv_dtype
 from decoding.models.arch import attention_plan
 from decoding.models.errors import ModelError
@@ -155,8 +155,9 @@ class Session:
         """This machine's cost curve for the pair, timed once per loaded pair (and, with
         `cost_cache`, stored per machine for later loads)."""
         if not hasattr(self, "_measured_cost"):
-            self._measured_cost = (cached_cost(self.target, self.draft)[0] if self.cost_cache
-                                   else measure_cost(self.target, self.draft))
+            self._measured_cost = (cached_cost(self.target, self.draft, host_work=time_host_work)[0]
+                                   if self.cost_cache else
+                                   measure_cost(self.target, self.draft, host_work=time_host_work))
         return self._measured_cost
 
     def _latest_decider_fits(self) -> bool:

@@ -92,7 +92,8 @@ def test_report_files_goals_and_bound(quick):
         grow = {r["name"]: r for r in cond["rows"] if "(grow)" in r["name"]}
         assert {r["stop_setting"]["scores"] for r in grow.values()} == {"q", "decider"}
         assert "timed on this machine" in grow["ti-mcsd+confidence(grow)"]["stop_setting"]["source"]
-        assert all(0 < r["mean_tree_size"] <= 12 for r in grow.values())
+        # tiny models: the priced host work may leave a round no tree at all (the gate)
+        assert all(0 <= r["mean_tree_size"] <= 12 for r in grow.values())
     for g in res["goals"]:
         assert g["verdict"] == "PASS" or g["verdict"].startswith(("SHORT BY", "n/a", "NOT SHOWN"))
     md = (out / "results.md").read_text()

@@ -1,4 +1,4 @@
-"""decoding.gate: a round drafts nothing (a plain step, no draft step) where drafting cannot pay,
+"""decoding.stopping: a round drafts nothing (a plain step, no draft step) where drafting cannot pay,
 priced with every cost (verify rows at the current context, draft steps, each level's host work, a
 tree round's fixed cost); the text stays ar's, for the single-request engine and the batch one."""
 
@@ -12,7 +12,7 @@ from support.models import noisy_copy, tiny_llama
 from decoding.batch.budget import JointGrow
 from decoding.batch.scheduler import BatchEngine
 from decoding.forward.cost import CostCurve
-from decoding.gate import DraftGate, can_pay, tree_ms
+from decoding.stopping import DraftGate, can_pay, tree_ms
 from decoding.growth import GrowPolicy, q_scores
 from decoding.sampling import SamplingConfig
 from decoding.stopping import Frontier
@@ -49,7 +49,7 @@ def test_every_cost_is_in_the_price_of_a_tree():
 
 
 def test_the_host_work_is_timed_on_the_proposers_code():
-    from decoding.forward.host_cost import time_host_work
+    from decoding.growth import time_host_work
 
     policy, overhead = time_host_work(64, width=2, depth=2, repeats=1)
     assert policy >= 0.0 and overhead >= 0.0

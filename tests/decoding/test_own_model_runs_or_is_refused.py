@@ -109,12 +109,12 @@ def test_grow_rule_on_a_pair_without_a_decider_times_and_stores_its_cost_curve(o
                        stop="confidence", confidence_rule="grow")
     assert dec.config.grow_cost == "decider" and isinstance(dec._stop, GrowPolicy)
     stored = list((tmp_path / "cost").glob("*.json"))
-    assert len(stored) == 1 and json.loads(stored[0].read_text())["curve"]["target_ms"]
+    curve = json.loads(stored[0].read_text())["curve"] if len(stored) == 1 else {}
+    assert curve.get("target_ms") and curve["policy_ms"] > 0  # the forwards and a level's host work, timed
     prompt = [3, 9, 4, 12, 7, 20, 5, 8]
     ar = dec.variant("ar").generate(prompt, 16)
-    grown = dec.generate(prompt, 16)
+    grown = dec.generate(prompt, 16)  # models this small may not pay for a tree at all: lossless either way
     assert grown.token_ids == ar.token_ids and grown.stats["lossless"]
-    assert grown.stats["accepted"] > 0
 
 
 @pytest.mark.parametrize("options", [dict(stop="fixed"), dict(stop="confidence"),
