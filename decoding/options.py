@@ -298,7 +298,8 @@ FLAGS: dict[str, Flag] = {
         "`decoding.generate` end to end (fresh processes), defaults vs ar, --prompts per kind, --new-tokens; "
         "llama: llama.cpp's llama-server vs our ar and defaults on the same GGUF (--target FILE.gguf, default "
         "the embedded one), --prompts per kind, --new-tokens, --threads; gpu: see --suite gpu --help; serve: our "
-        "server vs llama-server -np N under --clients; serve-load: the load test", choices=("compare", "engine", "dtype", "forward", "cli", "llama", "gpu",
+        "server vs llama-server -np N under --clients; serve-load: the server under a hostile crowd (--clients, "
+        "--prompts each, --duration)", choices=("compare", "engine", "dtype", "forward", "cli", "llama", "gpu",
                                               "serve", "serve-load")),
     "llama_server": Flag("the llama-server binary", unset="$LLAMA_SERVER, else the one `make llama-cpp` builds"),
     "cost_model": Flag("the replay's cost model: measure (time the pair's forwards here), decider (the one "
