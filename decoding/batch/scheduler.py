@@ -180,12 +180,16 @@ class BatchEngine:
         """A round raised, and any request may be half-way through it: every one is rebuilt from
         its committed text (new caches; its generator, output and stats kept) and runs one round
         alone. One that fails again leaves with its error in `failed`; the others continue (a greedy
-        request's text is unchanged: its next round reads the same committed text)."""
+        request's text is unchanged: its next round reads the same committed text). A rebuilt request
+        longer than a chunk fills alone first: were its round left to the next shared one, a fault of
+        its own would trip that round again, and every request would be rebuilt for ever."""
         finished = []
         for r in reqs:
             self._rebuild(r)
         for r in reqs:
             try:
+                while self.chunk and len(r.committed) - r.cache.length > self.chunk:
+                    self._step([r])  # one chunk in, deciding nothing
                 finished += self._step([r])
             except Exception as e:
                 r.error, r.done = e, True

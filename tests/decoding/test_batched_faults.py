@@ -95,3 +95,22 @@ def test_a_fault_ends_its_request_alone(pair, monkeypatch, phase, budget, sampli
         assert r.error is None and len(r.out) == N
         if sampling.greedy:
             assert r.out == alone(pair, PROMPTS[i], sampling)
+
+
+@pytest.mark.parametrize("phase", ["verify", "commit"])
+def test_a_fault_ends_its_request_alone_when_prompts_go_in_chunks(pair, monkeypatch, phase):
+    """Rebuilt requests longer than a chunk (the bad one among them) refill alone before their own
+    round, so the bad one fails there instead of tripping every later round and rebuilding all."""
+    target, draft = pair
+    engine = BatchEngine(target, draft, LAYOUT, chunk=3)
+    reqs = [engine.add(p, N, SamplingConfig(), seed=i) for i, p in enumerate(PROMPTS)]
+    engine.bad = reqs[BAD]
+    inject(monkeypatch, phase, engine)
+    for _ in range(10 * N):
+        if not engine.active:
+            break
+        engine.step()
+    assert engine.active == [] and engine.failed == [reqs[BAD]]
+    for i, r in enumerate(reqs):
+        if i != BAD:
+            assert r.error is None and r.out == alone(pair, PROMPTS[i], SamplingConfig())
