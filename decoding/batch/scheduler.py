@@ -183,7 +183,11 @@ class BatchEngine:
         request's text is unchanged: its next round reads the same committed text). A rebuilt request
         longer than a chunk fills alone first: were its round left to the next shared one, a fault of
         its own would trip that round again, and every request would be rebuilt for ever."""
-        finished = []
+        finished = [r for r in reqs if r.done]  # ended in the round that raised, before the fault
+        for r in finished:
+            r.stats.context = len(r.committed)
+            self.remove(r)
+        reqs = [r for r in reqs if not r.done]
         for r in reqs:
             self._rebuild(r)
         for r in reqs:

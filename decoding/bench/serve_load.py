@@ -140,7 +140,11 @@ def judge(p: dict, status, body, exc, refs: dict) -> dict:
     if p.get("label"):
         rec["label"] = p["label"]
     if outcome == "completed" and p["key"] is not None:
-        rec["equal"] = text_of(body) == expected_text(refs[p["key"]], p["stop"])
+        got, want = text_of(body), expected_text(refs[p["key"]], p["stop"])
+        rec["equal"] = got == want
+        if not rec["equal"]:  # where it parts from its answer alone, for a reader to judge
+            at = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
+            rec |= {"key": list(p["key"]), "parted_at": at, "got": got, "alone": want}
     return rec
 
 

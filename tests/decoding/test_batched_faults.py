@@ -114,3 +114,23 @@ def test_a_fault_ends_its_request_alone_when_prompts_go_in_chunks(pair, monkeypa
     for i, r in enumerate(reqs):
         if i != BAD:
             assert r.error is None and r.out == alone(pair, PROMPTS[i], SamplingConfig())
+
+
+def test_a_request_that_ended_in_the_round_that_raised_stays_ended(pair, monkeypatch):
+    """Plain rounds (one token each): request 0 meets its end-of-sequence token in the round the bad
+    request's commit raises in, before that commit; it leaves then, and is not run on past it."""
+    target, _ = pair
+    solo = BatchEngine(target)
+    ref = solo.add(PROMPTS[0], N)
+    solo.run()
+    eos = ref.out[FAULT_ROUND]  # committed in the round that raises
+    assert eos not in ref.out[:FAULT_ROUND]
+    engine = BatchEngine(target)
+    reqs = [engine.add(p, N, eos_token_id=eos if i == 0 else None, seed=i) for i, p in enumerate(PROMPTS)]
+    engine.bad = reqs[BAD]
+    inject(monkeypatch, "commit", engine)
+    finished = []
+    while engine.active:
+        finished += engine.step()
+    assert reqs[0].out == ref.out[:FAULT_ROUND + 1] and reqs[0] in finished
+    assert engine.failed == [reqs[BAD]]
