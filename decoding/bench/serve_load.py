@@ -293,7 +293,7 @@ def load_test(clients: int, requests: int, duration: float | None, threads: int 
                 "pid": pid, "alive_throughout": alive, "restarts": 0 if alive else 1, "health_end": health[1]},
             "metrics_outcomes": counted,
             "rss_mib": {**{k: round(v, 1) for k, v in marks.items() if v is not None},
-                        "max": max([m for _, m in rss.samples] + [v for v in marks.values() if v is not None])},
+                        "max": round(max([m for _, m in rss.samples] + [v for v in marks.values() if v is not None]), 1)},
             "rss_samples": rss.samples}
 
 

@@ -134,3 +134,30 @@ def test_a_request_that_ended_in_the_round_that_raised_stays_ended(pair, monkeyp
         finished += engine.step()
     assert reqs[0].out == ref.out[:FAULT_ROUND + 1] and reqs[0] in finished
     assert engine.failed == [reqs[BAD]]
+
+
+def test_a_fault_leaves_no_cache_behind_without_a_garbage_collection(pair, monkeypatch):
+    """The failed request's error keeps no frame of the rounds that raised (those frames hold every
+    request's old caches, which a cycle through the request would keep until a full collection)."""
+    import gc
+    import weakref
+
+    target, draft = pair
+    engine = BatchEngine(target, draft, LAYOUT)
+    reqs = [engine.add(p, N, SamplingConfig(), seed=i) for i, p in enumerate(PROMPTS)]
+    engine.bad = reqs[BAD]
+    inject(monkeypatch, "commit", engine)
+    gc.collect()
+    gc.disable()
+    try:
+        while engine.rounds < FAULT_ROUND:
+            engine.step()
+        caches = [weakref.ref(r.cache) for r in reqs]
+        while engine.active:
+            engine.step()
+        bad, engine.failed = engine.failed[0], []
+        assert "injected commit fault" in str(bad.error)
+        del reqs, bad
+        assert [c() for c in caches] == [None] * len(caches)
+    finally:
+        gc.enable()
