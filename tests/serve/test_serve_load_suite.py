@@ -85,7 +85,7 @@ def _result(records, alive=True, rss_end=1010.0, errors=1):
             "server": {"pid": 42, "alive_throughout": alive, "restarts": 0 if alive else 1,
                        "health_end": {"status": "ok", "active": 0, "waiting": 0}},
             "metrics_outcomes": {"length": 2, "stop": 0, "cancelled": 1, "error": errors},
-            "rss_mib": {"start": 300.0, "after warm-up": 1000.0, "end": rss_end, "max": 1020.0},
+            "rss_mib": {"start": 300.0, "after warm-up": 900.0, "half-way": 1000.0, "end": rss_end, "max": 1020.0},
             "command": "python -m decoding.bench --suite serve-load"}
 
 
