@@ -1,5 +1,5 @@
 """The server under a hostile crowd, as a user runs it (`python -m decoding.bench --suite serve-load
-[--clients 8] [--prompts 20] [--duration S] [--threads 2]`): one `python -m decoding.serve`
+[--clients 8] [--prompts 16] [--duration S] [--threads 2]`): one `python -m decoding.serve`
 subprocess on the default engine and target, `--max-queue 16`, with the opt-in fault trigger of
 decoding.serve.faults set. Each client sends its share of a mix, one request after another,
 and comes back after a 503's Retry-After (up to RETRIES times):
@@ -373,7 +373,7 @@ def main(a, command: str, progress=print) -> int:
 
     out = Path(a.out or f"reports/serve-load-{time.strftime('%Y-%m-%d')}")
     out.mkdir(parents=True, exist_ok=True)
-    res = load_test(max(a.clients), a.prompts or 20, a.duration, a.threads, a.target, log=out / "server.log",
+    res = load_test(max(a.clients), a.prompts or 16, a.duration, a.threads, a.target, log=out / "server.log",
                     progress=progress)
     res["command"], res["summary"] = command, summarize(res)
     md = load_markdown(res, _cpu())
