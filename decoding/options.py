@@ -300,7 +300,8 @@ FLAGS: dict[str, Flag] = {
         "llama: llama.cpp's llama-server vs our ar and defaults on the same GGUF (--target FILE.gguf, default "
         "the embedded one), --prompts per kind, --new-tokens, --threads; context: the defaults vs ar and fixed shapes, "
         "prompts padded to --contexts tokens; gpu: see --suite gpu --help; serve: our server vs llama-server -np N under "
-        "--clients; serve-load: the load test", choices=("compare", "engine", "dtype", "forward", "cli", "llama", "gpu", "serve", "serve-load", "context")),
+        "--clients; serve-load: the server under a hostile crowd (--clients, --prompts each, --duration)",
+        choices=("compare", "engine", "dtype", "forward", "cli", "llama", "gpu", "serve", "serve-load", "context")),
     "llama_server": Flag("the llama-server binary", unset="$LLAMA_SERVER, else the one `make llama-cpp` builds"),
     "cost_model": Flag("the replay's cost model: measure (time the pair's forwards here), decider (the one "
                        "saved with the decider), default, or a CostModel JSON file", default="measure"),

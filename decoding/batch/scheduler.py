@@ -211,15 +211,23 @@ class BatchEngine:
         """A round raised, and any request may be half-way through it: every one is rebuilt from
         its committed text (new caches; its generator, output and stats kept) and runs one round
         alone. One that fails again leaves with its error in `failed`; the others continue (a greedy
-        request's text is unchanged: its next round reads the same committed text)."""
-        finished = []
+        request's text is unchanged: its next round reads the same committed text). A rebuilt request
+        longer than a chunk fills alone first: were its round left to the next shared one, a fault of
+        its own would trip that round again, and every request would be rebuilt for ever."""
+        finished = [r for r in reqs if r.done]  # ended in the round that raised, before the fault
+        for r in finished:
+            r.stats.context = len(r.committed)
+            self.remove(r)
+        reqs = [r for r in reqs if not r.done]
         for r in reqs:
             self._rebuild(r)
         for r in reqs:
             try:
+                while self.chunk and len(r.committed) - r.cache.length > self.chunk:
+                    self._step([r])  # one chunk in, deciding nothing
                 finished += self._step([r])
             except Exception as e:
-                r.error, r.done = e, True
+                r.error, r.done = _bare(e), True
                 self.failed.append(r)
                 self.remove(r)
         return finished
@@ -338,7 +346,7 @@ class BatchEngine:
             try:
                 r.on_tokens(new)
             except Exception as e:  # the consumer is gone: this request ends, the round goes on
-                r.error, r.done = e, True
+                r.error, r.done = _bare(e), True
         return r.done
 
 
@@ -349,6 +357,14 @@ def _share_steps(models: Models) -> None:
         from decoding.drafts.lean_step import shares_steps
 
         models.budget.shared_draft = shares_steps(models.draft)
+
+
+def _bare(e: BaseException) -> BaseException:
+    """`e` without its traceback and the exceptions it was raised during: their frames hold the
+    round's segments and logits, every request's caches with them, and a request keeping its error
+    makes a cycle only a full garbage collection frees (a server's memory grew ~40 MiB a fault)."""
+    e.__traceback__ = e.__context__ = e.__cause__ = None
+    return e
 
 
 def _chunks_fed(chunks: list[Segment]) -> None:

@@ -20,7 +20,9 @@ The suites:
 - cli_suite (`cli`): a `generate` call end to end, as a user waits for it;
 - llama (`llama`): llama.cpp against us on one GGUF;
 - context_suite (`context`): the default against `ar` and fixed shapes at a given cached context;
-- serve_suite (`serve`, `serve-load`): our server against llama-server under concurrent clients;
+- serve_suite (`serve`): our server against llama-server under concurrent clients; serve_load
+  (`serve-load`): a real server process under a hostile crowd, every request's outcome counted,
+  its memory sampled; serve_client the HTTP client both use (and tests/serve);
 - gpu_suite (`gpu`): what a GPU user gets, in one budgeted run; gpu_rows its rows and warm-up;
   gpu_report its page; launches
   the ops a round dispatches besides its graph replays (`python -m decoding.bench.launches`);

@@ -211,6 +211,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--context", type=int, default=200, help="forward suite: cached tokens before the forward")
     ap.add_argument("--sizes", default="1,2,4,8,16", help="forward suite: new tokens per forward")
     add_option(ap, "new_tokens", default=64)
+    ap.add_argument("--duration", type=float, default=None,
+                    help="serve-load suite: seconds after which the clients send no more (default: their --prompts)")
     add_option(ap, "llama_server")
     ap.add_argument("--serve-log", choices=("prompts", "responses"), default=None,
                     help="serve suite: also the row `ours, joint, logged KEEP` (--log-prompts on, keeping KEEP)")
@@ -343,6 +345,12 @@ def _serve_main(a, command: str) -> int:
     return serve_main(a, command, _log)
 
 
+def _serve_load_main(a, command: str) -> int:
+    from decoding.bench.serve_load import main as load_main
+
+    return load_main(a, command, _log)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parser().parse_args(argv)
@@ -351,7 +359,7 @@ def main(argv=None) -> int:
         side = {"engine": lambda: _engine_main(a), "forward": lambda: _forward_main(a, command),
                 "cli": lambda: _cli_main(a, command), "llama": lambda: _llama_main(a, command),
                 "context": lambda: _context_main(a, command),
-                "serve": lambda: _serve_main(a, command), "serve-load": lambda: _serve_main(a, command)}
+                "serve": lambda: _serve_main(a, command), "serve-load": lambda: _serve_load_main(a, command)}
         if a.suite != "compare" and (a.quick or a.write_defaults is not None):
             raise ValueError("--quick and --write-defaults belong to the compare suite")
         if a.suite in side:

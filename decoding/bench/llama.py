@@ -50,13 +50,19 @@ def free_port() -> int:
 class ServerProcess:
     """A server subprocess on a loopback port, up once its /health answers 200; stopped on close."""
 
-    def __init__(self, cmd: list[str], port: int, name: str, timeout: float = 120):
-        self.port, self.name = port, name
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    def __init__(self, cmd: list[str], port: int, name: str, timeout: float = 120, env: dict | None = None,
+                 log: Path | None = None):
+        """`env`: added to this process's environment; `log`: the server's stderr goes there (a
+        long run must not fill an unread pipe) instead of a pipe read if it exits early."""
+        self.port, self.name, self.log = port, name, log
+        err = open(log, "w") if log else subprocess.PIPE
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True,
+                                     env={**os.environ, **env} if env else None)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited: {self.proc.stderr.read()[-800:]}")
+                why = Path(log).read_text() if log else self.proc.stderr.read()
+                raise RuntimeError(f"{name} exited: {why[-800:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
                     if r.status == 200:

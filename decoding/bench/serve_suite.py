@@ -1,6 +1,6 @@
 """The server suite: our OpenAI server against llama-server under concurrent clients
-(`python -m decoding.bench --suite serve [--clients 1,2,4,8] [--llama-server PATH --head-gguf H]`),
-and the load test (`--suite serve-load`: 8 clients x 50 requests, mixed lengths, some cancelled).
+(`python -m decoding.bench --suite serve [--clients 1,2,4,8] [--llama-server PATH --head-gguf H]`);
+the server under a hostile crowd is decoding.bench.serve_load (`--suite serve-load`).
 
 Every server is a subprocess on a loopback port, driven over HTTP by client threads, each client
 sending its share of the held-out chat prompts one after another, greedy, streamed (time to first
@@ -26,13 +26,11 @@ Throughput = completion tokens of all requests / the wall time from first send t
 from __future__ import annotations
 
 import json
-import os
 import socket
 import statistics
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from decoding.bench.config import BenchConfig, load_prompts
@@ -42,14 +40,9 @@ from decoding.bench.llama import ServerProcess, free_port
 class Server(ServerProcess):
     """Our server as a subprocess on a free loopback port (`cmd` gets --port appended)."""
 
-    def __init__(self, name: str, cmd: list[str], timeout: float = 300):
+    def __init__(self, name: str, cmd: list[str], timeout: float = 300, **kw):
         port = free_port()
-        super().__init__([*cmd, "--port", str(port)], port, name, timeout)
-
-    def rss_mib(self) -> float:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            kb = next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS"))
-        return kb / 1024
+        super().__init__([*cmd, "--port", str(port)], port, name, timeout, **kw)
 
 
 def ask(port: int, model: str, prompt: str, max_tokens: int, cancel_after: int | None = None) -> dict:
@@ -192,35 +185,6 @@ def _serve_suite(clients, prompts, new_tokens, threads, repeats, llama_server, h
     return out
 
 
-def load_test(clients: int, requests: int, threads: int | None, target: str | None, cancel_every: int = 10,
-              progress=print) -> dict:
-    """`clients` x `requests` mixed-length requests (8-128 tokens), every `cancel_every`-th one
-    abandoned after its second event; the server's memory before and after."""
-    count = _counter(target)
-    base = held_out(24)
-    n = clients * requests
-    prompts = [base[i % len(base)] for i in range(n)]
-    lengths = [(8, 32, 64, 128)[i % 4] for i in range(n)]
-    srv = Server("ours, joint", ours([], threads, target))
-    try:
-        ask(srv.port, "specstop", base[0], 4)
-        rss0 = srv.rss_mib()
-        half = n // 2  # the memory after the first half and after the second: flat means no leak
-        first = drive(srv.port, prompts[:half], clients, lengths[:half], count, cancel_every)
-        rss1 = srv.rss_mib()
-        second = drive(srv.port, prompts[half:], clients, lengths[half:], count, cancel_every)
-        rss2 = srv.rss_mib()
-        with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics") as r:
-            metrics = r.read().decode()
-    finally:
-        srv.close()
-    progress(f"[serve-load] rss {rss0:.0f} -> {rss1:.0f} -> {rss2:.0f} MiB")
-    return {"clients": clients, "requests_per_client": requests, "cancel_every": cancel_every,
-            "halves": [first, second], "rss_mib": [round(rss0, 1), round(rss1, 1), round(rss2, 1)],
-            "metrics": [ln for ln in metrics.splitlines() if ln.startswith("specstop_")],
-            "threads": threads or os.cpu_count()}
-
-
 def summary(res: dict) -> dict:
     """Median tok/s per (row, clients) over repeats, and each row over `ours, one by one`."""
     by: dict[tuple, list[float]] = {}
@@ -253,41 +217,20 @@ def serve_markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def load_markdown(res: dict) -> str:
-    lines = ["# Server load test", "",
-             f"{res['clients']} clients x {res['requests_per_client']} requests (8 / 32 / 64 / 128 new tokens in "
-             f"turn), every {res['cancel_every']}th abandoned after its second event; two halves.", "",
-             "| half | requests | cancelled | errors | tokens | tok/s | TTFT p50 / p90 ms |", "|---|---|---|---|---|---|---|"]
-    for i, h in enumerate(res["halves"]):
-        lines.append(f"| {i + 1} | {h['requests']} | {h['cancelled']} | {len(h['errors'])} | {h['tokens']} | "
-                     f"{h['tok_s']} | {h['ttft_ms']['p50']} / {h['ttft_ms']['p90']} |")
-    r = res["rss_mib"]
-    lines += ["", f"Server memory (RSS): {r[0]} MiB after warm-up, {r[1]} after the first half, {r[2]} after the "
-              "second.", "", "Server metrics at the end:", "", "```", *res["metrics"], "```"]
-    return "\n".join(lines) + "\n"
-
-
 def main(a, command: str, progress=print) -> int:
-    """`--suite serve` / `--suite serve-load` of python -m decoding.bench (its parsed args)."""
+    """`--suite serve` of python -m decoding.bench (its parsed args)."""
     import time
 
+    from decoding.bench.plots import serve_plot
     from decoding.bench.report import write_atomic
 
-    clients = a.clients
-    if a.suite == "serve":
-        res = serve_suite(clients, a.prompts or 16, a.new_tokens, a.threads, a.repeats or 2, a.llama_server,
-                          a.head_gguf, a.target, progress, getattr(a, "serve_log", None))
-        md, name = serve_markdown(res), "serve"
-    else:
-        res = load_test(clients[0], a.prompts or 50, a.threads, a.target, progress=progress)
-        md, name = load_markdown(res), "serve-load"
+    res = serve_suite(a.clients, a.prompts or 16, a.new_tokens, a.threads, a.repeats or 2, a.llama_server,
+                      a.head_gguf, a.target, progress, getattr(a, "serve_log", None))
+    md = serve_markdown(res)
     res["command"] = command
-    out = Path(a.out or f"reports/{name}-{time.strftime('%Y-%m-%d')}")
+    out = Path(a.out or f"reports/serve-{time.strftime('%Y-%m-%d')}")
     write_atomic(out / "results.json", json.dumps(res, indent=2))
     write_atomic(out / "results.md", md + f"\nCommand: `{command}`\n")
-    if a.suite == "serve":
-        from decoding.bench.plots import serve_plot
-
-        serve_plot(summary(res), out / "serve.png")
+    serve_plot(summary(res), out / "serve.png")
     print(md)
     return 0

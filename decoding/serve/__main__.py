@@ -155,6 +155,9 @@ def main(argv=None) -> int:
         return 2
     from decoding.api import load_decoder
     from decoding.models.errors import ModelError
+    from decoding.serve.faults import install
+
+    install()  # a no-op unless $SPECSTOP_FAULT_SEED is set (load tests)
 
     try:
         check_port(args.host, args.port)  # before the models load: a taken port should not cost that wait

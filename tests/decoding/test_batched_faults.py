@@ -95,3 +95,69 @@ def test_a_fault_ends_its_request_alone(pair, monkeypatch, phase, budget, sampli
         assert r.error is None and len(r.out) == N
         if sampling.greedy:
             assert r.out == alone(pair, PROMPTS[i], sampling)
+
+
+@pytest.mark.parametrize("phase", ["verify", "commit"])
+def test_a_fault_ends_its_request_alone_when_prompts_go_in_chunks(pair, monkeypatch, phase):
+    """Rebuilt requests longer than a chunk (the bad one among them) refill alone before their own
+    round, so the bad one fails there instead of tripping every later round and rebuilding all."""
+    target, draft = pair
+    engine = BatchEngine(target, draft, LAYOUT, chunk=3)
+    reqs = [engine.add(p, N, SamplingConfig(), seed=i) for i, p in enumerate(PROMPTS)]
+    engine.bad = reqs[BAD]
+    inject(monkeypatch, phase, engine)
+    for _ in range(10 * N):
+        if not engine.active:
+            break
+        engine.step()
+    assert engine.active == [] and engine.failed == [reqs[BAD]]
+    for i, r in enumerate(reqs):
+        if i != BAD:
+            assert r.error is None and r.out == alone(pair, PROMPTS[i], SamplingConfig())
+
+
+def test_a_request_that_ended_in_the_round_that_raised_stays_ended(pair, monkeypatch):
+    """Plain rounds (one token each): request 0 meets its end-of-sequence token in the round the bad
+    request's commit raises in, before that commit; it leaves then, and is not run on past it."""
+    target, _ = pair
+    solo = BatchEngine(target)
+    ref = solo.add(PROMPTS[0], N)
+    solo.run()
+    eos = ref.out[FAULT_ROUND]  # committed in the round that raises
+    assert eos not in ref.out[:FAULT_ROUND]
+    engine = BatchEngine(target)
+    reqs = [engine.add(p, N, eos_token_id=eos if i == 0 else None, seed=i) for i, p in enumerate(PROMPTS)]
+    engine.bad = reqs[BAD]
+    inject(monkeypatch, "commit", engine)
+    finished = []
+    while engine.active:
+        finished += engine.step()
+    assert reqs[0].out == ref.out[:FAULT_ROUND + 1] and reqs[0] in finished
+    assert engine.failed == [reqs[BAD]]
+
+
+def test_a_fault_leaves_no_cache_behind_without_a_garbage_collection(pair, monkeypatch):
+    """The failed request's error keeps no frame of the rounds that raised (those frames hold every
+    request's old caches, which a cycle through the request would keep until a full collection)."""
+    import gc
+    import weakref
+
+    target, draft = pair
+    engine = BatchEngine(target, draft, LAYOUT)
+    reqs = [engine.add(p, N, SamplingConfig(), seed=i) for i, p in enumerate(PROMPTS)]
+    engine.bad = reqs[BAD]
+    inject(monkeypatch, "commit", engine)
+    gc.collect()
+    gc.disable()
+    try:
+        while engine.rounds < FAULT_ROUND:
+            engine.step()
+        caches = [weakref.ref(r.cache) for r in reqs]
+        while engine.active:
+            engine.step()
+        bad, engine.failed = engine.failed[0], []
+        assert "injected commit fault" in str(bad.error)
+        del reqs, bad
+        assert [c() for c in caches] == [None] * len(caches)
+    finally:
+        gc.enable()

@@ -4,9 +4,7 @@ queue that overflows (503 with Retry-After, the client comes back). Afterwards t
 healthy, every well-formed greedy answer equals plain decoding's, /metrics adds up to what was
 sent, no request hung, and no request's caches are left in the engine. About 10 s on 2 cores."""
 
-import http.client
 import json
-import socket
 import threading
 import time
 
@@ -14,51 +12,14 @@ import pytest
 from support.serve import save_pair, serving
 
 from decoding import Decoder
+from decoding.bench.serve_client import TIMEOUT, bad_bodies, get_json, moved, post, scrape
 
 pytestmark = pytest.mark.xdist_group("server-load")
 PROMPTS = ["w1 w2 w3", "w4 w5", "w6 w1 w2 w7 w3", "w2", "w9 w8 w7 w6", "w3 w3"]
 KINDS = ("plain", "stream", "chat", "stop", "leave")
 WELL_FORMED = 40
 MAX_ACTIVE, MAX_QUEUE = 4, 8
-TIMEOUT = 30.0  # per request: a hung request fails the test instead of stalling it
-BAD = [  # (body, what the error message names)
-    (b'{"model": "tiny", "prompt": ', ""), (b"[1, 2, 3]", ""), (b"\xff\xfe not utf-8", ""),
-    (b'{"model": "tiny", "prompt": 5, "max_tokens": 4}', "prompt"),
-    (b'{"model": "tiny", "prompt": "w1", "max_tokens": "lots"}', "max_tokens"),
-    (b'{"model": "tiny", "prompt": "w1", "max_tokens": 1000000000}', "max_tokens"),
-    (json.dumps({"model": "tiny", "prompt": " ".join(["w1"] * 70), "max_tokens": 4}).encode(), "prompt"),
-    (b'{"model": "tiny", "prompt": "w1", "max_tokens": 4, "frobnicate": true}', "frobnicate"),
-    (b'{"model": "tiny", "prompt": "w1", "max_tokens": 4, "logprobs": 9}', "logprobs"),
-    (b'{"model": "tiny", "prompt": "w1", "max_tokens": 4, "temperature": -1}', "temperature"),
-]
-
-
-def post(port: int, path: str, body: bytes, stream: bool = False, leave: bool = False):
-    """(status, headers, JSON body, or for a stream (text, finish, logprobs tokens)); `leave`: hang
-    up after the first event."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
-    try:
-        conn.request("POST", path, body, {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        headers = {k.lower(): v for k, v in r.getheaders()}
-        if r.status != 200 or not stream:
-            return r.status, headers, json.loads(r.read())
-        if leave:
-            assert r.read(6) == b"data: "
-            conn.sock.shutdown(socket.SHUT_RDWR)
-            return 200, headers, None
-        text, finish, tokens = "", None, []
-        for raw in iter(r.readline, b""):
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choice = json.loads(line[6:])["choices"][0]
-            text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-            finish = choice["finish_reason"] or finish
-            tokens += (choice.get("logprobs") or {}).get("tokens") or []
-        return 200, headers, (text, finish, tokens)
-    finally:
-        conn.close()
+BAD = [(body, names) for _, body, names in bad_bodies("tiny", " ".join(["w1"] * 70))]  # past the 60 positions
 
 
 def plan(i: int) -> dict:
@@ -76,16 +37,6 @@ def plan(i: int) -> dict:
         req |= {"stop": ["w5", " w1"], "stream": bool(odd)}
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     return {"kind": kind, "req": req, "path": path, "body": json.dumps(req).encode(), "prompt": p, "n": n}
-
-
-def scrape(port) -> dict:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
-    conn.request("GET", "/metrics")
-    text = conn.getresponse().read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 def test_a_hostile_crowd_leaves_the_server_healthy_exact_and_counted(tmp_path_factory):
@@ -111,7 +62,7 @@ def test_a_hostile_crowd_leaves_the_server_healthy_exact_and_counted(tmp_path_fa
                 start.wait()
                 for _ in range(60):
                     status, headers, body = post(port, p["path"], p["body"], p.get("req", {}).get("stream", False),
-                                                 p["kind"] == "leave")
+                                                 int(p["kind"] == "leave"))
                     if status != 503:
                         results[i] = (status, body)
                         return
@@ -136,9 +87,7 @@ def test_a_hostile_crowd_leaves_the_server_healthy_exact_and_counted(tmp_path_fa
 
         while (worker.active or worker.queue_depth) and time.time() < deadline + 3 * TIMEOUT:
             time.sleep(0.01)  # the leavers' cancels land at the next seam
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
-        conn.request("GET", "/health")
-        assert json.loads(conn.getresponse().read()) == {"status": "ok", "active": 0, "waiting": 0}
+        assert get_json(port, "/health") == (200, {"status": "ok", "active": 0, "waiting": 0})
         assert worker.engine.active == [] and worker._running == []  # no request's caches left behind
 
         tok = ar.session.tokenizer
@@ -159,7 +108,7 @@ def test_a_hostile_crowd_leaves_the_server_healthy_exact_and_counted(tmp_path_fa
                 cuts = [k for k in (text.find(s) for s in p["req"]["stop"]) if k >= 0]
                 text, finish = (text[:min(cuts)], "stop") if cuts else (text, finish)
             if p["req"]["stream"]:
-                got, got_finish, _ = body
+                got, got_finish = body.text, body.finish
             else:
                 c = body["choices"][0]
                 got, got_finish = (c["message"]["content"] if chat else c["text"]), c["finish_reason"]
@@ -172,15 +121,13 @@ def test_a_hostile_crowd_leaves_the_server_healthy_exact_and_counted(tmp_path_fa
                 known[finish] += 1
 
         after = scrape(port)
-        moved = lambda name, **lb: after[(name, tuple(sorted(lb.items())))] - before.get(  # noqa: E731
-            (name, tuple(sorted(lb.items()))), 0)
-        outcomes = {o: moved("specstop_requests_total", outcome=o) for o in ("length", "stop", "cancelled", "error")}
+        outcomes = {o: moved(after, before, "specstop_requests_total", outcome=o) for o in ("length", "stop", "cancelled", "error")}
         # each well-formed request was accepted once (its 503s were not), and ended once
         assert sum(outcomes.values()) == len(good) and outcomes["error"] == 0, outcomes
         assert outcomes["cancelled"] <= sum(p["kind"] == "leave" for p in good)
         assert outcomes["length"] >= known["length"] and outcomes["stop"] >= known["stop"], (outcomes, known)
         prompt_len = lambda p: len(ar.generate(p["prompt"], 1, chat=p["kind"] == "chat").prompt_ids)  # noqa: E731
-        assert moved("specstop_prompt_tokens_total") == sum(prompt_len(p) for p in good)
+        assert moved(after, before, "specstop_prompt_tokens_total") == sum(prompt_len(p) for p in good)
         assert after[("specstop_queue_depth", ())] == 0 and after[("specstop_active_requests", ())] == 0
 
         again = post(port, "/v1/completions", json.dumps({"model": "tiny", "prompt": "w4 w5", "max_tokens": 8,
