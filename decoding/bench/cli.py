@@ -37,11 +37,9 @@ from decoding.options import add_option
 
 
 def _cpu() -> str:
-    """The CPU model and the flags that decide the dtype and kernels (AMX, AVX512-BF16)."""
     from decoding.forward import cpu
 
-    flags = sorted(cpu.flags() & {"amx_bf16", "avx512_bf16"})
-    return cpu.model_name() + (f" ({', '.join(flags)})" if flags else "")
+    return cpu.describe()
 
 
 def _log(msg: str) -> None:

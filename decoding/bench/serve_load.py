@@ -368,7 +368,7 @@ def load_markdown(res: dict, cpu: str) -> str:
 
 def main(a, command: str, progress=print) -> int:
     """`--suite serve-load` of python -m decoding.bench (its parsed args)."""
-    from decoding.bench.cli import _cpu
+    from decoding.forward.cpu import describe
     from decoding.bench.report import write_atomic
 
     out = Path(a.out or f"reports/serve-load-{time.strftime('%Y-%m-%d')}")
@@ -376,7 +376,7 @@ def main(a, command: str, progress=print) -> int:
     res = load_test(max(a.clients), a.prompts or 16, a.duration, a.threads, a.target, log=out / "server.log",
                     progress=progress)
     res["command"], res["summary"] = command, summarize(res)
-    md = load_markdown(res, _cpu())
+    md = load_markdown(res, describe())
     write_atomic(out / "results.json", json.dumps(res, indent=2))
     write_atomic(out / "results.md", md)
     print(md)

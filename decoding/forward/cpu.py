@@ -58,6 +58,13 @@ def flags(cpuinfo: str | None = None) -> set[str]:
     return found
 
 
+def describe() -> str:
+    """The CPU model and the flags that decide the dtype and kernels (AMX, AVX512-BF16): what a
+    report says its figures ran on."""
+    names = sorted(flags() & {"amx_bf16", "avx512_bf16"})
+    return model_name() + (f" ({', '.join(names)})" if names else "")
+
+
 def model_name() -> str:
     name = _field(_cpuinfo(), "model name") or platform.processor() or platform.machine()
     return name + (f" (as {emulated().upper()} only)" if emulated() else "")
