@@ -86,6 +86,8 @@ class SpeculativeEngine:
             new = new if hit is None else new[: hit + 1]
             committed += new
             stats.add_round(tree, out.path, len(new), t1 - t0, t2 - t1, time.perf_counter() - t2)
+            if self.proposer is not None and stats.rounds > 1:  # a steady round (the first fed the prompt)
+                self.stop.timed(self._drafted, 1000 * (time.perf_counter() - t0))
             if on_tokens and new:
                 on_tokens(new)
             if hit is not None:
@@ -102,9 +104,11 @@ class SpeculativeEngine:
         return hook() if hook is not None else nullcontext()
 
     def _propose(self, committed, gen, anchor_p, position) -> DraftTree:
+        self._drafted = False
         if self.proposer is None or (self.longest_branch and anchor_p is None):
             return empty_tree()
-        if not self.stop.drafts(len(committed)):  # a plain round: no draft step, one row
+        self._drafted = self.stop.drafts(len(committed))
+        if not self._drafted:  # a plain round: no draft step, one row
             self.proposer.plain()
             return empty_tree()
         hidden = self.stop.needs_hidden or getattr(self.observer, "hidden", False)

@@ -173,6 +173,9 @@ class GrowPolicy(StopPolicy):
         self._round = {}
         return self.gate.drafts(self.cost.at_context(context))
 
+    def timed(self, drafted: bool, ms: float) -> None:
+        self.gate.timed(drafted, ms)
+
     def update(self, drafted_depth: int, accepted_depth: int) -> None:
         """A round was verified: a drafted one (its first level sized) goes to the gate's history
         with the tokens it committed and the shape it paid for."""

@@ -90,6 +90,10 @@ class StopPolicy:
         step; False: a plain round (decoding.stopping). Must read only earlier rounds."""
         return True
 
+    def timed(self, drafted: bool, ms: float) -> None:
+        """The round just run took `ms` on the wall (`drafted`: `drafts` said yes); steady rounds
+        only, none feeding a prompt. A policy that prices rounds calibrates on it."""
+
     def widths(self, frontier: Frontier) -> list[int] | None:
         """Children to draw under each frontier node (None: as many as the tree layout has).
         Must depend only on what was drawn so far, never on the children it counts."""
@@ -205,6 +209,12 @@ class DraftGate:
     """Deepest chain the static bound (`can_pay`) considers."""
     _past: deque = field(default_factory=deque, repr=False)
     _plain: int = 0
+    _scale: dict = field(default_factory=lambda: {True: deque(maxlen=8), False: deque(maxlen=8)}, repr=False)
+    """Measured / priced time of the latest drafted and plain rounds (`timed`): the curve prices
+    forwards timed alone, a round pays more (the feature head's catch-up, capture, cache moves,
+    more at long contexts), and a gate on prices alone drafted at 600 cached tokens where drafting
+    lost to `ar` (reports/context-2026-11-28)."""
+    _now: tuple = (None, 0.0)
 
     def drafts(self, cost) -> bool:
         """Does the next round draft, at this context's `cost`?"""
@@ -215,11 +225,27 @@ class DraftGate:
         else:
             # skipping, look again every `explore_every` rounds, up to 8x rarer the further
             # drafting falls behind (a look costs what drafting loses against a plain step)
-            drafted, plain = self.rate(cost), 1.0 / float(cost.target(1))
+            drafted = self.rate(cost) / self.scale(True)
+            plain = 1.0 / (float(cost.target(1)) * self.scale(False))
             gap = min(8.0, (plain / drafted) ** 2) if drafted > 0 else 8.0
             go = drafted > plain or self._plain >= self.explore_every * gap
         self._plain = 0 if go else self._plain + 1
+        # priced until record() says what was drafted: a draft step that sized no node
+        self._now = (cost, tree_ms(cost, 0, [2], 1) if go else float(cost.target(1)))
         return go
+
+    def scale(self, drafted: bool) -> float:
+        """The (lower) median measured / priced time of the latest rounds of that kind (1: none
+        timed); lower, so the one round that caught the head up on a prompt does not count."""
+        seen = sorted(self._scale[drafted])
+        return seen[(len(seen) - 1) // 2] if seen else 1.0
+
+    def timed(self, drafted: bool, ms: float) -> None:
+        """The round just run (drafted: the gate let it draft) took `ms` on the wall; a round
+        feeding a prompt is not one to time (its caller leaves it out)."""
+        priced = self._now[1]
+        if priced > 0 and ms > 0:
+            self._scale[drafted].append(ms / priced)
 
     def rate(self, cost) -> float:
         """Tokens per ms the remembered drafted rounds would run at on `cost`."""
@@ -230,5 +256,7 @@ class DraftGate:
         """A drafted round committed `tokens` with a tree of `nodes` (draft steps of
         `draft_sizes` tokens, levels of `parents` parents in all)."""
         self._past.append((tokens, nodes, list(draft_sizes), parents))
+        if self._now[0] is not None:
+            self._now = (self._now[0], tree_ms(self._now[0], nodes, draft_sizes, parents))
         while len(self._past) > self.window:
             self._past.popleft()

@@ -120,6 +120,10 @@ class JointGrow:
         self._sized = False
         return self.gate.drafts(self.cost.at_context(context))
 
+    def timed(self, drafted: bool, ms: float) -> None:
+        """A steady round of one request took `ms` (decoding.stopping.DraftGate.timed)."""
+        self.gate.timed(drafted, ms)
+
     def record(self, accepted: int) -> None:
         """A round of one request was verified: a drafted one (a level sized) goes to the gate's
         history with the tokens it committed and the shape it paid for."""

@@ -269,6 +269,8 @@ class BatchEngine:
         t3 = time.perf_counter()
         if gated:
             self.budget.record(reqs[0].stats.accepted - accepted)
+            if steady:
+                self.budget.timed(drafts, 1000 * (t3 - t0))
         if self.measured is not None and steady:
             self.measured.record(len(reqs), drafts, sum(len(r.out) for r in reqs) - before, 1000 * (t3 - t0))
         for r in reqs:  # the shared times, split evenly, so per-request stats add up to the wall

@@ -11,7 +11,8 @@ loaded target (the GGUF one by default, as the llama suite), greedy, the variant
 per prompt and repeat so drift hits all alike. Reported per context: decoding tokens per second
 after the first round (the prompt's forward left out), tokens per round, paired speedups with 95% intervals over prompts
 (decoding.bench.stats), and whether every variant's text equals `ar`'s. `--variants
-default,ar,default-ungated` adds the default with its gate always open (ON_REQUEST).
+default,ar,default-ungated,default-unpriced` adds the default with its gate always open, and
+also with its host work unpriced (ON_REQUEST).
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ VARIANTS = {
     "mcsd-2,1": {"strategy": "mcsd", "k_config": "2,1", "stop": "fixed"},
 }
 """Rows: the default, plain decoding and the fixed shapes that ran fastest on the CPU."""
-ON_REQUEST = ("default-ungated",)
+ON_REQUEST = ("default-ungated", "default-unpriced")
 """Rows run only when --variants names them: the default with its gate always open (every round
-drafts, as before decoding.stopping), to isolate what the gate gives."""
+drafts), to isolate what the gate gives; and also with its host work unpriced (policy_ms and
+overhead_ms 0: the rule as it ran before they were timed), to isolate what pricing gives."""
 
 
 def filler_text() -> str:
@@ -75,11 +77,15 @@ def context_suite(contexts=(100, 600, 1200, 2400), prompts: int = 4, new_tokens:
     ar = Decoder.load(target, dtype="float32", strategy="ar")
     rows = {name: (ar.default_variant() if opts is None else ar if name == "ar" else ar.variant(**opts))
             for name, opts in VARIANTS.items() if variants is None or name in variants or name == "ar"}
-    if variants is not None and "default-ungated" in variants:
+    for name in [n for n in ON_REQUEST if variants is not None and n in variants]:
+        from dataclasses import replace
+
         from decoding.stopping import DraftGate
 
-        rows["default-ungated"] = ungated = ar.default_variant()
-        ungated._stop.gate = DraftGate(warmup=10 ** 9)  # the grow policy the engine is built with
+        rows[name] = open_ = ar.default_variant()
+        open_._stop.gate = DraftGate(warmup=10 ** 9)  # the grow policy the engine is built with
+        if name == "default-unpriced":
+            open_._stop.cost = replace(open_._stop.cost, policy_ms=0.0, overhead_ms=0.0)
     fill = ar.tokenizer(filler_text(), add_special_tokens=False)["input_ids"]
     todo = [(kind, r) for kind, f in BenchConfig().prompt_sets.items() for r in load_prompts(f, prompts)]
     ids = {(c, i): padded(ar, r["prompt"], c, fill) for c in contexts for i, (_, r) in enumerate(todo)}

@@ -75,6 +75,28 @@ def test_the_history_closes_the_gate_and_exploring_reopens_it():
     assert good.drafts(PAYS)
 
 
+def test_rounds_timed_dearer_than_priced_close_the_gate():
+    """The curve prices forwards timed alone; a round that pays more on the wall (the head's
+    catch-up, captures, cache moves) closes the gate where its price alone would keep it open."""
+    def chain_rounds(gate, drafted_ms, plain_ms, n=8):
+        for _ in range(n):
+            if gate.drafts(PAYS):
+                gate.record(3, 2, [2, 1], 2)  # a chain of 2, both accepted: 3 tokens
+                gate.timed(True, drafted_ms)
+            else:
+                gate.timed(False, plain_ms)
+    priced = tree_ms(PAYS, 2, [2, 1], 2)  # ~11.4 ms for 3 tokens against 10 ms for 1
+    honest, slow = DraftGate(warmup=2), DraftGate(warmup=2)
+    chain_rounds(honest, priced, PAYS.target(1))
+    chain_rounds(slow, 4 * priced, PAYS.target(1))  # 3 tokens in 45 ms: slower than plain steps
+    assert honest.drafts(PAYS) and honest.scale(True) == pytest.approx(1.0)
+    assert slow.scale(True) == pytest.approx(4.0) and not slow.drafts(PAYS)
+    once = DraftGate(warmup=2)  # one round far dearer (the head caught up on a prompt): ignored
+    chain_rounds(once, 20 * priced, PAYS.target(1), n=1)
+    chain_rounds(once, priced, PAYS.target(1), n=1)
+    assert once.scale(True) == pytest.approx(1.0) and once.drafts(PAYS)
+
+
 def _frontier(q) -> Frontier:
     return Frontier(depth=1, nodes=[-1], q=torch.tensor([q]), path_logq=[0.0], valid=[True], size=0)
 
