@@ -45,13 +45,15 @@ class Server(ServerProcess):
         super().__init__([*cmd, "--port", str(port)], port, name, timeout, **kw)
 
 
-def ask(port: int, model: str, prompt: str, max_tokens: int, cancel_after: int | None = None) -> dict:
+def ask(port: int, model: str, prompt: str, max_tokens: int, cancel_after: int | None = None,
+        extra: dict | None = None) -> dict:
     """One streamed chat request: its text, time to first token, end time; cancel_after=k closes
-    the connection after k events (a client that goes away)."""
+    the connection after k events (a client that goes away); `extra`: server-specific fields
+    (llama-server's cache_prompt: ours refuses a field it does not implement)."""
     import http.client
 
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "cache_prompt": False}
+            "temperature": 0, "stream": True, **(extra or {})}
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     t0 = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
@@ -81,7 +83,13 @@ def ask(port: int, model: str, prompt: str, max_tokens: int, cancel_after: int |
     return {"text": text, "t0": t0, "first": first, "end": time.perf_counter()}
 
 
-def drive(port: int, prompts: list[str], clients: int, max_tokens, count, cancel_every: int = 0) -> dict:
+def _extra(row: str) -> dict | None:
+    """llama-server rows: no prompt cache (every server computes every prompt)."""
+    return {"cache_prompt": False} if row.startswith("llama") else None
+
+
+def drive(port: int, prompts: list[str], clients: int, max_tokens, count, cancel_every: int = 0,
+          extra: dict | None = None) -> dict:
     """`clients` threads share `prompts` round-robin; every `cancel_every`-th request leaves early."""
     results: list[dict] = []
     lock = threading.Lock()
@@ -90,7 +98,7 @@ def drive(port: int, prompts: list[str], clients: int, max_tokens, count, cancel
         for i in range(c, len(prompts), clients):
             cancel = 2 if cancel_every and i % cancel_every == cancel_every - 1 else None
             r = ask(port, "specstop", prompts[i], max_tokens[i] if isinstance(max_tokens, list) else max_tokens,
-                    cancel)
+                    cancel, extra)
             with lock:
                 results.append(r)
 
@@ -173,12 +181,12 @@ def _serve_suite(clients, prompts, new_tokens, threads, repeats, llama_server, h
             for name, cmd in rows.items():
                 progress(f"[serve] starting {name} (repeat {rep})")
                 servers[name] = cmd() if callable(cmd) else Server(name, cmd)
-                ask(servers[name].port, "specstop", texts[0], 4)  # warm-up: kernels, caches, the cost curve
+                ask(servers[name].port, "specstop", texts[0], 4, extra=_extra(name))  # warm-up: kernels, the cost curve
             for name, srv in servers.items():
                 for n in clients if not name.startswith("llama") else [int(name.rsplit(" ", 1)[1])]:
-                    r = drive(srv.port, texts, n, new_tokens, count)
+                    r = drive(srv.port, texts, n, new_tokens, count, extra=_extra(name))
                     out["runs"].append({"row": name, "repeat": rep, **r})
-                    progress(f"[serve] {name} clients={n} rep={rep}: {r['tok_s']} tok/s, errors {len(r['errors'])}")
+                    progress(f"[serve] {name} clients={n} rep={rep}: {r['tok_s']} tok/s, errors {len(r['errors'])}" + (f" (first: {r['errors'][0]})" if r['errors'] else ""))
         finally:
             for srv in servers.values():
                 srv.close()
