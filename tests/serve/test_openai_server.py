@@ -164,13 +164,13 @@ def test_bad_input_gets_one_error_and_the_server_goes_on(server):
 def test_a_client_that_leaves_mid_stream_is_cancelled_and_nothing_leaks(server, monkeypatch):
     dec, worker, client, port = server
     before = worker.counters.requests["cancelled"]
-    # After its first round the request waits until the server has heard the client leave, so it
-    # cannot end on its own first (a sampled end of text, or its last token on a fast machine)
-    gone, rounds, step, cancel = threading.Event(), [], worker.engine.step, worker.cancel
+    # Once the client has its first event the request waits until the server has heard the client
+    # leave, so it cannot end on its own first (a sampled end of text, or its last token on a fast
+    # machine). Not before: a first token with no text of its own sends no event yet.
+    gone, read, step, cancel = threading.Event(), threading.Event(), worker.engine.step, worker.cancel
 
     def held_step():
-        rounds.append(1)
-        if len(rounds) > 1 and not gone.is_set():
+        if read.is_set() and not gone.is_set():
             gone.wait(20)
             return []  # no round: the next seam drops the cancelled request
         return step()
@@ -183,6 +183,7 @@ def test_a_client_that_leaves_mid_stream_is_cancelled_and_nothing_leaks(server, 
                  {"Content-Type": "application/json"})
     r = conn.getresponse()
     assert r.read(6) == b"data: "  # the first event arrived
+    read.set()
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     deadline = time.time() + 20
