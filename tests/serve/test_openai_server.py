@@ -164,13 +164,15 @@ def test_bad_input_gets_one_error_and_the_server_goes_on(server):
 def test_a_client_that_leaves_mid_stream_is_cancelled_and_nothing_leaks(server, monkeypatch):
     dec, worker, client, port = server
     before = worker.counters.requests["cancelled"]
-    # Once the client has its first event the request waits until the server has heard the client
-    # leave, so it cannot end on its own first (a sampled end of text, or its last token on a fast
-    # machine). Not before: a first token with no text of its own sends no event yet.
-    gone, read, step, cancel = threading.Event(), threading.Event(), worker.engine.step, worker.cancel
+    # After its first round the request waits until the server has heard the client leave, so it
+    # cannot end on its own first (a sampled end of text, or its last token on a fast machine). A
+    # first token with no text of its own sends no event: until the client has read one, a round
+    # runs every half second, so the client gets its event and leaves.
+    gone, read, rounds, step, cancel = threading.Event(), threading.Event(), [], worker.engine.step, worker.cancel
 
     def held_step():
-        if read.is_set() and not gone.is_set():
+        rounds.append(1)
+        if len(rounds) > 1 and not gone.is_set() and (read.is_set() or read.wait(0.5)):
             gone.wait(20)
             return []  # no round: the next seam drops the cancelled request
         return step()
