@@ -125,6 +125,8 @@ ROUNDS = ("host", "device")
 """Where a round runs: host (the engine's steps with Python between them, every policy) or device
 (decoding.round: one fixed-shape tensor program a round, a CUDA graph replay on CUDA)."""
 MODES = ("lossless", "longest-branch")
+HEAD_WINDOW = 256
+"""Committed positions a feature head attends back by default (StrategyOptions.head_window)."""
 
 
 @dataclass
@@ -164,6 +166,10 @@ class StrategyOptions:
     round: str = "host"
     """host or device (ROUNDS): device runs each round's fixed tree (fixed stop, a feature head,
     without replacement) as one tensor program, captured whole on CUDA (decoding.round)."""
+    head_window: int = HEAD_WINDOW
+    """A feature (EAGLE-3) head attends to the newest this many committed positions (0: all): after
+    plain rounds it catches up on these alone, and past the window it was trained on a nearer view
+    drafts better (docs/feature-head.md, "Window")."""
     lookahead: int = 1
     """device round only: rounds queued on the device ahead of the host's read of the tokens (2: the
     read's wait overlaps the next round's replay on CUDA; the next round is sized for the most the
@@ -188,6 +194,8 @@ class StrategyConfig(StrategyOptions):
         check_threshold("confidence threshold", self.confidence_threshold)
         if self.grow_cost not in ("decider", "measure"):
             raise ValueError(f"grow_cost must be decider or measure (got {self.grow_cost!r})")
+        if self.head_window < 0:
+            raise ValueError(f"head_window must be >= 0 (0: the whole context; got {self.head_window})")
         if not 1 <= self.lookahead <= 4:
             raise ValueError(f"lookahead must be in 1..4 (got {self.lookahead})")
         if self.round not in ROUNDS:
@@ -217,6 +225,8 @@ class StrategyConfig(StrategyOptions):
             n += f"+{self.stop}" + (f"({rule})" if rule else "")
         if self.mode == "longest-branch":
             n += "+longest-branch(LOSSY)"
+        if self.head_window != HEAD_WINDOW and self.strategy != "ar":
+            n += f"+window{self.head_window or 'all'}"
         return n + ("+device" if self.round == "device" else "") + (f"+ahead{self.lookahead}" if self.lookahead > 1 else "")
 
 
@@ -334,6 +344,8 @@ FLAGS: dict[str, Flag] = {
     "round": Flag("host (default): every policy, Python between a round's steps; device: the fixed tree's whole "
                   "round as one tensor program (one CUDA graph replay and one host read a round on CUDA; a "
                   "feature head, --stop fixed)", choices=ROUNDS),
+    "head_window": Flag(f"a feature head attends to the newest N committed positions (default {HEAD_WINDOW}; "
+                        "0: all)", type=int),
     "lookahead": Flag("--round device: rounds queued on the device ahead of the host's read (default 1; 2 "
                       "overlaps the read's wait with the next round on CUDA)", type=int),
     "decider_threshold": Flag("override the threshold chosen at fit time by trace replay", type=float),
@@ -341,7 +353,7 @@ FLAGS: dict[str, Flag] = {
 
 STRATEGY_FLAGS = ("strategy", "gamma", "k_config", "width", "depth", "mode", "replacement", "stop",
                   "confidence_threshold", "confidence_rule", "decider", "decider_rule", "grow_cost",
-                  "max_nodes", "round", "lookahead", "decider_threshold")
+                  "max_nodes", "head_window", "round", "lookahead", "decider_threshold")
 """One flag per StrategyOptions field and the decider's (generate and serve)."""
 
 

@@ -21,7 +21,7 @@ def build_engine(target, draft, cfg: StrategyConfig, sampling: SamplingConfig,
     lossy = cfg.mode == "longest-branch"
     if isinstance(draft, FeatureDraft):  # an EAGLE-3 head reads the target's hidden states
         proposer = FeatureProposer(draft, target, layout_from_k_config(cfg.k_levels), sampling,
-                                   replacement=cfg.replacement, roots_from_target=lossy)
+                                   replacement=cfg.replacement, roots_from_target=lossy, window=cfg.head_window)
     else:
         proposer = TreeProposer(draft, layout_from_k_config(cfg.k_levels), sampling,
                                 replacement=cfg.replacement, roots_from_target=lossy)

@@ -36,6 +36,7 @@ from decoding.drafts.feature_proposer import FeatureProposer
 from decoding.engine import Outcome
 from decoding.forward.packed import forward_kind
 from decoding.kv_cache import CachedModel
+from decoding.options import HEAD_WINDOW
 from decoding.tree_proposer import DraftTree, TreeProposer, empty_tree
 from decoding.run_stats import RunStats
 from decoding.sampling import SamplingConfig, argmax_rows, warp
@@ -103,7 +104,7 @@ class BatchEngine:
     def __init__(self, target, draft=None, layout: TreeLayout | None = None,
                  stop: Callable[[], StopPolicy] | None = None, budget: JointGrow | None = None,
                  replacement: bool = False, name: str = "batch", measured: MeasuredChoice | None = None,
-                 chunk: int | None = None):
+                 chunk: int | None = None, head_window: int = HEAD_WINDOW):
         if draft is not None and layout is None:
             raise ValueError("a draft needs a tree layout (the largest tree a request drafts)")
         kind = forward_kind(target)
@@ -124,6 +125,8 @@ class BatchEngine:
         """Rows of each recent round's verify forward (all requests together; bounded: a server
         runs rounds for ever)."""
         self._ids = itertools.count()
+        self.head_window = head_window
+        """Committed positions a feature head attends back (0: all; StrategyOptions.head_window)."""
         self.chunk = chunk
         """Prompt tokens a request feeds a round at most (None: a whole prompt in one round): a long
         prompt then goes in over several rounds beside the running requests' trees, which would
@@ -185,7 +188,8 @@ class BatchEngine:
         if draft is None:
             return
         if isinstance(draft, FeatureDraft):
-            r.proposer = FeatureProposer(draft, self.target, self.layout, r.sampling, self.replacement)
+            r.proposer = FeatureProposer(draft, self.target, self.layout, r.sampling, self.replacement,
+                                         window=self.head_window)
         else:
             r.proposer = TreeProposer(draft, self.layout, r.sampling, self.replacement)
         r.stop = r.models.stop()

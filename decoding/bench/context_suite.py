@@ -11,8 +11,8 @@ loaded target (the GGUF one by default, as the llama suite), greedy, the variant
 per prompt and repeat so drift hits all alike. Reported per context: decoding tokens per second
 after the first round (the prompt's forward left out), tokens per round, paired speedups with 95% intervals over prompts
 (decoding.bench.stats), and whether every variant's text equals `ar`'s. `--variants
-default,ar,default-ungated,default-unpriced` adds the default with its gate always open, and
-also with its host work unpriced (ON_REQUEST).
+default,ar,default-ungated,default-unpriced,default-window-all` adds the default with its gate always open,
+with its host work unpriced, and with its head attending the whole context (ON_REQUEST).
 """
 
 from __future__ import annotations
@@ -37,10 +37,12 @@ VARIANTS = {
     "mcsd-2,1": {"strategy": "mcsd", "k_config": "2,1", "stop": "fixed"},
 }
 """Rows: the default, plain decoding and the fixed shapes that ran fastest on the CPU."""
-ON_REQUEST = ("default-ungated", "default-unpriced")
+ON_REQUEST = ("default-ungated", "default-unpriced", "default-window-all")
 """Rows run only when --variants names them: the default with its gate always open (every round
 drafts), to isolate what the gate gives; and also with its host work unpriced (policy_ms and
-overhead_ms 0: the rule as it ran before they were timed), to isolate what pricing gives."""
+overhead_ms 0: the rule as it ran before they were timed), to isolate what pricing gives; the
+default with its feature head attending the whole context (head_window 0), to isolate what the
+window gives."""
 
 
 def filler_text() -> str:
@@ -82,6 +84,9 @@ def context_suite(contexts=(100, 600, 1200, 2400), prompts: int = 4, new_tokens:
 
         from decoding.stopping import DraftGate
 
+        if name == "default-window-all":
+            rows[name] = ar.default_variant(head_window=0)
+            continue
         rows[name] = open_ = ar.default_variant()
         open_._stop.gate = DraftGate(warmup=10 ** 9)  # the grow policy the engine is built with
         if name == "default-unpriced":

@@ -225,6 +225,11 @@ class DraftKV:
         if self.k is not None:
             self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
 
+    def cut_front(self, n: int) -> None:
+        """Drop the oldest n entries (a head attending a window)."""
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, n:], self.v[:, :, n:]
+
 
 class FeatureDraft(nn.Module):
     def __init__(self, config: FeatureDraftConfig, embed_weight: torch.Tensor | None = None):

@@ -28,6 +28,7 @@ from decoding.drafts.capture import capture_aux, decoder_layers
 from decoding.drafts.feature import FeatureDraft
 from decoding.drafts.head_graph import head_cache, head_step
 from decoding.models import MASKED_LOGIT
+from decoding.options import HEAD_WINDOW
 from decoding.tree_proposer import DraftTree, TreeProposer, empty_tree
 from decoding.sampling import SamplingConfig
 from decoding.tree import ANCHOR, TreeLayout
@@ -36,13 +37,18 @@ from decoding.tree import ANCHOR, TreeLayout
 class FeatureCache:
     """The head, its KV cache and the target features it has not consumed yet."""
 
-    def __init__(self, draft: FeatureDraft):
+    def __init__(self, draft: FeatureDraft, window: int | None = None):
         self.draft = draft
+        self.window = window
+        """Committed positions the head attends back (None: all): older entries are skipped at a
+        catch-up and cut from the front as the cache grows; positions stay absolute, so the
+        rotary distances to the entries kept are the true ones."""
         self.reset()
 
     def reset(self) -> None:
         self.cache = head_cache(self.draft)  # a DraftKV, or static buffers (head_graph)
-        self.length = 0  # committed entries in the cache (positions 0 .. length-1)
+        self.length = 0  # committed positions the cache has reached (entries up to position length-1)
+        self.entries = 0  # committed entries it holds: fewer than length where a window skipped or cut the oldest
         self.known = 0  # committed positions whose target features are known
         self._chunks: list[torch.Tensor] = []  # rows, as appended (the `rows` property)
         self.captured: torch.Tensor | None = None  # rows of the latest verify forward
@@ -123,7 +129,7 @@ class FeatureCache:
         anchor_h = self._anchor_hidden(n)
         hid = torch.stack([anchor_h if p == ANCHOR else self.node_h[p] for p in parents])[None]
         pos = (n - 2 + layout.depth_ids[start:end]).to(dev)[None]
-        mask = torch.cat((torch.ones(end - start, self.length, dtype=torch.bool), layout.mask[start:end, :end]), 1)
+        mask = torch.cat((torch.ones(end - start, self.entries, dtype=torch.bool), layout.mask[start:end, :end]), 1)
         return torch.tensor([list(node_tokens)], device=dev), hid, pos, mask
 
     def _nodes_fed(self, start: int, end: int, logits, h, hidden: bool):
@@ -143,10 +149,13 @@ class FeatureCache:
     def _catch_up_args(self, committed):
         """The catch-up step's (tokens, hidden, positions, mask, last), or None when nothing is
         new; last: only the newest entry's logits are read (the anchor's)."""
-        self.cache.crop(self.length)  # a cut-short round may have left tree entries behind
+        self.cache.crop(self.entries)  # a cut-short round may have left tree entries behind
         e = min(self.known, len(committed) - 1)
         if e <= self.length:
             return None
+        skip = e - self.length - self.window if self.window else 0
+        if skip > 0:  # only the newest `window` positions are built (positions stay absolute)
+            self.rows, self.length = self.rows[skip:], self.length + skip
         d, dev = self.draft, self.draft.fc.weight.device
         k = e - self.length
         toks = torch.tensor([committed[self.length + 1: e + 1]], device=dev)
@@ -157,6 +166,10 @@ class FeatureCache:
         k = h.shape[1]
         self.rows = self.rows[k:]
         self.length += k
+        self.entries += k
+        if self.window and self.entries > self.window + self.window // 2:  # cut in steps: each cut copies
+            self.cache.cut_front(self.entries - self.window)
+            self.entries = self.window
         if self.length == n - 1:
             self.anchor_out = (logits[0, -1], h[0, -1], self.draft.norm(h[0, -1]))
 
@@ -167,7 +180,7 @@ class FeatureCache:
 
     def commit(self, path, fed: int) -> None:
         """Drop every tree entry; the accepted ones come back from the target's features."""
-        self.cache.crop(self.length)
+        self.cache.crop(self.entries)
         self.path = list(path)
 
 
@@ -177,8 +190,9 @@ class FeatureProposer(TreeProposer):
     cache_for = staticmethod(lambda draft: FeatureCache(draft))
 
     def __init__(self, draft: FeatureDraft, target, layout: TreeLayout, sampling: SamplingConfig,
-                 replacement: bool = False, roots_from_target: bool = False):
+                 replacement: bool = False, roots_from_target: bool = False, window: int = HEAD_WINDOW):
         super().__init__(draft, layout, sampling, replacement, roots_from_target)
+        self.model.window = window or None  # 0: the whole context
         self.target = target
         n_layers = len(decoder_layers(target))
         if n_layers != draft.config.target_num_layers:

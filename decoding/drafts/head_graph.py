@@ -40,6 +40,14 @@ class HeadGraphs:
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    def cut_front(self, n: int) -> None:
+        """Drop the oldest n entries (a head attending a window): the rest move to the front."""
+        if self.buf_k is not None and n > 0:
+            keep = self.length - n
+            self.buf_k[:, :, :keep] = self.buf_k[:, :, n:self.length].clone()
+            self.buf_v[:, :, :keep] = self.buf_v[:, :, n:self.length].clone()
+            self.length = keep
+
     @property
     def k(self):
         return None if self.buf_k is None else self.buf_k[:, :, :self.length]

@@ -299,4 +299,4 @@ def _batch_engine(decoder, budget: str):
         return BatchEngine(s.target, None)
     m = engine_models(decoder, budget)
     return BatchEngine(s.target, m.draft, layout_from_k_config(cfg.k_levels), stop=m.stop, budget=m.budget,
-                       measured=MeasuredChoice() if budget == "joint" else None)
+                       measured=MeasuredChoice() if budget == "joint" else None, head_window=cfg.head_window)
