@@ -92,9 +92,9 @@ class ChunkSizer:
         return statistics.median(times) if times else None
 
 
-def parse_chunk(text: str, stall: float = 2.0) -> int | ChunkSizer | None:
-    """A --prefill-chunk value: `auto` (sized by time, `stall`), N > 0 tokens, or 0 (None: whole
-    prompts). ValueError in one line otherwise."""
+def parse_chunk(text: str, stall: float = 2.0, flag: str = "--prefill-chunk") -> int | ChunkSizer | None:
+    """A `flag` value: `auto` (sized by time, `stall`), N > 0 tokens, or 0 (None: whole prompts).
+    ValueError in one line otherwise."""
     if str(text).strip().lower() == "auto":
         return ChunkSizer(stall=stall)
     try:
@@ -102,5 +102,5 @@ def parse_chunk(text: str, stall: float = 2.0) -> int | ChunkSizer | None:
     except ValueError:
         n = -1
     if n < 0:
-        raise ValueError(f"--prefill-chunk must be auto or an integer >= 0 (got {text!r})")
+        raise ValueError(f"{flag} must be auto or an integer >= 0 (got {text!r})")
     return n or None
