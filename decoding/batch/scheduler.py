@@ -31,6 +31,7 @@ from decoding.batch.drafting import Drafting, draft_jointly
 from decoding.batch.forward import Segment, verify_many
 from decoding.batch.logprobs import MAX_TOP, TokenLogprob, token_logprobs
 from decoding.batch.measured import MeasuredChoice
+from decoding.batch.prefill import ChunkSizer
 from decoding.drafts.feature import FeatureDraft
 from decoding.drafts.feature_proposer import FeatureProposer
 from decoding.engine import Outcome
@@ -104,7 +105,7 @@ class BatchEngine:
     def __init__(self, target, draft=None, layout: TreeLayout | None = None,
                  stop: Callable[[], StopPolicy] | None = None, budget: JointGrow | None = None,
                  replacement: bool = False, name: str = "batch", measured: MeasuredChoice | None = None,
-                 chunk: int | None = None, head_window: int = HEAD_WINDOW):
+                 chunk: int | ChunkSizer | None = None, head_window: int = HEAD_WINDOW):
         if draft is not None and layout is None:
             raise ValueError("a draft needs a tree layout (the largest tree a request drafts)")
         kind = forward_kind(target)
@@ -128,9 +129,10 @@ class BatchEngine:
         self.head_window = head_window
         """Committed positions a feature head attends back (0: all; StrategyOptions.head_window)."""
         self.chunk = chunk
-        """Prompt tokens a request feeds a round at most (None: a whole prompt in one round): a long
-        prompt then goes in over several rounds beside the running requests' trees, which would
-        otherwise all wait for its one forward."""
+        """Prompt tokens a request feeds a round at most (None: a whole prompt in one round), or a
+        ChunkSizer deciding that each round by measured time: a long prompt then goes in over
+        several rounds beside the running requests' trees, which would otherwise all wait for its
+        one forward."""
         self._chunks: list[Segment] = []
         self.failed: list[Request] = []
         """Requests whose own part of a round raised (their `error`): they left; the caller reads and
@@ -227,7 +229,7 @@ class BatchEngine:
             self._rebuild(r)
         for r in reqs:
             try:
-                while self.chunk and len(r.committed) - r.cache.length > self.chunk:
+                while (n := self._limit(0)) and len(r.committed) - r.cache.length > n:
                     self._step([r])  # one chunk in, deciding nothing
                 finished += self._step([r])
             except Exception as e:
@@ -240,17 +242,27 @@ class BatchEngine:
         r.cache = CachedModel(self.target)
         self._bind(r)  # its own models, not the engine's current ones
 
+    def _limit(self, running: int) -> int | None:
+        """Prompt rows a request feeds this round beside `running` decoding requests (None: whole
+        prompts; 0: the filling requests sit this round out)."""
+        return self.chunk.size(running) if isinstance(self.chunk, ChunkSizer) else self.chunk or None
+
     def _step(self, reqs: list[Request]) -> list[Request]:
-        if self.chunk:  # a long prompt goes in chunks beside the others' rounds, deciding nothing yet
-            filling = [r for r in reqs if len(r.committed) - r.cache.length > self.chunk]
+        start = time.perf_counter()
+        running = sum(len(r.committed) - r.cache.length == 1 for r in reqs)  # decoding, no prompt left
+        n = self._limit(running) if running < len(reqs) else None
+        if n is not None:  # a long prompt goes in chunks beside the others' rounds, deciding nothing yet
+            filling = [r for r in reqs if len(r.committed) - r.cache.length > max(n, 1)]
             if filling:
                 reqs = [r for r in reqs if r not in filling]
-                self._fill(filling, reqs)
+                if n:
+                    self._fill(filling, reqs, n)
                 if not reqs:
                     self.rounds += 1
                     return []
         t0 = time.perf_counter()
-        steady = all(len(r.committed) - r.cache.length == 1 for r in reqs)  # no prompt in this round
+        prefill = sum(s.rows for s in self._chunks) + sum(len(r.committed) - r.cache.length - 1 for r in reqs)
+        steady = not prefill  # no prompt rows: a decoding round's time (prompt rows would inflate its mode's)
         # one request: the budget's priced gate decides, as the batch-1 engine's policy does (the
         # measured choice, timing rounds, erred to plain rounds there: reports/serve-2026-11-28/
         # joint-decider, "One request"); more: the measured choice, where there is one
@@ -277,6 +289,8 @@ class BatchEngine:
                 self.budget.timed(drafts, 1000 * (t3 - t0))
         if self.measured is not None and steady:
             self.measured.record(len(reqs), drafts, sum(len(r.out) for r in reqs) - before, 1000 * (t3 - t0))
+        if isinstance(self.chunk, ChunkSizer):
+            self.chunk.record(1000 * (t3 - start), prefill, running)
         for r in reqs:  # the shared times, split evenly, so per-request stats add up to the wall
             r.stats.wall_s += (t3 - t0) / len(reqs)
         for r in finished:
@@ -304,13 +318,13 @@ class BatchEngine:
                           [r.cache.length for r in reqs], [r.models.budget for r in reqs])
         return draft_jointly(ds, self.budget)
 
-    def _fill(self, filling: list[Request], others: list[Request]) -> None:
-        """The next `chunk` prompt tokens of each filling request, as segments of no tree that ride
+    def _fill(self, filling: list[Request], others: list[Request], n: int) -> None:
+        """The next `n` prompt tokens of each filling request, as segments of no tree that ride
         in this round's verify (or alone, when no other request runs)."""
         for r in filling:
             if r.proposer is not None:
                 r.proposer.plain()  # takes in the previous chunk's features
-            seg = Segment(r.cache, r.committed[:r.cache.length + self.chunk], TreeLayout(()), [], self._capture(r))
+            seg = Segment(r.cache, r.committed[:r.cache.length + n], TreeLayout(()), [], self._capture(r))
             seg.proposer = r.proposer
             self._chunks.append(seg)
         if not others:

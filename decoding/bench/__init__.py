@@ -30,7 +30,7 @@ The suites:
   another;
 - ties (`python -m decoding.bench.ties`): how often bf16 greedy runs reproduce `ar`;
 - prefill_stall (`python -m decoding.bench.prefill_stall`): the running streams' latency when a
-  long prompt arrives, whole or chunked.
+  long prompt arrives, whole, in fixed chunks or in chunks sized by time.
 
 Benches of what training makes live in training.bench; the packing of a GPU run for a leased
 machine is tools/gpu_pack.py, outside the package.

@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 
+from decoding.batch.prefill import parse_chunk
 from decoding.defaults import check_options
 from decoding.options import add_option, add_options, add_strategy_args
 from decoding.serve.traffic_log import KEEP, LogConfig, TrafficLog
@@ -37,11 +38,15 @@ def parser() -> argparse.ArgumentParser:
                          "joint-always: the budget every round; independent: each request sizes its own tree")
     ap.add_argument("--max-batch", type=int, default=8, help="most requests in one round")
     ap.add_argument("--max-queue", type=int, default=64, help="most requests waiting (more: 503)")
-    ap.add_argument("--prefill-chunk", type=int, default=128,
+    ap.add_argument("--prefill-chunk", default="auto",
                     help="prompt tokens a request feeds a round at most, so a long prompt goes in over several "
-                         "rounds beside the running streams instead of stalling them (0: whole prompts; 128: the "
-                         "worst gap a stream saw when a 2,000-token prompt came, 1.4 s -> 126 ms, "
-                         "reports/prefill-stall-2026-11-28)")
+                         "rounds beside the running streams instead of stalling them: auto sizes each round's "
+                         "chunk by measured time (--prefill-stall; the whole rest of the prompt, up to 512, "
+                         "when no stream runs); N: at most N tokens a round; 0: whole prompts (docs/server.md)")
+    ap.add_argument("--prefill-stall", type=float, default=2.0,
+                    help="with --prefill-chunk auto: a round carrying prompt rows aims at most this many times "
+                         "the running streams' round without (> 1; lower: smoother streams, a long prompt's "
+                         "first token later)")
     ap.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM / SIGINT: seconds the requests in flight get to finish (new ones: 503); "
                          "those still running then end with an error event")
@@ -86,7 +91,8 @@ def serve(decoder, args, log: TrafficLog | None = None) -> None:
     s = decoder.session
     eos = s.eos_token_id
     limit = getattr(s.target.config, "max_position_embeddings", None) or 1 << 20
-    worker = EngineWorker(batch_engine(decoder, args.budget, args.prefill_chunk), args.max_batch, args.max_queue)
+    chunk = parse_chunk(args.prefill_chunk, args.prefill_stall)
+    worker = EngineWorker(batch_engine(decoder, args.budget, chunk), args.max_batch, args.max_queue)
     attach_reloader(worker, decoder, args.budget, args.reload_interval)
     served = Served(args.model_name, s.tokenizer, limit - len(decoder.config.k_levels) - 1,
                     tuple([eos] if isinstance(eos, int) else eos or ()), args.default_max_tokens, log)
@@ -145,8 +151,11 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         check_options(args)
-        if args.max_batch < 1 or args.max_queue < 0 or args.drain_timeout < 0 or args.prefill_chunk < 0:
-            raise ValueError("--max-batch must be >= 1, --max-queue, --drain-timeout and --prefill-chunk >= 0")
+        if args.max_batch < 1 or args.max_queue < 0 or args.drain_timeout < 0:
+            raise ValueError("--max-batch must be >= 1, --max-queue and --drain-timeout >= 0")
+        if not 1 < args.prefill_stall < float("inf"):
+            raise ValueError(f"--prefill-stall must be a number > 1 (got {args.prefill_stall})")
+        parse_chunk(args.prefill_chunk, args.prefill_stall)
         if not args.reload_interval >= 0:
             raise ValueError(f"--reload-interval must be >= 0 (got {args.reload_interval})")
         log = traffic_log(args)

@@ -21,6 +21,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from decoding.batch.prefill import ChunkSizer
 from decoding.sampling import SamplingConfig
 
 
@@ -278,11 +279,12 @@ class EngineWorker:
         job.push(kind, value, self._outbox)
 
 
-def batch_engine(decoder, budget: str = "joint", chunk: int | None = None):
+def batch_engine(decoder, budget: str = "joint", chunk: int | ChunkSizer | None = None):
     """The BatchEngine of a loaded Decoder: its pair, its largest tree, and either one grow budget
     across requests (over q or the decider's scores, with the decider's or this machine's cost
-    curve) or each request's own copy of the decoder's stop policy; `chunk`: prompt tokens a request
-    feeds a round at most (BatchEngine.chunk)."""
+    curve) or each request's own copy of the decoder's stop policy; `chunk` (BatchEngine.chunk):
+    prompt tokens a request feeds a round at most (an int; 0 or None: whole prompts), or a
+    decoding.batch.prefill.ChunkSizer sizing each round's chunk by measured time."""
     engine = _batch_engine(decoder, budget)
     engine.chunk = chunk or None
     return engine

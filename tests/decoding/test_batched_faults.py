@@ -7,6 +7,7 @@ import pytest
 
 from decoding.batch import scheduler as S
 from decoding.batch.budget import JointGrow
+from decoding.batch.prefill import ChunkSizer
 from decoding.batch.scheduler import BatchEngine
 from decoding.forward.cost import CostCurve
 from decoding.growth import q_scores
@@ -97,12 +98,15 @@ def test_a_fault_ends_its_request_alone(pair, monkeypatch, phase, budget, sampli
             assert r.out == alone(pair, PROMPTS[i], sampling)
 
 
+@pytest.mark.parametrize("chunk", ["fixed", "auto"])
 @pytest.mark.parametrize("phase", ["verify", "commit"])
-def test_a_fault_ends_its_request_alone_when_prompts_go_in_chunks(pair, monkeypatch, phase):
+def test_a_fault_ends_its_request_alone_when_prompts_go_in_chunks(pair, monkeypatch, phase, chunk):
     """Rebuilt requests longer than a chunk (the bad one among them) refill alone before their own
-    round, so the bad one fails there instead of tripping every later round and rebuilding all."""
+    round, so the bad one fails there instead of tripping every later round and rebuilding all
+    (auto: the most a request alone takes is 3 tokens)."""
     target, draft = pair
-    engine = BatchEngine(target, draft, LAYOUT, chunk=3)
+    engine = BatchEngine(target, draft, LAYOUT, chunk=3 if chunk == "fixed" else
+                         ChunkSizer(lo=1, first=2, hi=3, probe_every=2))
     reqs = [engine.add(p, N, SamplingConfig(), seed=i) for i, p in enumerate(PROMPTS)]
     engine.bad = reqs[BAD]
     inject(monkeypatch, phase, engine)

@@ -13,6 +13,7 @@ import torch
 from decoding import acceptance
 from decoding.batch.budget import JointGrow
 from decoding.batch.measured import MeasuredChoice
+from decoding.batch.prefill import ChunkSizer
 from decoding.batch.scheduler import BatchEngine
 from decoding.forward.cost import CostCurve
 from decoding.growth import q_scores
@@ -62,7 +63,10 @@ def batched_counts(models, budget: bool, batches=BATCHES, chunk=None):
     measured = MeasuredChoice(warmup=2, explore_every=3) if budget == "measured" else None
     for b in range(batches):
         grow = JointGrow(optimistic, COST, max_width=2, max_nodes=8) if budget else None
-        eng = BatchEngine(target, draft, layout, budget=grow, measured=measured, chunk=chunk)
+        # auto: 1 or 2 prompt tokens a round by this machine's clock, and the first round beside a
+        # new count of running requests sat out
+        sized = ChunkSizer(lo=1, first=1, hi=2, probe_every=2) if chunk == "auto" else chunk
+        eng = BatchEngine(target, draft, layout, budget=grow, measured=measured, chunk=sized)
         reqs: list[tuple[int, object]] = []
         todo = [(k, j) for j in range(3) for k in range(len(KINDS))]
         while todo or eng.active:
@@ -77,10 +81,12 @@ def batched_counts(models, budget: bool, batches=BATCHES, chunk=None):
     return counts, sizes
 
 
-@pytest.mark.parametrize("budget,chunk", [(False, None), (True, None), ("measured", None), (False, 1)],
-                         ids=["independent", "joint", "joint-measured", "chunked-prompts"])
+@pytest.mark.parametrize("budget,chunk", [(False, None), (True, None), ("measured", None), (False, 1),
+                                          (False, "auto")],
+                         ids=["independent", "joint", "joint-measured", "chunked-prompts", "auto-chunked-prompts"])
 def test_each_request_follows_its_target_law(models, budget, chunk):
-    """chunked-prompts: every prompt fed one token a round beside the others' trees first."""
+    """chunked-prompts: every prompt fed one token a round beside the others' trees first; auto:
+    chunks sized by time, rounds sat out among them."""
     counts, sizes = batched_counts(models, budget, chunk=chunk)
     assert len(sizes) >= (4 if budget else 1), sizes  # the joint budget really sizes the trees
     if budget == "measured":
