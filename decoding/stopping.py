@@ -216,8 +216,9 @@ class DraftGate:
     lost to `ar` (reports/context-2026-11-28)."""
     _now: tuple = (None, 0.0)
 
-    def drafts(self, cost) -> bool:
-        """Does the next round draft, at this context's `cost`?"""
+    def drafts(self, cost, explore: bool = True) -> bool:
+        """Does the next round draft, at this context's `cost`? `explore` False: no look at the
+        losing kind this round (a round whose time is not recorded, prompt rows riding in it)."""
         if not can_pay(cost, self.max_depth):
             go = False
         elif len(self._past) < self.warmup:
@@ -228,7 +229,7 @@ class DraftGate:
             drafted = self.rate(cost) / self.scale(True)
             plain = 1.0 / (float(cost.target(1)) * self.scale(False))
             gap = min(8.0, (plain / drafted) ** 2) if drafted > 0 else 8.0
-            go = drafted > plain or self._plain >= self.explore_every * gap
+            go = drafted > plain or (explore and self._plain >= self.explore_every * gap)
         self._plain = 0 if go else self._plain + 1
         # priced until record() says what was drafted: a draft step that sized no node
         self._now = (cost, tree_ms(cost, 0, [2], 1) if go else float(cost.target(1)))

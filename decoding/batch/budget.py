@@ -114,11 +114,11 @@ class JointGrow:
             raise ValueError(f"max_nodes must be in 1..{MAX_TREE_NODES} (got {self.max_nodes})")
         self._cost = RoundCost(self.cost)
 
-    def drafts(self, context: int) -> bool:
+    def drafts(self, context: int, explore: bool = True) -> bool:
         """Does a round of one request (`context` cached tokens) draft at all? Before its first
-        draft step; False: a plain round."""
+        draft step; False: a plain round (`explore`: DraftGate.drafts)."""
         self._sized = False
-        return self.gate.drafts(self.cost.at_context(context))
+        return self.gate.drafts(self.cost.at_context(context), explore)
 
     def timed(self, drafted: bool, ms: float) -> None:
         """A steady round of one request took `ms` (decoding.stopping.DraftGate.timed)."""

@@ -33,9 +33,13 @@ class MeasuredChoice:
     timed: dict = field(default_factory=dict)
     _turn: dict = field(default_factory=dict)
 
-    def drafts(self, n: int) -> bool:
-        """Does a round of `n` requests draft?"""
+    def drafts(self, n: int, explore: bool = True) -> bool:
+        """Does a round of `n` requests draft? `explore` False: the faster kind as timed so far
+        (plain before both are), no look at the other: a round whose time is not recorded
+        (prompt rows riding in it) would pay for a look and learn nothing."""
         n = min(n, self.max_count)
+        if not explore:
+            return self._warm(n) and self._faster_drafted(n)
         self._turn[n] = self._turn.get(n, 0) + 1
         if not self._warm(n):
             m = max((m for m in self.rate if m[0] < n and self._warm(m[0])), default=None)

@@ -267,8 +267,8 @@ class BatchEngine:
         # measured choice, timing rounds, erred to plain rounds there: reports/serve-2026-11-28/
         # joint-decider, "One request"); more: the measured choice, where there is one
         gated = self.budget is not None and len(reqs) == 1
-        drafts = self.budget.drafts(len(reqs[0].committed)) if gated else \
-            self.measured is None or self.measured.drafts(len(reqs))
+        drafts = self.budget.drafts(len(reqs[0].committed), steady) if gated else \
+            self.measured is None or self.measured.drafts(len(reqs), steady)
         accepted = reqs[0].stats.accepted
         trees = self._propose(reqs) if drafts else self._plain(reqs)
         t1 = time.perf_counter()

@@ -358,37 +358,13 @@ def test_one_request_under_the_joint_budget_grows_growth_s_trees(pair):
     assert [t for t in trees if t] == solo_trees and len(set(solo_trees)) >= 3
 
 
-def test_measured_choice_drafts_while_drafting_measures_faster():
-    """decoding.batch.measured: both kinds timed first (drafted, then alternating), then the faster
-    kind at that request count, the slower once every `explore_every` x (its rate gap)^2 rounds;
-    counts apart, but a count above one where plain won starts plain."""
-    from decoding.batch.measured import MeasuredChoice
-
-    m = MeasuredChoice(warmup=2, explore_every=4)
-    seen = []
-    for _ in range(4):
-        d = m.drafts(4)
-        seen.append(d)
-        m.record(4, d, 8 if d else 4, 10.0)  # drafted: 0.8 tokens / ms, plain 0.4
-    assert seen == [True, False, True, False]
-    picks = [m.drafts(4) for _ in range(32)]
-    assert picks.count(False) == 2  # the slower every 4 x (0.8 / 0.4)^2 = 16th round
-    for _ in range(20):  # now plain rounds get faster
-        m.record(4, False, 12, 10.0)
-    assert [m.drafts(4) for _ in range(3)].count(False) >= 2
-    assert m.drafts(1) is True and (1, True) not in m.rate  # fewer requests start over
-    assert [m.drafts(6) for _ in range(8)].count(True) == 2  # more: plain, a tree every 4th to time it
-    m.record(2, True, 0, 5.0)
-    assert (2, True) not in m.timed  # an empty or zero-time round teaches nothing
-
-
 class _NeverDrafts:
     """A measured choice that always says plain, and counts what it was asked."""
 
     def __init__(self):
         self.asked = []
 
-    def drafts(self, n):
+    def drafts(self, n, explore=True):
         self.asked.append(n)
         return False
 

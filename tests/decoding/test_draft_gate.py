@@ -70,6 +70,10 @@ def test_the_history_closes_the_gate_and_exploring_reopens_it():
     far = DraftGate(warmup=1, explore_every=4)
     far.record(1, 64, [2] + [64] * 10, 640)  # far behind: looks 8x rarer, no rarer
     assert _looks(far, 70) == [33, 66]
+    quiet = DraftGate(warmup=1, explore_every=4)
+    quiet.record(1, 64, [2] + [64] * 10, 640)
+    assert not any(quiet.drafts(PAYS, explore=False) for _ in range(70))  # rounds not timed: no look
+    assert quiet.drafts(PAYS)  # the next timed round looks: the count went on
     good = DraftGate(warmup=1)
     good.record(4, 3, [2, 1, 1], 3)  # a chain of 3, all accepted: 4 tokens in ~12 ms beat 1 in 10
     assert good.drafts(PAYS)
