@@ -93,6 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--arrive", type=int, default=20, help="the round at which it arrives")
     add_option(ap, "new_tokens", default=160)
     add_option(ap, "repeats", default=2)
+    add_option(ap, "kv_dtype")
     a = ap.parse_args(argv)
     chunks = [c.strip().lower() for c in a.chunks.split(",")]
     try:
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(a.threads)
-    dec = Decoder.load()
+    dec = Decoder.load(kv_dtype=a.kv_dtype)
     s = dec.session
     rows = load_prompts("data/prompts/heldout_general.jsonl", 40)
     prompts = [s.encode(r["prompt"], chat=True) for r in rows[:a.streams]]
@@ -122,7 +123,11 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"runs": got, "median": summary, "args": vars(a)}, indent=1))
+    from decoding.forward import cpu
+
+    cpu_line = cpu.describe()
     lines = [f"# A {a.long}-token prompt arriving beside {a.streams} streams (`python -m decoding.bench.prefill_stall`)",
+             "", f"{cpu_line}, {a.threads} threads, the target's KV cache in {a.kv_dtype or 'float32'}.",
              "", "Inter-token latency of the running streams, ms (median of the repeats); per token: each gap "
              "over the tokens it delivered; auto aims at a round with prompt rows at most "
              f"{a.stall:g}x one without:", "",
