@@ -205,9 +205,19 @@ class DraftGate:
     explore_every: int = 16
     """Plain rounds in a row after which one round drafts again (times the squared rate gap,
     at most 8)."""
+    look_share: float = 0.03
+    """Most of the plain rounds' time the looks may take: a look (a drafted round after plain ones,
+    the head catching up on what it skipped first) costs its measured wall time above a plain
+    round's, so looks come at least that over (look_share x a plain round) rounds apart (a look
+    at 600 cached tokens took ~19 ms against 4 ms a plain round: every 48th cost ~8%)."""
+    max_every: int = 512
+    """Plain rounds in a row after which a look comes whatever it costs (the text changes)."""
     max_depth: int = 8
     """Deepest chain the static bound (`can_pay`) considers."""
     _past: deque = field(default_factory=deque, repr=False)
+    _ms: dict = field(default_factory=lambda: {"look": deque(maxlen=4), "plain": deque(maxlen=8)}, repr=False)
+    """Wall ms of the latest looks and plain rounds (`timed`)."""
+    _looking: bool = False
     _plain: int = 0
     _scale: dict = field(default_factory=lambda: {True: deque(maxlen=8), False: deque(maxlen=8)}, repr=False)
     """Measured / priced time of the latest drafted and plain rounds (`timed`): the curve prices
@@ -229,11 +239,21 @@ class DraftGate:
             drafted = self.rate(cost) / self.scale(True)
             plain = 1.0 / (float(cost.target(1)) * self.scale(False))
             gap = min(8.0, (plain / drafted) ** 2) if drafted > 0 else 8.0
-            go = drafted > plain or (explore and self._plain >= self.explore_every * gap)
+            look = explore and self._plain >= min(max(self.explore_every * gap, self._look_rounds()), self.max_every)
+            go = drafted > plain or look
+        self._looking = go and len(self._past) >= self.warmup and self._plain > 0
         self._plain = 0 if go else self._plain + 1
         # priced until record() says what was drafted: a draft step that sized no node
         self._now = (cost, tree_ms(cost, 0, [2], 1) if go else float(cost.target(1)))
         return go
+
+    def _look_rounds(self) -> float:
+        """Plain rounds a look's measured extra cost buys at `look_share` (0 before both are timed)."""
+        looks, plain = sorted(self._ms["look"]), sorted(self._ms["plain"])
+        if not looks or not plain:
+            return 0.0
+        base = plain[len(plain) // 2]
+        return max(looks[len(looks) // 2] - base, 0.0) / (self.look_share * base)
 
     def scale(self, drafted: bool) -> float:
         """The (lower) median measured / priced time of the latest rounds of that kind (1: none
@@ -247,6 +267,8 @@ class DraftGate:
         priced = self._now[1]
         if priced > 0 and ms > 0:
             self._scale[drafted].append(ms / priced)
+        if ms > 0 and (self._looking or not drafted):
+            self._ms["look" if drafted else "plain"].append(ms)
 
     def rate(self, cost) -> float:
         """Tokens per ms the remembered drafted rounds would run at on `cost`."""

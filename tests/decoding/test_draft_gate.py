@@ -79,6 +79,27 @@ def test_the_history_closes_the_gate_and_exploring_reopens_it():
     assert good.drafts(PAYS)
 
 
+def test_looks_are_spaced_by_what_they_were_measured_to_cost():
+    """A look (a drafted round after plain ones, catching the head up first) timed at 20 ms beside
+    4 ms plain rounds costs 16 ms: at look_share 0.05 the next comes 16 / (0.05 x 4) = 80 plain
+    rounds on, not after the rate gap's 32; max_every caps it."""
+    def run(gate, rounds):
+        looks = []
+        for i in range(1, rounds + 1):
+            go = gate.drafts(PAYS)
+            gate.timed(go, 20.0 if go else 4.0)
+            if go:
+                looks.append(i)
+        return looks
+
+    far = DraftGate(warmup=1, explore_every=4, look_share=0.05)
+    far.record(1, 64, [2] + [64] * 10, 640)  # far behind: the rate gap alone looks every 32nd
+    assert run(far, 200) == [33, 114, 195]  # the first look is not timed yet: 32, then 80 apart
+    capped = DraftGate(warmup=1, explore_every=4, look_share=0.001, max_every=50)
+    capped.record(1, 64, [2] + [64] * 10, 640)
+    assert run(capped, 120) == [33, 84]
+
+
 def test_rounds_timed_dearer_than_priced_close_the_gate():
     """The curve prices forwards timed alone; a round that pays more on the wall (the head's
     catch-up, captures, cache moves) closes the gate where its price alone would keep it open."""
