@@ -209,8 +209,8 @@ class DraftGate:
     """Most of the plain rounds' time the looks may take: a look (a drafted round after plain ones,
     the head catching up on what it skipped first) costs its measured wall time above a plain
     round's, so looks come at least that over (look_share x a plain round) rounds apart (a look
-    at 600 cached tokens took ~19 ms against 4 ms a plain round: every 48th cost ~8%; at 0.03 the
-    default ran 0.935x `ar` there, at 0.01 0.964x, a closed gate 0.98x)."""
+    at 600 cached tokens took ~19 ms against 4 ms a plain round: one every 48th, as the rate gap
+    alone spaced them, cost ~8%; reports/context-2026-11-29)."""
     max_every: int = 512
     """Plain rounds in a row after which a look comes whatever it costs (the text changes)."""
     max_depth: int = 8
@@ -254,7 +254,7 @@ class DraftGate:
     def _priced(self, cost) -> tuple:
         """(can_pay, rate, a plain step's ms, an empty drafted round's ms) on `cost`, kept while
         the curve (one a 16-token step of context) and the history stay: ~25 curve reads a round
-        took ~0.1 ms, 2.5% of a plain step at 600 cached tokens (0.016 ms kept)."""
+        cost ~2.5% of a plain step at 600 cached tokens."""
         key = (id(cost), len(self._past), self._recorded)
         if self._memo[0] != key or self._memo[1] is not cost:
             self._memo = (key, cost, can_pay(cost, self.max_depth), self.rate(cost),

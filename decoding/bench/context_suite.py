@@ -37,12 +37,13 @@ VARIANTS = {
     "mcsd-2,1": {"strategy": "mcsd", "k_config": "2,1", "stop": "fixed"},
 }
 """Rows: the default, plain decoding and the fixed shapes that ran fastest on the CPU."""
-ON_REQUEST = ("default-ungated", "default-unpriced", "default-window-all")
+ON_REQUEST = ("default-ungated", "default-unpriced", "default-window-all", "sd-g3-window-all")
 """Rows run only when --variants names them: the default with its gate always open (every round
 drafts), to isolate what the gate gives; and also with its host work unpriced (policy_ms and
 overhead_ms 0: the rule as it ran before they were timed), to isolate what pricing gives; the
-default with its feature head attending the whole context (head_window 0), to isolate what the
-window gives."""
+default, and sd g3, with its feature head attending the whole context (head_window 0), to
+isolate what the window gives (sd g3 drafts every round: its tokens a round show the head's
+acceptance)."""
 
 
 def filler_text() -> str:
@@ -84,8 +85,9 @@ def context_suite(contexts=(100, 600, 1200, 2400), prompts: int = 4, new_tokens:
 
         from decoding.stopping import DraftGate
 
-        if name == "default-window-all":
-            rows[name] = ar.default_variant(head_window=0)
+        if name.endswith("-window-all"):
+            rows[name] = ar.default_variant(head_window=0) if name.startswith("default") else \
+                ar.variant(**VARIANTS["sd-g3"], head_window=0)
             continue
         rows[name] = open_ = ar.default_variant()
         open_._stop.gate = DraftGate(warmup=10 ** 9)  # the grow policy the engine is built with
