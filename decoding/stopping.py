@@ -275,7 +275,7 @@ class DraftGate:
         """No look due within `rounds` rounds of the one just decided plain (the history and the
         curve change slowly: a gate that opens sooner finds the head without these features, and
         its first drafted round drafts nothing while they come in)."""
-        return not self._now[0] is None and self._next - self._plain > rounds
+        return self._now[0] is not None and self._next - self._plain > rounds
 
     def _look_rounds(self) -> float:
         """Plain rounds a look's measured extra cost buys at `look_share` (0 before both are timed)."""

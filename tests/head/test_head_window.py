@@ -65,10 +65,9 @@ def test_a_window_changes_what_the_head_drafts(feature_pair):
     drafted = []
     for window in (0, 2):
         eng = build_engine(target, draft, windowed(cfg, window), GREEDY)
-        trees = []
-        eng.observer = lambda tree, logits, outcome, pos: trees.append(tuple(tree.tokens))
+        drafted.append([])
+        eng.observer = lambda tree, logits, outcome, pos, seen=drafted[-1]: seen.append(tuple(tree.tokens))
         eng.generate(LONG, N)
-        drafted.append(trees)
     assert drafted[0] != drafted[1]
 
 
