@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from decoding.forward import quant
+from decoding.forward import gguf_reader, quant
 from decoding.models.named_targets import NAMED, cache_root
 from decoding.models.resolve import from_gguf, gguf_source, resolve_model_dir
 
@@ -30,7 +30,7 @@ def attach(model, target: str | os.PathLike | None) -> int:
     src = gguf_source(target)
     if src is None:  # a named target: its GGUF lives in its packages
         return quant.attach(model, named_blocks(str(target), model.config))
-    return quant.attach(model, quant.load_blocks(src, model.config, resolve_model_dir(target)))
+    return quant.attach(model, gguf_reader.load_blocks(src, model.config, resolve_model_dir(target)))
 
 
 def named_blocks(name: str, config) -> dict:
@@ -48,16 +48,16 @@ def named_blocks(name: str, config) -> dict:
         mod = importlib.import_module(module)
         mod.verify_chunks()
         with tempfile.TemporaryDirectory(dir=out.parent, prefix=".gguf-") as tmp:
-            return quant.read_gguf(mod.assemble(output_path=Path(tmp) / mod.MODEL_NAME), config)
+            return gguf_reader.read_gguf(mod.assemble(output_path=Path(tmp) / mod.MODEL_NAME), config)
 
     try:
         stamp = f"{package}=={version(package)}"
     except PackageNotFoundError:
-        stamp = quant.kept_stamp(out) or ""
+        stamp = gguf_reader.kept_stamp(out) or ""
     try:
         if not stamp.startswith(f"{package}=="):
             raise PackageNotFoundError(package)
-        return quant.kept_blocks(read, stamp, out)
+        return gguf_reader.kept_blocks(read, stamp, out)
     except (ImportError, OSError, PackageNotFoundError) as e:
         warnings.warn(f"{name}: its GGUF packages are gone ({type(e).__name__}), so it runs dequantized", stacklevel=2)
         return {}

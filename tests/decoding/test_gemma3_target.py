@@ -79,7 +79,7 @@ def test_runs_on_its_q4_k_m_blocks_losslessly(gemma):
     """`gemma3-270m` opens on its own GGUF blocks (Q5_0 / Q8_0 / Q4_K / Q6_K, decoding.forward.quant):
     every linear, kept beside the converted weights; speculation with the dense model as draft
     equals `ar` on those blocks."""
-    from decoding.forward import kquants, quant
+    from decoding.forward import gguf_reader, kquants, quant
     from decoding.models.session import Session
     from decoding.sampling import SamplingConfig
     from decoding.strategies import StrategyConfig, build_engine
@@ -87,7 +87,7 @@ def test_runs_on_its_q4_k_m_blocks_losslessly(gemma):
     if not quant.available():
         pytest.skip(f"quantized kernel: {quant.why_not()}")
     if importlib.util.find_spec(named_targets.NAMED[GEMMA3][0]) is None and \
-            not (quant.kept_stamp(models.cache_root() / GEMMA3) or "").startswith(named_targets.NAMED[GEMMA3][1]):
+            not (gguf_reader.kept_stamp(models.cache_root() / GEMMA3) or "").startswith(named_targets.NAMED[GEMMA3][1]):
         pytest.skip("gemma3-270m's GGUF packages are not installed and no blocks are kept: make gemma3")
     dense, tok = gemma
     sess = Session.open(GEMMA3, dtype="auto")
@@ -95,7 +95,7 @@ def test_runs_on_its_q4_k_m_blocks_losslessly(gemma):
     assert target.dtype == torch.float32 and quant.quantized(target) == 18 * 7 + 1
     kinds = {m._quant.kind for m in target.modules() if getattr(m, "_quant", None) is not None}
     assert kinds == {quant.KINDS["Q8_0"], kquants.KQ4, kquants.KQ6}
-    assert quant.blocks_file(models.cache_root() / GEMMA3).is_file()
+    assert gguf_reader.blocks_file(models.cache_root() / GEMMA3).is_file()
     ar = build_engine(target, None, StrategyConfig(strategy="ar"), SamplingConfig())
     for cfg in (StrategyConfig(strategy="sd", gamma=3), StrategyConfig(strategy="ti-mcsd", width=2, depth=3)):
         eng = build_engine(target, dense, cfg, SamplingConfig())
@@ -111,10 +111,10 @@ def test_kept_blocks_serve_without_the_packages(monkeypatch):
     converted weights do); with neither, the target runs dequantized after one warning."""
     from importlib import metadata
 
-    from decoding.forward import gguf, quant
+    from decoding.forward import gguf, gguf_reader
 
     cfg = models.load_model(GEMMA3).config
-    if not (quant.kept_stamp(models.cache_root() / GEMMA3) or "").startswith(named_targets.NAMED[GEMMA3][1]):
+    if not (gguf_reader.kept_stamp(models.cache_root() / GEMMA3) or "").startswith(named_targets.NAMED[GEMMA3][1]):
         pytest.skip("no blocks kept yet (the first quantized load keeps them)")
 
     def gone(name):
@@ -122,6 +122,6 @@ def test_kept_blocks_serve_without_the_packages(monkeypatch):
 
     monkeypatch.setattr(metadata, "version", gone)
     assert len(gguf.named_blocks(GEMMA3, cfg)) == 18 * 7 + 1
-    monkeypatch.setattr(quant, "kept_stamp", lambda _dir: None)
+    monkeypatch.setattr(gguf_reader, "kept_stamp", lambda _dir: None)
     with pytest.warns(UserWarning, match="runs dequantized"):
         assert gguf.named_blocks(GEMMA3, cfg) == {}

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from decoding.forward import kquants, quant
+from decoding.forward import gguf_reader, kquants, quant
 from support.kernels import require_quant
 from support.models import tiny_llama
 
-SHORT = {v: k for k, v in quant.LAYER_NAMES.items()}  # self_attn.q_proj -> attn_q
+SHORT = {v: k for k, v in gguf_reader.LAYER_NAMES.items()}  # self_attn.q_proj -> attn_q
 
 
 def llama_cpp_rows(n: int, heads: int) -> np.ndarray:
@@ -58,7 +58,7 @@ def test_relaid_blocks_are_gguf_s_dequantization_in_model_order(kind, hidden, ar
     model = tiny_llama(0, vocab=32, hidden=hidden)  # 4 query heads over 2 kv heads
     cfg = model.config
     write(model, tmp_path / "m.gguf", kind, arch)
-    blocks = quant.read_gguf(tmp_path / "m.gguf", cfg)
+    blocks = gguf_reader.read_gguf(tmp_path / "m.gguf", cfg)
     params = dict(model.named_parameters())
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
     seen = set()
@@ -72,7 +72,7 @@ def test_relaid_blocks_are_gguf_s_dequantization_in_model_order(kind, hidden, ar
         if t.name == "output.weight":
             name = "lm_head.weight"
         else:
-            name = f"model.layers.{t.name.split('.')[1]}.{quant.LAYER_NAMES[short]}.weight"
+            name = f"model.layers.{t.name.split('.')[1]}.{gguf_reader.LAYER_NAMES[short]}.weight"
         qw = blocks[name]
         want_kind = quant.KINDS[kind] if t.tensor_type.name == kind else quant.KINDS["Q8_0"]
         assert qw.kind == want_kind and (qw.n, qw.k) == ref.shape, name

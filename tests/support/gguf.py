@@ -4,7 +4,8 @@ quantized-blocks and GGUF-export tests)."""
 import numpy as np
 import torch
 
-from decoding.forward import kquants, quant
+from decoding.forward import kquants
+from decoding.forward.gguf_reader import LAYER_NAMES
 
 
 def _permute(rows, heads):  # llama.cpp's converter, on rows of blocks
@@ -16,7 +17,7 @@ def write_gguf(model, path, kind="Q4_1", arch="llama"):
     llama.cpp's quantizer does), q / k rows permuted as llama.cpp's converter does for llama only."""
     import gguf
 
-    names = {v: k for k, v in quant.LAYER_NAMES.items()}
+    names = {v: k for k, v in LAYER_NAMES.items()}
     w = gguf.GGUFWriter(str(path), arch)
     cfg = model.config
     for name, mod in model.named_modules():
