@@ -3,6 +3,8 @@ figure measured here (`python -m decoding.bench`, `--suite NAME`). Every module,
 
 The comparison (`--config configs/bench.yaml`, the default suite):
 - cli: the command, its suites' dispatch; __main__ runs it (or gpu_suite for `--suite gpu`);
+- compare: the comparison run itself (every row under every condition, the tree-size sweep, the
+  run's meta) and its report files;
 - config: the typed YAML config; runs: measuring rows (our engine, the Hugging Face peers),
   interleaved repeats, memory, agreement; stats: speedups and bootstrap intervals over prompts;
 - report, plots: results.md and the PNGs from results.json; oracle: the oracle-stop bound, read

@@ -377,7 +377,7 @@ def test_a_mismatching_row_is_not_reported_lossless(pair):
 def test_rows_with_their_own_draft_share_the_run_and_are_checked(quick, tmp_path):
     """Two drafts compared in ONE interleaved run (same target, same repeats); a row's own draft
     is checked against the target, and the run's decider refuses a row with another draft."""
-    from decoding.bench.cli import run_compare
+    from decoding.bench.compare import run_compare
     from decoding.bench.config import StrategySpec
     from decoding.bench.quick import quick_config
 
