@@ -16,7 +16,7 @@ Batch invariance (lean, decoding.forward.kernels built): the linears give a row 
 whatever the other rows while the round's TOTAL rows stay within the few-row kernels (fp32 panels:
 PANEL_ROWS = 32; bf16 AMX: 65; GGUF blocks: any count), and `row_attention` depends only on a
 row's visible keys; there a request's logits equal its batch-1 logits bit for bit
-(tests/decoding/test_batched_rounds.py checks it). Above, rows agree to rounding.
+(tests/decoding/test_batched_stacked_rows.py checks it). Above, rows agree to rounding.
 
 Models the stacked forward does not know (not a Llama-family layer, a sliding window) are fed one
 request at a time by CachedModel.feed: the same result, no shared weight read.
