@@ -1,7 +1,8 @@
 """decoding.serve through the real `openai` client on tiny models: answers equal the batch-1
 engine's, with the finish reason and token counts it implies, concurrent requests each keep their
 own answer, streaming adds up, /metrics counts known traffic exactly, and bad input, disconnects
-and cancellations get one error each while the server goes on serving."""
+and cancellations get one error each while the server goes on serving. The command itself
+(`python -m decoding.serve`, a real process): test_serve_command.py."""
 
 import http.client
 import json
@@ -12,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from support.serve import running, save_pair
+from support.serve import alone, finish_reason, running, save_pair
 
 from decoding import Decoder
 from decoding.serve.__main__ import batch_engine
@@ -42,15 +43,6 @@ def server(pair, request):
     worker.close()
 
 
-def alone(dec, prompt, n):
-    return dec.generate(prompt, n).text
-
-
-def reason(dec, result) -> str:
-    """The finish_reason a request must give: stop where the batch-1 engine ended on end of text."""
-    return "stop" if result.token_ids and result.token_ids[-1] == dec.session.eos_token_id else "length"
-
-
 def test_greedy_answers_equal_the_batch_1_engine(server):
     dec, _, client, _ = server
     reasons = []
@@ -59,8 +51,8 @@ def test_greedy_answers_equal_the_batch_1_engine(server):
         want = dec.generate(p, 8)
         assert got.choices[0].text == want.text
         assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(want.prompt_ids), len(want.token_ids))
-        assert got.choices[0].finish_reason == reason(dec, want)
-        reasons.append(reason(dec, want))
+        assert got.choices[0].finish_reason == finish_reason(dec, want)
+        reasons.append(finish_reason(dec, want))
     assert set(reasons) == {"length", "stop"}  # the prompts end both ways ("w4 w5" on end of text)
 
 
@@ -89,7 +81,7 @@ def test_metrics_count_known_traffic(server):
         return after[key] - before[key]
 
     for outcome in ("length", "stop", "cancelled", "error"):
-        want = sum(reason(dec, w) == outcome for w in wants)
+        want = sum(finish_reason(dec, w) == outcome for w in wants)
         assert moved("specstop_requests_total", outcome=outcome) == want, outcome
     assert moved("specstop_generated_tokens_total") == sum(len(w.token_ids) for w in wants)
     assert moved("specstop_prompt_tokens_total") == sum(len(w.prompt_ids) for w in wants)
@@ -121,7 +113,7 @@ def test_a_stream_adds_up_to_the_answer(server, content, finish):
                                                  stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
-    assert reason(dec, dec.generate(content, 8, chat=True)) == finish  # what the tiny target does
+    assert finish_reason(dec, dec.generate(content, 8, chat=True)) == finish  # what the tiny target does
     assert whole.choices[0].finish_reason == chunks[-1].choices[0].finish_reason == finish
 
 
@@ -195,80 +187,6 @@ def test_a_client_that_leaves_mid_stream_is_cancelled_and_nothing_leaks(server, 
     assert worker.engine.active == []  # its caches left with it
     assert client.completions.create(model="tiny", prompt="w4 w5", max_tokens=8,
                                      temperature=0).choices[0].text == alone(dec, "w4 w5", 8)
-
-
-def test_the_command_refuses_bad_options_in_one_line(tmp_path, capsys):
-    from decoding.serve.__main__ import main
-
-    assert main(["--max-batch", "0"]) == 2
-    assert main(["--strategy", "sd", "--gamma", "0"]) == 2
-    assert main(["--target", str(tmp_path / "nowhere")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and all(line.startswith("error: ") for line in err)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_the_command_serves_on_its_main_thread_and_stops_on_sigterm(pair, tmp_path):
-    """`python -m decoding.serve`: the engine's loop on the main thread, HTTP beside it; SIGTERM
-    ends both (exit 0) and hands over the traffic log's open file, whole; a port already taken is
-    one error line and exit 2."""
-    import signal
-    import subprocess
-    import sys
-    import urllib.request
-
-    t, d = pair
-    port = _free_port()
-    cmd = [sys.executable, "-m", "decoding.serve", "--target", str(t), "--draft", str(d), "--strategy", "sd",
-           "--gamma", "2", "--host", "127.0.0.1", "--model-name", "tiny",
-           "--log-prompts", str(tmp_path / "logged"), "--log-keep", "responses"]
-    proc = subprocess.Popen(cmd + ["--port", str(port)], stderr=subprocess.PIPE, text=True)
-    try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                assert proc.poll() is None, proc.stderr.read()
-                time.sleep(0.1)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        text = client.completions.create(model="tiny", prompt="w4 w5", max_tokens=6, temperature=0).choices[0].text
-        assert text == alone(Decoder.load(t, d, strategy="sd", gamma=2), "w4 w5", 6)
-        with socket.socket() as busy:  # a second server on a taken port
-            busy.bind(("127.0.0.1", 0))
-            busy.listen()
-            taken = busy.getsockname()[1]
-            other = subprocess.run(cmd + ["--port", str(taken)], capture_output=True, text=True, timeout=300)
-        assert other.returncode == 2 and other.stderr.strip().splitlines()[-1].startswith("error: could not serve")
-        want = Decoder.load(t, d, strategy="sd", gamma=2).generate("w1 w2", 40)
-        got, reasons = [], []
-
-        def stream():
-            for ch in client.completions.create(model="tiny", prompt="w1 w2", max_tokens=40, temperature=0,
-                                                stream=True):
-                got.append(ch.choices[0].text)
-                reasons.append(ch.choices[0].finish_reason)
-        reader = threading.Thread(target=stream)
-        reader.start()
-        while not got:  # in flight when the signal comes
-            time.sleep(0.005)
-        proc.send_signal(signal.SIGTERM)
-        reader.join(60)
-        assert "".join(got) == want.text and reasons[-1] == reason(Decoder.load(t, d, strategy="sd", gamma=2), want)
-        assert proc.wait(timeout=60) == 0  # drained, then a clean exit
-    finally:
-        proc.kill()
-    from training.logged import logged_files
-
-    (f,) = logged_files(tmp_path / "logged")
-    rows = {r["prompt"]: r for r in map(json.loads, f.read_text().splitlines())}
-    assert sorted(rows) == ["w1 w2", "w4 w5"] and rows["w1 w2"]["response"] == want.text
-    assert not list((tmp_path / "logged").glob(".*"))  # nothing left half-written
 
 
 # ---- the OpenAI parameters users send: honoured, or refused by name ----------------------------

@@ -1,5 +1,6 @@
-"""decoding.serve on tiny models, in process: the saved pair the server tests load, an app running
-on a free loopback port, and a server (uvicorn, its EngineWorker in a thread) over a loaded Decoder."""
+"""decoding.serve on tiny models, in process: the saved pair the server tests load, what a served
+request must answer (the batch-1 engine's text and finish reason), an app running on a free
+loopback port, and a server (uvicorn, its EngineWorker in a thread) over a loaded Decoder."""
 
 from __future__ import annotations
 
@@ -23,6 +24,16 @@ def save_pair(root):
     tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     tok.save_pretrained(t)
     return t, d
+
+
+def alone(dec, prompt, n):
+    """The batch-1 engine's text for `prompt`: what a served greedy request must answer."""
+    return dec.generate(prompt, n).text
+
+
+def finish_reason(dec, result) -> str:
+    """The finish_reason a request must give: stop where the batch-1 engine ended on end of text."""
+    return "stop" if result.token_ids and result.token_ids[-1] == dec.session.eos_token_id else "length"
 
 
 def free_port() -> int:
