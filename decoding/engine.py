@@ -41,7 +41,6 @@ class SpeculativeEngine:
         self.longest_branch = longest_branch
         self.name = name
         self.observer = None
-        self._skipped = False  # this round captured no features (a feature head skipped them)
         """Optional callable(tree, target_logits, outcome, position) after each verified round
         (trace collection); with `observer.hidden` set the draft also returns hidden states."""
         self.commit_limit: int | None = None
@@ -100,23 +99,17 @@ class SpeculativeEngine:
         return committed[n0:], stats
 
     def _verifying(self):
-        """A feature draft captures the target's hidden states during verification (not in a
-        round it skipped)."""
+        """A feature draft captures the target's hidden states during verification."""
         hook = getattr(self.proposer, "verifying", None)
-        return hook() if hook is not None and not self._skipped else nullcontext()
+        return hook() if hook is not None else nullcontext()
 
     def _propose(self, committed, gen, anchor_p, position) -> DraftTree:
-        self._drafted = self._skipped = False
+        self._drafted = False
         if self.proposer is None or (self.longest_branch and anchor_p is None):
             return empty_tree()
         self._drafted = self.stop.drafts(len(committed))
         if not self._drafted:  # a plain round: no draft step, one row
-            window = getattr(getattr(self.proposer, "model", None), "window", None)
-            quiet = window is not None and self.stop.quiet(window + 2)
-            # features the head will not read (out of its window by its next draft): none captured
-            self._skipped = quiet and hasattr(self.proposer, "skip") and self.proposer.skip(len(committed))
-            if not self._skipped:
-                self.proposer.plain()
+            self.proposer.plain()
             return empty_tree()
         hidden = self.stop.needs_hidden or getattr(self.observer, "hidden", False)
         return self.proposer.propose(committed, self.stop, gen, anchor_p, position, hidden)

@@ -14,7 +14,6 @@ itself, and every drafted node is verified, so sampling stays exact.
 from __future__ import annotations
 
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -94,12 +93,6 @@ class StopPolicy:
     def timed(self, drafted: bool, ms: float) -> None:
         """The round just run took `ms` on the wall (`drafted`: `drafts` said yes); steady rounds
         only, none feeding a prompt. A policy that prices rounds calibrates on it."""
-
-    def quiet(self, rounds: int) -> bool:
-        """After a round `drafts` said no to: will the next `rounds` rounds surely not draft either?
-        (A feature head then need not take in this round's features: they fall out of its window
-        before it reads them.)"""
-        return False
 
     def widths(self, frontier: Frontier) -> list[int] | None:
         """Children to draw under each frontier node (None: as many as the tree layout has).
@@ -226,7 +219,6 @@ class DraftGate:
     _ms: dict = field(default_factory=lambda: {"look": deque(maxlen=4), "plain": deque(maxlen=8)}, repr=False)
     """Wall ms of the latest looks and plain rounds (`timed`)."""
     _looking: bool = False
-    _next: float = math.inf
     _recorded: int = 0
     _memo: tuple = (None, None)
     _plain: int = 0
@@ -241,7 +233,6 @@ class DraftGate:
         """Does the next round draft, at this context's `cost`? `explore` False: no look at the
         losing kind this round (a round whose time is not recorded, prompt rows riding in it)."""
         pays, rate, step, tree = self._priced(cost)
-        self._next = math.inf  # plain rounds in a row before the next look (none where drafting cannot pay)
         if not pays:
             go = False
         elif len(self._past) < self.warmup:
@@ -252,8 +243,7 @@ class DraftGate:
             drafted = rate / self.scale(True)
             plain = 1.0 / (step * self.scale(False))
             gap = min(8.0, (plain / drafted) ** 2) if drafted > 0 else 8.0
-            self._next = min(max(self.explore_every * gap, self._look_rounds()), self.max_every)
-            look = explore and self._plain >= self._next
+            look = explore and self._plain >= min(max(self.explore_every * gap, self._look_rounds()), self.max_every)
             go = drafted > plain or look
         self._looking = go and len(self._past) >= self.warmup and self._plain > 0
         self._plain = 0 if go else self._plain + 1
@@ -270,12 +260,6 @@ class DraftGate:
             self._memo = (key, cost, can_pay(cost, self.max_depth), self.rate(cost),
                           float(cost.target(1)), tree_ms(cost, 0, [2], 1))
         return self._memo[2:]
-
-    def quiet(self, rounds: int) -> bool:
-        """No look due within `rounds` rounds of the one just decided plain (the history and the
-        curve change slowly: a gate that opens sooner finds the head without these features, and
-        its first drafted round drafts nothing while they come in)."""
-        return self._now[0] is not None and self._next - self._plain > rounds
 
     def _look_rounds(self) -> float:
         """Plain rounds a look's measured extra cost buys at `look_share` (0 before both are timed)."""

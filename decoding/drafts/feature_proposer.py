@@ -82,16 +82,8 @@ class FeatureCache:
         self._chunks = [] if value is None else [value]
 
     def ready(self, n: int) -> bool:
-        """Can draft below committed token n-1: entries up to position n-2 can be built (after
-        `forget`, not before the features of a round after it have come in)."""
-        return n >= 2 and self.known >= n - 1 and (self.anchor_out is not None or self.length < n - 1)
-
-    def forget(self, n: int) -> None:
-        """A round takes in no features (its verify captures none): every position below n is
-        given up, as a window skips them; entries built earlier stay."""
-        self.rows, self.captured, self.path, self.tree_size = None, None, [], 0
-        self.length = self.known = max(self.length, n)
-        self.anchor_out = None
+        """Can draft below committed token n-1: entries up to position n-2 can be built."""
+        return n >= 2 and self.known >= n - 1
 
     @torch.inference_mode()
     def feed(self, committed, layout: TreeLayout, node_tokens, start: int, end: int, hidden: bool = False):
@@ -219,15 +211,6 @@ class FeatureProposer(TreeProposer):
         the head can draft again next round."""
         self.model.ingest()
         self.model.tree_size = 0
-
-    def skip(self, n: int) -> bool:
-        """A plain round whose features the head will not read (they leave its window before it
-        next drafts): nothing is captured or taken in. False where the head attends every
-        position (it would need them)."""
-        if self.model.window is None:
-            return False
-        self.model.forget(n)
-        return True
 
     def propose(self, committed, stop, generator, anchor_p=None, position: int = 0,
                 hidden: bool = False) -> DraftTree:

@@ -11,7 +11,6 @@ from decoding.batch.scheduler import BatchEngine
 from decoding.drafts.capture import capture_aux
 from decoding.drafts.feature import DraftKV
 from decoding.sampling import SamplingConfig
-from decoding.stopping import FixedDepth
 from decoding.strategies import StrategyConfig, build_engine
 from decoding.tree import layout_from_k_config
 
@@ -94,54 +93,3 @@ def test_the_batched_engine_honours_the_window(feature_pair):
 def test_a_negative_window_is_refused():
     with pytest.raises(ValueError, match="head_window must be >= 0"):
         StrategyConfig(strategy="sd", head_window=-1)
-
-
-class _Quiet(FixedDepth):
-    """Drafts in rounds [0, 3) and [12, ...); plain and quiet (no draft soon) in between."""
-
-    def __init__(self):
-        super().__init__()
-        self.round = -1
-
-    def drafts(self, context):
-        self.round += 1
-        return not 3 <= self.round < 12
-
-    def quiet(self, rounds):
-        return self.round < 10
-
-
-def test_plain_rounds_whose_features_no_draft_reads_capture_none(feature_pair, monkeypatch):
-    """A closed gate that sees no draft within the head's window skips the rounds' features
-    (FeatureCache.forget); the head drafts again once a round's features came in, the text is
-    `ar`'s, and a head attending everything never skips."""
-    target, draft = feature_pair
-    cfg = StrategyConfig(strategy="mcsd", k_config="2,2,1", head_window=2)
-    eng = build_engine(target, draft, cfg, GREEDY, stop=_Quiet())
-    forgot = []
-    real = type(eng.proposer.model).forget
-    monkeypatch.setattr(type(eng.proposer.model), "forget", lambda self, n: (forgot.append(n), real(self, n)))
-    trees = []
-    eng.observer = lambda tree, logits, outcome, pos: trees.append(pos)
-    out, stats = eng.generate(LONG, N)
-    assert out == ar_output(target, LONG)
-    assert len(forgot) == 7  # rounds 3..9 quiet; 10 and 11 capture for round 12
-    assert stats.accepted > 0 and len(trees) > 3  # drafted after the quiet stretch too
-    whole = build_engine(target, draft, windowed(cfg, 0), GREEDY, stop=_Quiet())
-    forgot.clear()
-    assert whole.generate(LONG, N)[0] == out and not forgot
-
-
-def test_the_gate_is_quiet_only_when_no_look_is_due_within_the_rounds():
-    from decoding.forward.cost import CostCurve
-    from decoding.stopping import DraftGate
-
-    pays = CostCurve([1, 16, 64], [10.0, 10.5, 12.0], [0.5, 0.5, 0.6], overhead_ms=0.2, policy_ms=0.1)
-    gate = DraftGate(warmup=1, explore_every=4)
-    gate.record(1, 64, [2] + [64] * 10, 640)  # far behind: a look every 32nd plain round
-    assert not gate.quiet(5)  # nothing decided yet
-    assert not gate.drafts(pays)
-    assert gate.quiet(30) and not gate.quiet(31)  # 32 - 1 rounds to the look
-    for _ in range(20):
-        gate.drafts(pays)
-    assert gate.quiet(10) and not gate.quiet(11)
