@@ -25,14 +25,16 @@ def _growing_layer_class():
 
         kv_dtype: torch.dtype | None = None
         """Store keys and values in this dtype (float16 under a float32 model: set_kv_dtype)."""
+        reserve: int = 0
+        """Rows a new buffer holds at least (CachedModel.reserve)."""
 
         def update(self, key_states, value_states, *args, **kwargs):
             if self.kv_dtype is not None:
                 key_states, value_states = key_states.to(self.kv_dtype), value_states.to(self.kv_dtype)
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            self.keys, self._kb = append_kv(self.keys, getattr(self, "_kb", None), key_states)
-            self.values, self._vb = append_kv(self.values, getattr(self, "_vb", None), value_states)
+            self.keys, self._kb = append_kv(self.keys, getattr(self, "_kb", None), key_states, self.reserve)
+            self.values, self._vb = append_kv(self.values, getattr(self, "_vb", None), value_states, self.reserve)
             return self.keys, self.values
 
         _span: tuple[int, int] | None = None
@@ -92,8 +94,8 @@ def _growing_layer_class():
                 return self._kb, self._vb, span[0], span[1]
             if not self.is_initialized:
                 self.lazy_initialization(like, like)
-            self.keys, self._kb, start = _room(self.keys, getattr(self, "_kb", None), like, t)
-            self.values, self._vb, _ = _room(self.values, getattr(self, "_vb", None), like, t)
+            self.keys, self._kb, start = _room(self.keys, getattr(self, "_kb", None), like, t, self.reserve)
+            self.values, self._vb, _ = _room(self.values, getattr(self, "_vb", None), like, t, self.reserve)
             return self._kb, self._vb, start, self.keys.shape[-2] if self.keys.dim() == like.dim() else 0
 
         def grown(self, start: int, length: int):
@@ -104,10 +106,10 @@ def _growing_layer_class():
     return GrowingLayer
 
 
-def _room(view: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor, t: int):
+def _room(view: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor, t: int, reserve: int = 0):
     """(view, buffer, start): a buffer holding `view` from `start` with room for `t` more rows
-    after it along dim -2; `buf` itself where they fit, else a new one of twice the length
-    (`view` copied in, returned as a view of it)."""
+    after it along dim -2; `buf` itself where they fit, else a new one of twice the length, or of
+    `reserve` rows where that is more (`view` copied in, returned as a view of it)."""
     n = view.shape[-2] if view.dim() == new.dim() else 0
     start = None
     if buf is not None and n and view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() \
@@ -115,18 +117,18 @@ def _room(view: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor, t: in
         start = (view.storage_offset() - buf.storage_offset()) // buf.stride(-2)
     if start is None or start + n + t > buf.shape[-2]:
         old = view if n else None
-        buf = new.new_empty(*new.shape[:-2], max(64, 2 * (n + t)), new.shape[-1])
+        buf = new.new_empty(*new.shape[:-2], max(64, 2 * (n + t), reserve), new.shape[-1])
         if old is not None:
             buf[..., :n, :].copy_(old)
         view, start = buf[..., :n, :], 0
     return view, buf, start
 
 
-def append_kv(view: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor):
+def append_kv(view: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor, reserve: int = 0):
     """`view` (a slice along dim -2 of `buf`, or anything else) followed by `new`, written into
-    `buf` where it fits after the view; else into a new buffer of twice the length."""
+    `buf` where it fits after the view; else into a new buffer of twice the length (or `reserve`)."""
     t = new.shape[-2]
-    view, buf, start = _room(view, buf, new, t)
+    view, buf, start = _room(view, buf, new, t, reserve)
     n = view.shape[-2] if view.dim() == new.dim() else 0
     buf[..., start + n:start + n + t, :].copy_(new)
     return buf[..., start:start + n + t, :], buf
@@ -314,6 +316,20 @@ class CachedModel:
         self.cache = new_cache(self.model, self.plan)
         self.length = 0  # committed tokens held by the cache; tree nodes of this round follow
         self.cut = 0  # oldest tokens dropped from the sliding layers (outside every future window)
+        self.reserve(getattr(self, "reserved", 0))
+
+    def reserve(self, tokens: int) -> None:
+        """Size the cache's buffers for `tokens` entries when they are first made (a request's
+        prompt, its new tokens and a tree), instead of doubling as it grows.
+
+        Why: a doubling copies every cached key and value into fresh memory in one round; beside a
+        2,000-token prompt that round took 2-3x its neighbours, the running streams' worst
+        inter-token gaps. The memory is only reserved: pages are touched as entries are written,
+        so an unused reservation costs no resident memory. Past `tokens`, buffers double again."""
+        self.reserved = max(0, int(tokens))
+        for layer in self.cache.layers:
+            if hasattr(layer, "reserve"):
+                layer.reserve = self.reserved
 
     @torch.inference_mode()
     def feed(self, committed: Sequence[int], layout, node_tokens: Sequence[int], start: int, end: int,

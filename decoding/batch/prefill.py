@@ -22,14 +22,17 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ChunkSizer:
-    stall: float = 2.0
-    """A round carrying prompt rows aims at most this many times a round without."""
-    lo: int = 4
-    """Fewest rows a filling request feeds a round beside running requests (progress)."""
+    stall: float = 1.5
+    """A round carrying prompt rows aims at most this many times a round without. Not 2: the
+    rounds of 2 threads on a shared 2-core machine vary by ~1.3x at p99 by themselves (a fixed
+    GEMM timed 1,500 times), so a stall of 2 put the streams' p99 near 2.6x their p50."""
+    lo: int = 1
+    """Fewest rows a filling request feeds a round beside running requests (progress). One: at
+    2,000 cached tokens a row's attention alone costs ~2 ms over 30 layers, half a base round."""
     hi: int = 512
     """Most rows a round; what a request gets when no other is running."""
-    first: int = 16
-    """The chunk before a row's cost has been measured."""
+    first: int = 4
+    """The chunk before a row's cost has been measured (then at most `grow` times more a round)."""
     grow: float = 2.0
     """A chunk at most this many times the previous one beside running requests: one noisy,
     cheap-looking round cannot buy a huge chunk."""
@@ -92,7 +95,7 @@ class ChunkSizer:
         return statistics.median(times) if times else None
 
 
-def parse_chunk(text: str, stall: float = 2.0, flag: str = "--prefill-chunk") -> int | ChunkSizer | None:
+def parse_chunk(text: str, stall: float = 1.5, flag: str = "--prefill-chunk") -> int | ChunkSizer | None:
     """A `flag` value: `auto` (sized by time, `stall`), N > 0 tokens, or 0 (None: whole prompts).
     ValueError in one line otherwise."""
     if str(text).strip().lower() == "auto":

@@ -178,6 +178,7 @@ class BatchEngine:
                       next(self._ids), joined_round=self.rounds, top_logprobs=top_logprobs,
                       models=self.models, version=self.models.version)
         req.cache = CachedModel(self.target)
+        req.cache.reserve(reserve_for(self.target, len(req.prompt), max_new_tokens))
         req.gen = torch.Generator(device=self.target.device).manual_seed(seed)
         req.stats = RunStats(self.name, True)
         self._bind(req)
@@ -240,6 +241,7 @@ class BatchEngine:
 
     def _rebuild(self, r: Request) -> None:
         r.cache = CachedModel(self.target)
+        r.cache.reserve(reserve_for(self.target, len(r.prompt), r.max_new_tokens))
         self._bind(r)  # its own models, not the engine's current ones
 
     def _limit(self, running: int) -> int | None:
@@ -385,6 +387,18 @@ def _bare(e: BaseException) -> BaseException:
     makes a cycle only a full garbage collection frees (a server's memory grew ~40 MiB a fault)."""
     e.__traceback__ = e.__context__ = e.__cause__ = None
     return e
+
+
+TREE_ROWS = 80
+"""Entries a request's cache keeps room for beyond its prompt and new tokens: the tree of its last
+round (the default trees grow to 64 nodes) with its pending tokens."""
+
+
+def reserve_for(model, prompt: int, new_tokens: int) -> int:
+    """Entries to reserve in a request's cache (CachedModel.reserve): its prompt, its new tokens
+    and a tree, at most the model's context."""
+    most = getattr(model.config, "max_position_embeddings", None) or prompt + new_tokens
+    return min(prompt + new_tokens, most) + TREE_ROWS
 
 
 def _chunks_fed(chunks: list[Segment]) -> None:

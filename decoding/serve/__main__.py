@@ -43,7 +43,7 @@ def parser() -> argparse.ArgumentParser:
                          "rounds beside the running streams instead of stalling them: auto sizes each round's "
                          "chunk by measured time (--prefill-stall; the whole rest of the prompt, up to 512, "
                          "when no stream runs); N: at most N tokens a round; 0: whole prompts (docs/server.md)")
-    ap.add_argument("--prefill-stall", type=float, default=2.0,
+    ap.add_argument("--prefill-stall", type=float, default=1.5,
                     help="with --prefill-chunk auto: a round carrying prompt rows aims at most this many times "
                          "the running streams' round without (> 1; lower: smoother streams, a long prompt's "
                          "first token later)")

@@ -18,14 +18,14 @@ def timed(sizer: ChunkSizer, base_ms: float = 4.0, rounds: int = 8) -> ChunkSize
 def test_a_chunk_costs_stall_minus_one_base():
     """base 4 ms, 0.5 ms a row: a round of 2x the base carries 8 rows; 3x carries 16."""
     for stall, want in ((2.0, 8), (3.0, 16)):
-        s = timed(ChunkSizer(stall=stall))
+        s = timed(ChunkSizer(stall=stall, first=16))
         s.record(4.0 + 0.5 * 16, 16, RUNNING)
         assert s.ms_per_row == pytest.approx(0.5)
         assert s.size(RUNNING) == want
 
 
 def test_the_base_is_the_median_of_recent_rounds_without_prompt_rows():
-    s = timed(ChunkSizer())
+    s = timed(ChunkSizer(stall=2.0, first=16))
     s.record(40.0, 0, RUNNING)  # one slow round (a hiccup) moves no median
     s.record(4.0 + 0.5 * 8, 8, RUNNING)
     assert s.size(RUNNING) == 8
@@ -55,7 +55,7 @@ def test_a_request_alone_takes_the_most():
 
 
 def test_before_any_base_the_filling_requests_sit_one_round_out_then_take_the_first_chunk():
-    s = ChunkSizer(first=16, probe_every=4)
+    s = ChunkSizer(stall=2.0, first=16, probe_every=4)
     assert [s.size(RUNNING) for _ in range(6)] == [0, 16, 16, 16, 0, 16]
     s.record(4.0, 0, RUNNING)  # the round they sat out is the base
     s.record(4.0 + 0.5 * 16, 16, RUNNING)
@@ -81,6 +81,17 @@ def test_a_growing_cost_per_row_shrinks_the_chunk():
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
         ChunkSizer(**bad)
+
+
+def test_the_defaults_aim_low_and_advance_a_row_at_a_time():
+    """The shipped aim (docs/server.md, reports/prefill-stall-2026-11-29): 1.5x, one row at least,
+    4 rows before a row is timed."""
+    s = ChunkSizer()
+    assert (s.stall, s.lo, s.first) == (1.5, 1, 4) and parse_chunk("auto").stall == 1.5
+    timed(s)
+    assert s.size(RUNNING) == 4
+    s.record(4.0 + 3.0 * 4, 4, RUNNING)  # 3 ms a row: no row fits in 0.5 base, one still goes in
+    assert s.size(RUNNING) == 1
 
 
 def test_the_option_parses_auto_a_size_or_none():

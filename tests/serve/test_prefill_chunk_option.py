@@ -17,9 +17,9 @@ def chunk_of(*argv):
 
 def test_auto_is_the_default_and_takes_the_stall():
     c = chunk_of()
-    assert isinstance(c, ChunkSizer) and c.stall == 2.0
+    assert isinstance(c, ChunkSizer) and c.stall == 1.5
     assert chunk_of("--prefill-stall", "3").stall == 3.0
-    assert chunk_of("--prefill-chunk", "AUTO", "--prefill-stall", "1.5").stall == 1.5
+    assert chunk_of("--prefill-chunk", "AUTO", "--prefill-stall", "2.5").stall == 2.5
     assert chunk_of("--prefill-chunk", "64") == 64 and chunk_of("--prefill-chunk", "0") is None
 
 
