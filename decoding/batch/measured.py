@@ -14,6 +14,8 @@ before any of its nodes is drawn, from earlier rounds' timings (decoding/batch/b
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -28,9 +30,19 @@ class MeasuredChoice:
     """Weight of the newest round in each kind's running rate."""
     max_count: int = 16
     """Request counts from here on share their timings."""
+    look_share: float = 0.01
+    """Most of the plain rounds' time the looks at drafting may take where plain is faster: a look
+    costs its measured wall time above a plain round's (at 4 requests one took ~19 ms against
+    5.4 ms, the heads catching up on what they skipped first), so looks come at least that over
+    (look_share x a plain round) rounds apart; the rate gap alone spaced them every ~67th round,
+    ~4% of the time (in process, 4 clients, 2-core Zen 5; reports/serve-2026-11-29/in-process.md)."""
+    max_every: int = 512
+    """Rounds at a count after which the slower kind is tried whatever it costs (the load drifts)."""
     rate: dict = field(default_factory=dict)
     """(requests, drafted) -> tokens per ms (running mean)."""
     timed: dict = field(default_factory=dict)
+    ms: dict = field(default_factory=dict)
+    """(requests, drafted) -> wall ms of its latest rounds."""
     _turn: dict = field(default_factory=dict)
 
     def drafts(self, n: int, explore: bool = True) -> bool:
@@ -42,19 +54,29 @@ class MeasuredChoice:
             return self._warm(n) and self._faster_drafted(n)
         self._turn[n] = self._turn.get(n, 0) + 1
         if not self._warm(n):
-            m = max((m for m in self.rate if m[0] < n and self._warm(m[0])), default=None)
-            if m is None or self._faster_drafted(m[0]):  # nothing learnt below: time both kinds here
+            warm = sorted({m for m, _ in self.rate if self._warm(m)}, key=lambda m: (abs(m - n), m))
+            if not warm:  # nothing learnt yet: time both kinds here, drafted first, then alternating
                 a, b = self.timed.get((n, True), 0), self.timed.get((n, False), 0)
-                return a <= b  # drafted first, then alternate until both are timed
-            # plain won at fewer requests: a round of more gains less from its tree (the weights are
-            # read for more rows already), so plain here too until drafting is timed by exploring
-            return self._turn[n] % self.explore_every == 0
+                return a <= b
+            # the nearest timed count's winner until this one is timed too, the other kind tried
+            # every `explore_every` rounds: a count met only while the queue drains (8 requests,
+            # then 7, 6, ...) would otherwise pay a tree's first rounds, heads catching up on
+            # whole prompts, at each (33 ms against 8 ms at 8 requests)
+            return self._faster_drafted(warm[0]) != (self._turn[n] % self.explore_every == 0)
         best = self._faster_drafted(n)
+        return best != (self._turn[n] % self._every(n, best) == 0)
+
+    def _every(self, n: int, best: bool) -> int:
+        """Rounds between two tries of the slower kind at `n` requests: `explore_every`, rarer the
+        further behind it is (a drafted round at 8 requests here took 2.2x a plain one: every
+        16th cost ~7%), and where drafting is the slower, at least what keeps its looks within
+        `look_share` of the time."""
         hi, lo = sorted((self.rate[(n, True)], self.rate[(n, False)]), reverse=True)
-        # the slower kind once every `explore_every` rounds, rarer the further behind it is (a
-        # drafted round at 8 requests here took 2.2x a plain one: every 16th cost ~7%)
         every = int(self.explore_every * min(8.0, (hi / lo) ** 2)) if lo > 0 else 8 * self.explore_every
-        return best != (self._turn[n] % every == 0)
+        if not best and self.ms.get((n, True)) and self.ms.get((n, False)):
+            look, plain = statistics.median(self.ms[(n, True)]), statistics.median(self.ms[(n, False)])
+            every = max(every, int(max(look - plain, 0.0) / (self.look_share * plain)))
+        return max(1, min(every, self.max_every))
 
     def _warm(self, n: int) -> bool:
         return min(self.timed.get((n, True), 0), self.timed.get((n, False), 0)) >= self.warmup
@@ -70,3 +92,4 @@ class MeasuredChoice:
         r = tokens / ms
         self.rate[key] = r if key not in self.rate else (1 - self.alpha) * self.rate[key] + self.alpha * r
         self.timed[key] = self.timed.get(key, 0) + 1
+        self.ms.setdefault(key, deque(maxlen=4 if drafted else 8)).append(ms)

@@ -24,13 +24,19 @@ from dataclasses import dataclass, field
 class ChunkSizer:
     stall: float = 1.5
     """A round carrying prompt rows aims at most this many times a round without. Not 2: the
-    rounds of 2 threads on a shared 2-core machine vary by ~1.3x at p99 by themselves (a fixed
-    GEMM timed 1,500 times), so a stall of 2 put the streams' p99 near 2.6x their p50."""
+    same round repeated varies by ~1.4x at p99 on a shared 2-core machine by itself (the noise
+    floor in reports/prefill-stall-2026-11-29), so an aim of 2 put the streams' p99 well past 2x."""
     lo: int = 1
     """Fewest rows a filling request feeds a round beside running requests (progress). One: at
     2,000 cached tokens a row's attention alone costs ~2 ms over 30 layers, half a base round."""
     hi: int = 512
     """Most rows a round; what a request gets when no other is running."""
+    whole: int = 256
+    """A prompt of at most this many tokens goes in whole, in one round: chunking a chat turn
+    delays that request's first token by several rounds, and with clients waiting on their turns
+    that cost 9% of the tokens served at 4 clients (reports/serve-2026-11-29/in-process.md);
+    vLLM's and SGLang's step budgets (2,048+ tokens) let such prompts in whole too. The stalls
+    chunking is for are longer prompts' (a 2,000-token prompt: 1.4 s)."""
     first: int = 4
     """The chunk before a row's cost has been measured (then at most `grow` times more a round)."""
     grow: float = 2.0
@@ -55,6 +61,8 @@ class ChunkSizer:
     def __post_init__(self) -> None:
         if not 1 < self.stall < math.inf:
             raise ValueError(f"the prefill stall must be a number > 1 (got {self.stall})")
+        if self.whole < 0:
+            raise ValueError(f"the whole-prompt bound must be >= 0 (got {self.whole})")
         if not 1 <= self.lo <= self.first <= self.hi:
             raise ValueError(f"chunk bounds must be 1 <= lo <= first <= hi (got {self.lo}, {self.first}, {self.hi})")
 
@@ -95,11 +103,12 @@ class ChunkSizer:
         return statistics.median(times) if times else None
 
 
-def parse_chunk(text: str, stall: float = 1.5, flag: str = "--prefill-chunk") -> int | ChunkSizer | None:
-    """A `flag` value: `auto` (sized by time, `stall`), N > 0 tokens, or 0 (None: whole prompts).
-    ValueError in one line otherwise."""
+def parse_chunk(text: str, stall: float = 1.5, flag: str = "--prefill-chunk",
+                whole: int = 256) -> int | ChunkSizer | None:
+    """A `flag` value: `auto` (sized by time, `stall`, prompts of at most `whole` tokens whole), N > 0
+    tokens, or 0 (None: whole prompts). ValueError in one line otherwise."""
     if str(text).strip().lower() == "auto":
-        return ChunkSizer(stall=stall)
+        return ChunkSizer(stall=stall, whole=whole)
     try:
         n = int(text)
     except ValueError:

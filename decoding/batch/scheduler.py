@@ -254,7 +254,8 @@ class BatchEngine:
         running = sum(len(r.committed) - r.cache.length == 1 for r in reqs)  # decoding, no prompt left
         n = self._limit(running) if running < len(reqs) else None
         if n is not None:  # a long prompt goes in chunks beside the others' rounds, deciding nothing yet
-            filling = [r for r in reqs if len(r.committed) - r.cache.length > max(n, 1)]
+            whole = self.chunk.whole if isinstance(self.chunk, ChunkSizer) else 0
+            filling = [r for r in reqs if len(r.committed) - r.cache.length > max(n, 1) and len(r.prompt) > whole]
             if filling:
                 reqs = [r for r in reqs if r not in filling]
                 if n:

@@ -26,11 +26,11 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def run_once(decoder, chunk: str, prompts: list[list[int]], long: list[int], arrive: int, new_tokens: int,
-             stall_factor: float = 1.5) -> dict:
+             stall_factor: float = 1.5, whole: int = 256) -> dict:
     from decoding.batch.prefill import parse_chunk
     from decoding.serve.worker import batch_engine
 
-    engine = batch_engine(decoder, "joint", parse_chunk(chunk, stall_factor))  # a fresh sizer each run
+    engine = batch_engine(decoder, "joint", parse_chunk(chunk, stall_factor, whole=whole))  # a fresh sizer each run
     reqs = [engine.add(p, new_tokens) for p in prompts]
     last = {id(r): None for r in reqs}
     before, after, stall = [], [], 0.0

@@ -5,7 +5,9 @@ the server under a hostile crowd is decoding.bench.serve_load (`--suite serve-lo
 Every server is a subprocess on a loopback port, driven over HTTP by client threads, each client
 sending its share of the held-out chat prompts one after another, greedy, streamed (time to first
 token, time per token after it). Each repeat starts its own servers, all up at once, and runs every
-row in turn: a drift of the shared machine's speed hits all rows alike, and each row's spread
+row in turn, each repeat starting one row further on (the first row after start-up ran ~10% slow
+beside its own interleaved A/B, 2026-11-29): a drift of the shared machine's speed hits all rows
+alike, and each row's spread
 includes the process's own (two processes of one server ran 15-20% apart for their whole lives
 here, 2026-11-28; repeats on one process hid that):
   ours, joint        decoding.serve, one grow budget across requests (the default)
@@ -182,7 +184,10 @@ def _serve_suite(clients, prompts, new_tokens, threads, repeats, llama_server, h
                 progress(f"[serve] starting {name} (repeat {rep})")
                 servers[name] = cmd() if callable(cmd) else Server(name, cmd)
                 ask(servers[name].port, "specstop", texts[0], 4, extra=_extra(name))  # warm-up: kernels, the cost curve
-            for name, srv in servers.items():
+            names = list(servers)  # the rows in turn, each repeat starting one further on: no row
+            names = names[rep % len(names):] + names[:rep % len(names)]  # always runs first after start-up
+            for name in names:
+                srv = servers[name]
                 for n in clients if not name.startswith("llama") else [int(name.rsplit(" ", 1)[1])]:
                     r = drive(srv.port, texts, n, new_tokens, count, extra=_extra(name))
                     out["runs"].append({"row": name, "repeat": rep, **r})

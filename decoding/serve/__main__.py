@@ -47,6 +47,9 @@ def parser() -> argparse.ArgumentParser:
                     help="with --prefill-chunk auto: a round carrying prompt rows aims at most this many times "
                          "the running streams' round without (> 1; lower: smoother streams, a long prompt's "
                          "first token later)")
+    ap.add_argument("--prefill-whole", type=int, default=256,
+                    help="with --prefill-chunk auto: a prompt of at most this many tokens goes in whole, in one "
+                         "round (0: every prompt is sized by time)")
     ap.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM / SIGINT: seconds the requests in flight get to finish (new ones: 503); "
                          "those still running then end with an error event")
@@ -91,7 +94,7 @@ def serve(decoder, args, log: TrafficLog | None = None) -> None:
     s = decoder.session
     eos = s.eos_token_id
     limit = getattr(s.target.config, "max_position_embeddings", None) or 1 << 20
-    chunk = parse_chunk(args.prefill_chunk, args.prefill_stall)
+    chunk = parse_chunk(args.prefill_chunk, args.prefill_stall, whole=args.prefill_whole)
     worker = EngineWorker(batch_engine(decoder, args.budget, chunk), args.max_batch, args.max_queue)
     attach_reloader(worker, decoder, args.budget, args.reload_interval)
     served = Served(args.model_name, s.tokenizer, limit - len(decoder.config.k_levels) - 1,
@@ -155,7 +158,9 @@ def main(argv=None) -> int:
             raise ValueError("--max-batch must be >= 1, --max-queue and --drain-timeout >= 0")
         if not 1 < args.prefill_stall < float("inf"):
             raise ValueError(f"--prefill-stall must be a number > 1 (got {args.prefill_stall})")
-        parse_chunk(args.prefill_chunk, args.prefill_stall)
+        if args.prefill_whole < 0:
+            raise ValueError(f"--prefill-whole must be >= 0 (got {args.prefill_whole})")
+        parse_chunk(args.prefill_chunk, args.prefill_stall, whole=args.prefill_whole)
         if not args.reload_interval >= 0:
             raise ValueError(f"--reload-interval must be >= 0 (got {args.reload_interval})")
         log = traffic_log(args)

@@ -150,6 +150,27 @@ def test_a_prompt_is_written_once_across_sources(tmp_path, teacher):
     assert run(cfg(tmp_path, [more]), teacher)["added"]["rows"] == 1
 
 
+def test_further_answers_are_new_rows_in_their_prompts_split(tmp_path, teacher):
+    from training.draft.data import is_val
+
+    p = prompt_file(tmp_path / "p.jsonl", PROMPTS[:4])
+    one, _ = load_prompts(cfg(tmp_path, [p]))
+    convs, counts = load_prompts(cfg(tmp_path, [p], samples=3))
+    assert counts["prompts"] == 4 and counts["conversations"] == 12 and convs[:4] == one  # first answers first
+    for c in convs[4:]:
+        first = next(o for o in one if c.id.startswith(o.id + "~"))
+        assert c.messages == first.messages and c.split == first.split
+        assert is_val(c.id, 20) == is_val(first.id, 20)
+    run(cfg(tmp_path, [p]), teacher)
+    c = cfg(tmp_path, [p], samples=2)  # raised later: only the second answers are new
+    assert run(c, teacher)["added"]["rows"] == 4
+    got = rows(c)
+    texts = {i: r for (i, turn), r in got.items() if turn == 0}
+    assert len(texts) == 8 and any(texts[o.id].ids != texts[o.id + "~1"].ids for o in one)
+    with pytest.raises(ValueError, match="samples"):
+        load_prompts(cfg(tmp_path, [p], samples=0))
+
+
 def test_bad_input_is_one_error_line(tmp_path, target, teacher, capsys):
     with pytest.raises(SystemExit, match=r"^error: .*missing\.jsonl"):
         main(["--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "c")])

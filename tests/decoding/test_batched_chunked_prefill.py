@@ -48,7 +48,7 @@ class ScriptedSizer(ChunkSizer):
     rides (its cached part grows), so the chunk changes from round to round."""
 
     def __init__(self):
-        super().__init__(lo=2, first=6, hi=64, probe_every=3)
+        super().__init__(lo=2, first=6, hi=64, probe_every=3, whole=0)
         self.sizes, self.rows = [], 0
 
     def size(self, running):
@@ -97,3 +97,17 @@ def test_rounds_carrying_prompt_rows_are_not_timed_as_steady(pair, monkeypatch):
     run(engine, prompts(target.config.vocab_size), [0, 2, 3])
     assert max(rows) > 1 and seen  # chunks rode beside timed rounds
     assert set(seen) == {1}, seen
+
+
+def test_a_short_prompt_goes_in_whole_beside_running_requests(pair):
+    """auto chunks only prompts longer than `whole`: one of 70 tokens goes in one round when
+    whole is 70 and in several when it is 69; greedy outputs unchanged either way."""
+    target, draft = pair
+    ps = prompts(target.config.vocab_size)
+    ar = build_engine(target, None, StrategyConfig("ar"), SamplingConfig())
+    want = [ar.generate(p, N)[0] for p in ps]
+    for whole, rounds in ((70, 1), (69, 2)):
+        sizer = ChunkSizer(lo=2, first=6, hi=64, probe_every=3, whole=whole)
+        got, first = run(BatchEngine(target, draft, LAYOUT, chunk=sizer), ps, [0, 2, 3])
+        assert got == want
+        assert (first[1] == 1) == (rounds == 1), (whole, first)

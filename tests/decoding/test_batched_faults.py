@@ -106,7 +106,7 @@ def test_a_fault_ends_its_request_alone_when_prompts_go_in_chunks(pair, monkeypa
     (auto: the most a request alone takes is 3 tokens)."""
     target, draft = pair
     engine = BatchEngine(target, draft, LAYOUT, chunk=3 if chunk == "fixed" else
-                         ChunkSizer(lo=1, first=2, hi=3, probe_every=2))
+                         ChunkSizer(lo=1, first=2, hi=3, probe_every=2, whole=0))
     reqs = [engine.add(p, N, SamplingConfig(), seed=i) for i, p in enumerate(PROMPTS)]
     engine.bad = reqs[BAD]
     inject(monkeypatch, phase, engine)

@@ -65,7 +65,7 @@ def batched_counts(models, budget: bool, batches=BATCHES, chunk=None):
         grow = JointGrow(optimistic, COST, max_width=2, max_nodes=8) if budget else None
         # auto: 1 or 2 prompt tokens a round by this machine's clock, and the first round beside a
         # new count of running requests sat out
-        sized = ChunkSizer(lo=1, first=1, hi=2, probe_every=2) if chunk == "auto" else chunk
+        sized = ChunkSizer(lo=1, first=1, hi=2, probe_every=2, whole=0) if chunk == "auto" else chunk
         eng = BatchEngine(target, draft, layout, budget=grow, measured=measured, chunk=sized)
         reqs: list[tuple[int, object]] = []
         todo = [(k, j) for j in range(3) for k in range(len(KINDS))]

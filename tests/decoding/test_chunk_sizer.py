@@ -77,7 +77,7 @@ def test_a_growing_cost_per_row_shrinks_the_chunk():
 
 
 @pytest.mark.parametrize("bad", [dict(stall=1.0), dict(stall=float("nan")), dict(stall=float("inf")),
-                                 dict(lo=0), dict(lo=32, first=16), dict(first=1024)])
+                                 dict(lo=0), dict(lo=32, first=16), dict(first=1024), dict(whole=-1)])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
         ChunkSizer(**bad)
@@ -85,9 +85,10 @@ def test_bad_settings_are_refused(bad):
 
 def test_the_defaults_aim_low_and_advance_a_row_at_a_time():
     """The shipped aim (docs/server.md, reports/prefill-stall-2026-11-29): 1.5x, one row at least,
-    4 rows before a row is timed."""
+    4 rows before a row is timed, prompts of up to 256 tokens whole."""
     s = ChunkSizer()
-    assert (s.stall, s.lo, s.first) == (1.5, 1, 4) and parse_chunk("auto").stall == 1.5
+    assert (s.stall, s.lo, s.first, s.whole) == (1.5, 1, 4, 256) and parse_chunk("auto").stall == 1.5
+    assert parse_chunk("auto", whole=0).whole == 0
     timed(s)
     assert s.size(RUNNING) == 4
     s.record(4.0 + 3.0 * 4, 4, RUNNING)  # 3 ms a row: no row fits in 0.5 base, one still goes in

@@ -6,7 +6,8 @@ from decoding.batch.measured import MeasuredChoice
 def test_measured_choice_drafts_while_drafting_measures_faster():
     """decoding.batch.measured: both kinds timed first (drafted, then alternating), then the faster
     kind at that request count, the slower once every `explore_every` x (its rate gap)^2 rounds;
-    counts apart, but a count above one where plain won starts plain."""
+    a count not timed yet takes the nearest timed count's winner, the other kind every
+    `explore_every` rounds until it is timed."""
     m = MeasuredChoice(warmup=2, explore_every=4)
     seen = []
     for _ in range(4):
@@ -19,8 +20,10 @@ def test_measured_choice_drafts_while_drafting_measures_faster():
     for _ in range(20):  # now plain rounds get faster
         m.record(4, False, 12, 10.0)
     assert [m.drafts(4) for _ in range(3)].count(False) >= 2
-    assert m.drafts(1) is True and (1, True) not in m.rate  # fewer requests start over
-    assert [m.drafts(6) for _ in range(8)].count(True) == 2  # more: plain, a tree every 4th to time it
+    assert [m.drafts(1) for _ in range(8)].count(True) == 2  # fewer: plain as at 4, a tree every 4th
+    assert [m.drafts(6) for _ in range(8)].count(True) == 2  # more: the same
+    fresh = MeasuredChoice(warmup=1, explore_every=4)
+    assert fresh.drafts(2) is True  # nothing timed anywhere: drafted first
     m.record(2, True, 0, 5.0)
     assert (2, True) not in m.timed  # an empty or zero-time round teaches nothing
 
@@ -34,3 +37,21 @@ def test_measured_choice_does_not_explore_in_rounds_it_does_not_time():
     m.record(3, False, 4, 10.0)
     assert all(m.drafts(3, explore=False) for _ in range(40))  # drafted is faster: never the look
     assert [m.drafts(3) for _ in range(8)].count(False) == 1  # exploring: every 2 x 2^2 = 8th
+
+
+def test_looks_at_a_losing_tree_are_spaced_by_their_cost():
+    """Drafted rounds that take 10 ms more than a 5 ms plain round, at a 1% share: a look every
+    10 / 0.05 = 200th round at least, more than the rate gap alone asks (4 x 8 = 32)."""
+    m = MeasuredChoice(warmup=1, explore_every=4, look_share=0.01)
+    m.record(4, True, 4, 15.0)
+    m.record(4, False, 4, 5.0)
+    assert m._every(4, False) == 200
+    picks = [m.drafts(4) for _ in range(400)]
+    assert picks.count(True) == 2
+    m2 = MeasuredChoice(warmup=1, explore_every=4, max_every=50)
+    m2.record(4, True, 4, 15.0)
+    m2.record(4, False, 4, 5.0)
+    assert m2._every(4, False) == 50  # capped: the load drifts
+    for _ in range(10):
+        m.record(4, True, 12, 5.0)  # drafting wins now: plain looks by the rate gap only
+    assert m._faster_drafted(4) and m._every(4, True) <= 4 * 8

@@ -23,7 +23,7 @@ def decoder(tmp_path_factory):
 def test_a_run_measures_the_streams_and_the_long_prompt(decoder, chunk):
     streams = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
     long = [3 + i % 20 for i in range(40)]
-    row = run_once(decoder, chunk, streams, long, arrive=3, new_tokens=12)
+    row = run_once(decoder, chunk, streams, long, arrive=3, new_tokens=12, whole=0)
     assert row["chunk"] == chunk and math.isfinite(row["long_ttft_ms"])
     fewest = {"0": 1, "8": 40 // 8, "auto": 2}[chunk]  # auto: a first chunk of 4, then more
     assert row["long_rounds"] >= fewest and (chunk != "0" or row["long_rounds"] == 1)

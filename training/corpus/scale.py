@@ -78,6 +78,12 @@ class ScaleConfig:
     """Recorded split of each prompt (by its id's hash, as the trainers validate)."""
     heldout_percent: float = 5.0
     """Prompts never written (kept to measure a head on unseen prompts)."""
+    samples: int = 1
+    """Answers each prompt gets, each from its own generators (id "<prompt id>~k" for k >= 1, so
+    answer k of a prompt is written once, whatever was written before): EAGLE-3's recipe
+    regenerates responses, and a second sampled answer is new target-written text where new
+    prompts run out. All prompts' first answers come before any second one. Not part of the
+    corpus identity: raising it later adds answers to a corpus, it refuses nothing."""
     max_conversations: int | None = None
     """Read at most N conversations of the data (smoke runs)."""
     max_minutes: float | None = None
@@ -108,7 +114,8 @@ def prompt_key(messages) -> str:
 
 def load_prompts(cfg: ScaleConfig) -> tuple[list[Conversation], dict]:
     """Unique conversations of the data (held-out ones left out), ordered by id: the sources
-    interleave, so a run stopped early still holds all of them; plus counts."""
+    interleave, so a run stopped early still holds all of them; then their further answers
+    (`samples`), in the same order; plus counts."""
     data = load_chats(cfg.data, 0.0, 0.0, cfg.max_conversations)  # rows by our own ids below
     out: dict[str, Conversation] = {}
     dup = 0
@@ -118,9 +125,13 @@ def load_prompts(cfg: ScaleConfig) -> tuple[list[Conversation], dict]:
             dup += 1
             continue
         out[key] = replace(c, id=key, split=split_of(key, cfg.val_percent, cfg.heldout_percent))
+    if cfg.samples < 1:
+        raise ValueError(f"samples must be >= 1 (got {cfg.samples})")
     kept = [c for k, c in sorted(out.items()) if c.split != "heldout"]
-    return kept, {"conversations": len(kept), "duplicates": dup, "heldout": len(out) - len(kept),
-                  "bad_rows": dict(data.bad)}
+    prompts = len(kept)
+    kept += [replace(c, id=f"{c.id}~{k}") for k in range(1, cfg.samples) for c in kept[:prompts]]
+    return kept, {"conversations": len(kept), "prompts": prompts, "duplicates": dup,
+                  "heldout": len(out) - prompts, "bad_rows": dict(data.bad)}
 
 
 def engine_generate(engine, cfg: ScaleConfig, on_tokens: Callable[[int], None] | None = None):

@@ -52,8 +52,10 @@ def hash_bucket(prompt_id: str) -> int:
 
 
 def is_val(prompt_id: str, percent: float) -> bool:
-    """Validation rows by a hash of the prompt (training.corpus.chat_data splits by it too)."""
-    return hash_bucket(prompt_id) < percent * 100
+    """Validation rows by a hash of the prompt (training.corpus.chat_data splits by it too); a
+    further answer to a prompt ("<id>~k", training.corpus.scale `samples`) goes where its prompt
+    goes, so no prompt trains in one answer and validates in another."""
+    return hash_bucket(prompt_id.split("~", 1)[0]) < percent * 100
 
 
 def collate(rows: list[Row], pad_id: int = 0, max_prompt_tokens: int = 256) -> dict:
