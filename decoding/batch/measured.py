@@ -38,6 +38,9 @@ class MeasuredChoice:
     ~4% of the time (in process, 4 clients, 2-core Zen 5; reports/serve-2026-11-29/in-process.md)."""
     max_every: int = 512
     """Rounds at a count after which the slower kind is tried whatever it costs (the load drifts)."""
+    decisive: float = 1.5
+    """A timed count's winner leading by this rate ratio speaks for the counts not timed yet: they
+    try the other kind as rarely as that count does (a tree lost 2.8x at 8 requests here)."""
     rate: dict = field(default_factory=dict)
     """(requests, drafted) -> tokens per ms (running mean)."""
     timed: dict = field(default_factory=dict)
@@ -59,10 +62,15 @@ class MeasuredChoice:
                 a, b = self.timed.get((n, True), 0), self.timed.get((n, False), 0)
                 return a <= b
             # the nearest timed count's winner until this one is timed too, the other kind tried
-            # every `explore_every` rounds: a count met only while the queue drains (8 requests,
-            # then 7, 6, ...) would otherwise pay a tree's first rounds, heads catching up on
-            # whole prompts, at each (33 ms against 8 ms at 8 requests)
-            return self._faster_drafted(warm[0]) != (self._turn[n] % self.explore_every == 0)
+            # every `explore_every` rounds, or as rarely as there where the winner leads by
+            # `decisive` or more: a count met only while the queue drains (8 requests, then 7,
+            # 6, ...), or a fresh server's each count, would otherwise pay a tree's first rounds,
+            # heads catching up on whole prompts, at each (33 ms against 8 ms at 8 requests)
+            m = warm[0]
+            best = self._faster_drafted(m)
+            hi, lo = sorted((self.rate[(m, True)], self.rate[(m, False)]), reverse=True)
+            every = self._every(m, best) if lo > 0 and hi / lo >= self.decisive else self.explore_every
+            return best != (self._turn[n] % every == 0)
         best = self._faster_drafted(n)
         return best != (self._turn[n] % self._every(n, best) == 0)
 

@@ -55,3 +55,18 @@ def test_looks_at_a_losing_tree_are_spaced_by_their_cost():
     for _ in range(10):
         m.record(4, True, 12, 5.0)  # drafting wins now: plain looks by the rate gap only
     assert m._faster_drafted(4) and m._every(4, True) <= 4 * 8
+
+
+def test_a_decisive_neighbour_spaces_the_looks_at_untimed_counts():
+    """Count 8 timed with plain 3x ahead (15 ms drafted rounds against 5 ms plain ones): counts 7
+    and 6, never timed, take plain and look at a tree as rarely as count 8 does (every 200th
+    round), not every `explore_every`; a close call there leaves them every `explore_every`."""
+    m = MeasuredChoice(warmup=1, explore_every=4, look_share=0.01)
+    m.record(8, True, 4, 15.0)
+    m.record(8, False, 4, 5.0)
+    for n in (7, 6):
+        assert [m.drafts(n) for _ in range(400)].count(True) == 2
+    close = MeasuredChoice(warmup=1, explore_every=4)
+    close.record(8, True, 4, 6.0)
+    close.record(8, False, 4, 5.0)
+    assert [close.drafts(7) for _ in range(16)].count(True) == 4

@@ -16,7 +16,7 @@ import pytest
 from support.serve import alone, finish_reason, running, save_pair
 
 from decoding import Decoder
-from decoding.serve.__main__ import batch_engine
+from decoding.serve.worker import batch_engine
 from decoding.serve.app import Served, create_app
 from decoding.serve.worker import EngineWorker
 
