@@ -109,7 +109,7 @@ class SpeculativeEngine:
             return empty_tree()
         self._drafted = self.stop.drafts(len(committed))
         if not self._drafted:  # a plain round: no draft step, one row
-            self.proposer.plain()
+            self.proposer.plain(self.stop.lookahead(), len(committed))
             return empty_tree()
         hidden = self.stop.needs_hidden or getattr(self.observer, "hidden", False)
         return self.proposer.propose(committed, self.stop, gen, anchor_p, position, hidden)

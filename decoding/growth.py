@@ -176,6 +176,9 @@ class GrowPolicy(StopPolicy):
     def timed(self, drafted: bool, ms: float) -> None:
         self.gate.timed(drafted, ms)
 
+    def lookahead(self) -> int:
+        return self.gate.lookahead()
+
     def update(self, drafted_depth: int, accepted_depth: int) -> None:
         """A round was verified: a drafted one (its first level sized) goes to the gate's history
         with the tokens it committed and the shape it paid for."""

@@ -94,6 +94,11 @@ class StopPolicy:
         """The round just run took `ms` on the wall (`drafted`: `drafts` said yes); steady rounds
         only, none feeding a prompt. A policy that prices rounds calibrates on it."""
 
+    def lookahead(self) -> int:
+        """After `drafts` said no: plain rounds that will follow this one before a round may draft
+        again (0: the next may). A feature head skips the target's features that far ahead."""
+        return 0
+
     def widths(self, frontier: Frontier) -> list[int] | None:
         """Children to draw under each frontier node (None: as many as the tree layout has).
         Must depend only on what was drawn so far, never on the children it counts."""
@@ -228,13 +233,15 @@ class DraftGate:
     more at long contexts), and a gate on prices alone drafted at 600 cached tokens where drafting
     lost to `ar` (reports/context-2026-11-28)."""
     _now: tuple = (None, 0.0)
+    _ahead: int = 0
 
     def drafts(self, cost, explore: bool = True) -> bool:
         """Does the next round draft, at this context's `cost`? `explore` False: no look at the
         losing kind this round (a round whose time is not recorded, prompt rows riding in it)."""
         pays, rate, step, tree = self._priced(cost)
+        self._ahead = 0
         if not pays:
-            go = False
+            go, self._ahead = False, self.max_every  # until the context changes: a new request re-decides
         elif len(self._past) < self.warmup:
             go = True
         else:
@@ -243,13 +250,21 @@ class DraftGate:
             drafted = rate / self.scale(True)
             plain = 1.0 / (step * self.scale(False))
             gap = min(8.0, (plain / drafted) ** 2) if drafted > 0 else 8.0
-            look = explore and self._plain >= min(max(self.explore_every * gap, self._look_rounds()), self.max_every)
+            due = min(max(self.explore_every * gap, self._look_rounds()), self.max_every)
+            look = explore and self._plain >= due
             go = drafted > plain or look
+            # a rate that beats plain may open the gate sooner (the curve moves with the context):
+            # then the head drafts from what it has
+            self._ahead = 0 if go else int(due - self._plain - 1)
         self._looking = go and len(self._past) >= self.warmup and self._plain > 0
         self._plain = 0 if go else self._plain + 1
         # priced until record() says what was drafted: a draft step that sized no node
         self._now = (cost, tree if go else step)
         return go
+
+    def lookahead(self) -> int:
+        """Plain rounds certain to follow the one `drafts` just skipped, before the next look."""
+        return max(self._ahead, 0)
 
     def _priced(self, cost) -> tuple:
         """(can_pay, rate, a plain step's ms, an empty drafted round's ms) on `cost`, kept while

@@ -71,9 +71,10 @@ class TreeProposer:
     def reset(self) -> None:
         self.model.reset()
 
-    def plain(self) -> None:
-        """A round without a tree (one row: the pending token). A draft model's cache catches up
-        at the next propose; a feature head overrides this to take in the target's features."""
+    def plain(self, ahead: int = 0, committed: int | None = None) -> None:
+        """A round without a tree (one row: the pending token; `ahead` plain rounds sure to
+        follow, at `committed` tokens). A draft model's cache catches up at the next propose; a
+        feature head overrides this to take in the target's features."""
 
     def propose(self, committed, stop: StopPolicy, generator, anchor_p=None, position: int = 0,
                 hidden: bool = False) -> DraftTree:

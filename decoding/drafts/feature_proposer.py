@@ -33,6 +33,11 @@ from decoding.tree_proposer import DraftTree, TreeProposer, empty_tree
 from decoding.sampling import SamplingConfig
 from decoding.tree import ANCHOR, TreeLayout
 
+FEATURE_LEAD = 64
+"""Plain rounds before a possible draft from which a feature head takes in the target's features
+again: enough entries to draft near its full-window acceptance (a window of 64 where it was
+trained on 256), so a look after many skipped rounds measures drafting as it would run."""
+
 
 class FeatureCache:
     """The head, its KV cache and the target features it has not consumed yet."""
@@ -82,8 +87,18 @@ class FeatureCache:
         self._chunks = [] if value is None else [value]
 
     def ready(self, n: int) -> bool:
-        """Can draft below committed token n-1: entries up to position n-2 can be built."""
-        return n >= 2 and self.known >= n - 1
+        """Can draft below committed token n-1: entries up to position n-2 can be built (and,
+        after a gap, at least one has been)."""
+        return n >= 2 and self.known >= n - 1 and (self.anchor_out is not None or self.known > self.length)
+
+    def gap(self, n: int) -> None:
+        """The round verifying committed token n-1 captures no features: the head starts over
+        from the next captured position (its entries before the gap are dropped, positions stay
+        absolute; as a window's cut, attending back past a gap is not what it was trained on)."""
+        self.captured, self.path = None, []
+        self.cache.crop(0)
+        self.known = self.length = n
+        self.entries, self.rows, self.anchor_out, self.node_h = 0, None, None, {}
 
     @torch.inference_mode()
     def feed(self, committed, layout: TreeLayout, node_tokens, start: int, end: int, hidden: bool = False):
@@ -194,6 +209,7 @@ class FeatureProposer(TreeProposer):
         super().__init__(draft, layout, sampling, replacement, roots_from_target)
         self.model.window = window or None  # 0: the whole context
         self.target = target
+        self._capture = True
         n_layers = len(decoder_layers(target))
         if n_layers != draft.config.target_num_layers:
             raise ValueError(f"feature draft expects a {draft.config.target_num_layers}-layer target, "
@@ -201,19 +217,30 @@ class FeatureProposer(TreeProposer):
 
     @contextmanager
     def verifying(self):
-        """Wrap the engine's verify forward: capture the target's states for the next round."""
+        """Wrap the engine's verify forward: capture the target's states for the next round
+        (unless `plain` said they will not be read)."""
+        if not self._capture:
+            yield
+            return
         with capture_aux(self.target, self.model.draft.config.aux_layers) as cap:
             yield
         self.model.captured = cap.aux()[0]
 
-    def plain(self) -> None:
+    def plain(self, ahead: int = 0, committed: int | None = None) -> None:
         """No tree this round: still take in the target's features of what was committed, so
-        the head can draft again next round."""
-        self.model.ingest()
+        the head can draft again next round. `ahead`: plain rounds sure to follow this one; past
+        FEATURE_LEAD of them, with `committed` (the committed length), this round's features are
+        not captured at all (a gap: the hooks and the head's catch-up cost a plain round ~3%)."""
+        self._capture = ahead < FEATURE_LEAD or committed is None
+        if self._capture:
+            self.model.ingest()
+        else:
+            self.model.gap(committed)
         self.model.tree_size = 0
 
     def propose(self, committed, stop, generator, anchor_p=None, position: int = 0,
                 hidden: bool = False) -> DraftTree:
+        self._capture = True
         self.model.ingest()
         if not self.model.ready(len(committed)):
             tree = empty_tree()

@@ -190,3 +190,62 @@ def test_batched_greedy_equals_ar_with_plain_and_drafted_rounds(pair, mode, requ
         stats.append(r.stats)
     ok, sizes = _mixed(stats)
     assert ok and sum(s.accepted for s in stats) > 0, sizes
+
+
+def test_the_gate_says_how_many_plain_rounds_come_before_its_look():
+    """After each skipped round, lookahead() is at most the plain rounds before the next look
+    (exactly that, give or take the round a fractional spacing rounds up), and 0 while drafting."""
+    gate = DraftGate(warmup=1, explore_every=4)
+    gate.record(1, 64, [2] + [64] * 10, 640)  # far behind: a look every 33rd round
+    went, ahead = [], []
+    for _ in range(70):
+        went.append(gate.drafts(PAYS))
+        ahead.append(gate.lookahead())
+    looks = [i for i, go in enumerate(went) if go]
+    assert looks == [32, 65]
+    for i, a in enumerate(ahead[:66]):
+        nxt = next(j for j in looks if j >= i)
+        assert a == (0 if i == nxt else nxt - i - 1)
+    assert DraftGate().lookahead() == 0
+    never = DraftGate()
+    never.drafts(NEVER)
+    assert never.lookahead() == never.max_every  # a curve that cannot pay: until the context moves
+
+
+class _EveryNth(GrowPolicy):
+    """Drafts every `period`-th round and says so ahead (lookahead), as a closed gate does."""
+
+    def __init__(self, period, *a, **kw):
+        super().__init__(*a, **kw)
+        self.period, self.i = period, -1
+
+    def drafts(self, context):
+        self.i += 1
+        self._round = {}
+        return self.i % self.period == self.period - 1
+
+    def lookahead(self):
+        return self.period - 2 - self.i % self.period
+
+
+def test_a_feature_head_skips_features_far_from_a_draft_and_drafts_again(feature_pair, monkeypatch):
+    """Plain rounds far from the next draft capture no target features (a gap); the FEATURE_LEAD
+    rounds before it do, the head drafts from them (accepted nodes), and the text stays ar's."""
+    from decoding.drafts import feature_proposer as fp
+
+    target, draft = feature_pair
+    monkeypatch.setattr(fp, "FEATURE_LEAD", 2)
+    captures = []
+    real = fp.capture_aux
+    monkeypatch.setattr(fp, "capture_aux", lambda *a: captures.append(1) or real(*a))
+    cfg = StrategyConfig(strategy="ti-mcsd", width=3, depth=4, stop="confidence", confidence_rule="grow",
+                         max_nodes=12)
+    accepted, rounds = 0, 0
+    for prompt in PROMPTS:
+        pol = _EveryNth(6, q_scores, PAYS, max_width=3, max_nodes=12)
+        eng = build_engine(target, draft, cfg, SamplingConfig(), stop=pol)
+        got, st = eng.generate(prompt, 60)
+        assert got == ar_output(target, prompt, 60)
+        accepted, rounds = accepted + st.accepted, rounds + st.rounds
+    # of every 6 rounds: 3 gaps, 2 captured plain rounds and the drafted one
+    assert accepted > 0 and len(captures) < 0.6 * rounds, (accepted, len(captures), rounds)
