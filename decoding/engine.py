@@ -87,7 +87,8 @@ class SpeculativeEngine:
             committed += new
             stats.add_round(tree, out.path, len(new), t1 - t0, t2 - t1, time.perf_counter() - t2)
             if self.proposer is not None and stats.rounds > 1:  # a steady round (the first fed the prompt)
-                self.stop.timed(self._drafted, 1000 * (time.perf_counter() - t0))
+                self.stop.timed(self._drafted, 1000 * (time.perf_counter() - t0),
+                                self.proposer.behind_ms if self._drafted else 0.0)
             if on_tokens and new:
                 on_tokens(new)
             if hit is not None:

@@ -173,8 +173,8 @@ class GrowPolicy(StopPolicy):
         self._round = {}
         return self.gate.drafts(self.cost.at_context(context))
 
-    def timed(self, drafted: bool, ms: float) -> None:
-        self.gate.timed(drafted, ms)
+    def timed(self, drafted: bool, ms: float, behind_ms: float = 0.0) -> None:
+        self.gate.timed(drafted, ms, behind_ms)
 
     def lookahead(self) -> int:
         return self.gate.lookahead()

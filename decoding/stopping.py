@@ -90,9 +90,10 @@ class StopPolicy:
         step; False: a plain round (decoding.stopping). Must read only earlier rounds."""
         return True
 
-    def timed(self, drafted: bool, ms: float) -> None:
-        """The round just run took `ms` on the wall (`drafted`: `drafts` said yes); steady rounds
-        only, none feeding a prompt. A policy that prices rounds calibrates on it."""
+    def timed(self, drafted: bool, ms: float, behind_ms: float = 0.0) -> None:
+        """The round just run took `ms` on the wall (`drafted`: `drafts` said yes), `behind_ms` of
+        it catching the draft up on skipped rounds (TreeProposer.behind_ms); steady rounds only,
+        none feeding a prompt. A policy that prices rounds calibrates on it."""
 
     def lookahead(self) -> int:
         """After `drafts` said no: plain rounds that will follow this one before a round may draft
@@ -290,12 +291,15 @@ class DraftGate:
         seen = sorted(self._scale[drafted])
         return seen[(len(seen) - 1) // 2] if seen else 1.0
 
-    def timed(self, drafted: bool, ms: float) -> None:
-        """The round just run (drafted: the gate let it draft) took `ms` on the wall; a round
-        feeding a prompt is not one to time (its caller leaves it out)."""
+    def timed(self, drafted: bool, ms: float, behind_ms: float = 0.0) -> None:
+        """The round just run (drafted: the gate let it draft) took `ms` on the wall, `behind_ms`
+        of it catching the draft up on the rounds it skipped; a round feeding a prompt is not one
+        to time (its caller leaves it out). A look costs all of it; what drafting costs a round,
+        once the gate is open, leaves the catch-up out (a look at 600 cached tokens after 64
+        skipped rounds spent most of its draft time on it)."""
         priced = self._now[1]
         if priced > 0 and ms > 0:
-            self._scale[drafted].append(ms / priced)
+            self._scale[drafted].append(max(ms - behind_ms, 0.0) / priced)
         if ms > 0 and (self._looking or not drafted):
             self._ms["look" if drafted else "plain"].append(ms)
 

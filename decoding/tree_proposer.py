@@ -52,6 +52,11 @@ class TreeProposer:
     is a sub-tree of `layout`, renumbered densely in breadth-first order.
     """
 
+    behind_ms = 0.0
+    """Wall ms the latest propose spent catching the draft up on rounds it did not draft (a
+    feature head's entries beyond one): a run that drafts every round does not pay it, so a
+    stop policy's timing of drafted rounds leaves it out (decoding.stopping.DraftGate.timed)."""
+
     def __init__(self, draft, layout: TreeLayout, sampling: SamplingConfig,
                  replacement: bool = False, roots_from_target: bool = False):
         self.model = self.cache_for(draft)
@@ -80,8 +85,7 @@ class TreeProposer:
                 hidden: bool = False) -> DraftTree:
         tree = DraftTree(TreeLayout(()), [], [])
         grow = Growth()
-        self.context = self.context.sync(committed)
-        self.snapshot = Snapshot(self.context, len(committed))
+        self.snapshot = Snapshot(self, committed, len(committed))
         frontier = [ANCHOR]  # nodes whose children are drafted next
         if self.roots_from_target:
             self.fill_level(tree, grow, {ANCHOR: anchor_p}, generator)

@@ -120,9 +120,12 @@ class JointGrow:
         self._sized = False
         return self.gate.drafts(self.cost.at_context(context), explore)
 
-    def timed(self, drafted: bool, ms: float) -> None:
+    def timed(self, drafted: bool, ms: float, behind_ms: float = 0.0) -> None:
         """A steady round of one request took `ms` (decoding.stopping.DraftGate.timed)."""
-        self.gate.timed(drafted, ms)
+        self.gate.timed(drafted, ms, behind_ms)
+
+    def lookahead(self) -> int:
+        return self.gate.lookahead()
 
     def record(self, accepted: int) -> None:
         """A round of one request was verified: a drafted one (a level sized) goes to the gate's

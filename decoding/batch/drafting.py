@@ -40,8 +40,7 @@ class Drafting:
             proposer.model.ingest()
             if not proposer.model.ready(len(committed)):
                 self.frontier = []
-        proposer.context = proposer.context.sync(committed)
-        proposer.snapshot = Snapshot(proposer.context, len(committed))
+        proposer.snapshot = Snapshot(proposer, committed, len(committed))
 
     @property
     def done(self) -> bool:

@@ -47,12 +47,14 @@ class MeasuredChoice:
     ms: dict = field(default_factory=dict)
     """(requests, drafted) -> wall ms of its latest rounds."""
     _turn: dict = field(default_factory=dict)
+    _ahead: int = 0
 
     def drafts(self, n: int, explore: bool = True) -> bool:
         """Does a round of `n` requests draft? `explore` False: the faster kind as timed so far
         (plain before both are), no look at the other: a round whose time is not recorded
         (prompt rows riding in it) would pay for a look and learn nothing."""
         n = min(n, self.max_count)
+        self._ahead = 0
         if not explore:
             return self._warm(n) and self._faster_drafted(n)
         self._turn[n] = self._turn.get(n, 0) + 1
@@ -70,9 +72,21 @@ class MeasuredChoice:
             best = self._faster_drafted(m)
             hi, lo = sorted((self.rate[(m, True)], self.rate[(m, False)]), reverse=True)
             every = self._every(m, best) if lo > 0 and hi / lo >= self.decisive else self.explore_every
-            return best != (self._turn[n] % every == 0)
+            return self._choose(n, best, every)
         best = self._faster_drafted(n)
-        return best != (self._turn[n] % self._every(n, best) == 0)
+        return self._choose(n, best, self._every(n, best))
+
+    def _choose(self, n: int, best: bool, every: int) -> bool:
+        """The faster kind, but the other every `every`-th round at `n` requests."""
+        turn = self._turn[n]
+        if not best and turn % every:
+            self._ahead = every - turn % every - 1
+        return best != (turn % every == 0)
+
+    def lookahead(self) -> int:
+        """After `drafts` said no: plain rounds that follow before the next look at drafting, while
+        the count stays (0: the next may draft; decoding.stopping.StopPolicy.lookahead)."""
+        return self._ahead
 
     def _every(self, n: int, best: bool) -> int:
         """Rounds between two tries of the slower kind at `n` requests: `explore_every`, rarer the

@@ -273,7 +273,8 @@ class BatchEngine:
         drafts = self.budget.drafts(len(reqs[0].committed), steady) if gated else \
             self.measured is None or self.measured.drafts(len(reqs), steady)
         accepted = reqs[0].stats.accepted
-        trees = self._propose(reqs) if drafts else self._plain(reqs)
+        trees = self._propose(reqs) if drafts else \
+            self._plain(reqs, (self.budget if gated else self.measured).lookahead())
         t1 = time.perf_counter()
         segs = [Segment(r.cache, r.committed, t.layout, t.tokens, self._capture(r)) for r, t in zip(reqs, trees)]
         chunks, self._chunks = self._chunks, []
@@ -289,7 +290,8 @@ class BatchEngine:
         if gated:
             self.budget.record(reqs[0].stats.accepted - accepted)
             if steady:
-                self.budget.timed(drafts, 1000 * (t3 - t0))
+                behind = reqs[0].proposer.behind_ms if drafts and reqs[0].proposer is not None else 0.0
+                self.budget.timed(drafts, 1000 * (t3 - t0), behind)
         if self.measured is not None and steady:
             self.measured.record(len(reqs), drafts, sum(len(r.out) for r in reqs) - before, 1000 * (t3 - t0))
         if isinstance(self.chunk, ChunkSizer):
@@ -308,7 +310,8 @@ class BatchEngine:
             self.step()
 
     def _capture(self, r: Request) -> tuple[int, ...]:
-        return tuple(r.proposer.model.draft.config.aux_layers) if isinstance(r.proposer, FeatureProposer) else ()
+        return tuple(r.proposer.model.draft.config.aux_layers) \
+            if isinstance(r.proposer, FeatureProposer) and r.proposer.capturing else ()
 
     def _propose(self, reqs: list[Request]) -> list[DraftTree]:
         if self.draft is None:
@@ -336,12 +339,13 @@ class BatchEngine:
             verify_many(self.target, chunks)
             _chunks_fed(chunks)
 
-    def _plain(self, reqs: list[Request]) -> list[DraftTree]:
+    def _plain(self, reqs: list[Request], ahead: int = 0) -> list[DraftTree]:
         """No tree this round (one row a request); a feature head still takes in the target's
-        features of what was committed, so it can draft again next round."""
+        features of what was committed, so it can draft again next round, unless `ahead` plain
+        rounds will follow first (FeatureProposer.plain)."""
         for r in reqs:
             if r.proposer is not None:
-                r.proposer.plain()
+                r.proposer.plain(ahead, len(r.committed))
         return [empty_tree() for _ in reqs]
 
     def _commit(self, r: Request, tree: DraftTree, seg: Segment, logits, draft_s: float, verify_s: float) -> bool:

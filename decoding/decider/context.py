@@ -133,12 +133,24 @@ class ContextIndex:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The committed text as a level saw it: features of its nodes, computed on demand."""
+    """The committed text as a level saw it: features of its nodes, computed on demand. The index
+    is extended only when a feature is asked for: a policy that reads none (q's grow rule) pays
+    nothing, where indexing a prompt of 2,400 tokens at a look, the draft's first round after
+    skipped ones, took longer than the round's own draft steps."""
 
-    index: ContextIndex
+    holder: object
+    """What keeps the request's ContextIndex (`.context`, replaced for a new request)."""
+    committed: list
+    """The request's committed tokens (a list that only grows while the request runs)."""
     upto: int
+
+    @property
+    def index(self) -> ContextIndex:
+        self.holder.context = self.holder.context.sync(self.committed)
+        return self.holder.context
 
     def features(self, prefixes, tokens) -> torch.Tensor:
         """[k, len(CONTEXT_NAMES)] features of k nodes (ancestors' tokens, token), on the host."""
-        return torch.tensor([self.index.features(p, t, self.upto) for p, t in zip(prefixes, tokens)],
+        index = self.index
+        return torch.tensor([index.features(p, t, self.upto) for p, t in zip(prefixes, tokens)],
                             dtype=torch.float32, device="cpu").reshape(len(tokens), len(CONTEXT_NAMES))

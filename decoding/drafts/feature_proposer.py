@@ -20,6 +20,7 @@ distribution scattered there (exactly 0 elsewhere), so the acceptance rules stay
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 
 import torch
@@ -61,9 +62,12 @@ class FeatureCache:
         self.tree_size = 0  # nodes of the tree that verify forward checked
         self.anchor_out = None  # (logits, h, normed h) of the newest committed entry
         self.node_h: dict[int, torch.Tensor] = {}
+        self.behind_ms = 0.0  # this round's catch-up beyond one entry (TreeProposer.behind_ms)
 
     def ingest(self) -> None:
-        """Append the features of the tokens the last round committed (pending + accepted path)."""
+        """Append the features of the tokens the last round committed (pending + accepted path);
+        a new round begins (its catch-up not timed yet)."""
+        self.behind_ms = 0.0
         if self.captured is None:
             return
         rows, n_pend = self.captured, self.captured.shape[0] - self.tree_size
@@ -159,7 +163,9 @@ class FeatureCache:
         """Build the committed entries whose features and next token are both known."""
         args = self._catch_up_args(committed)
         if args is not None:
+            t, k = time.perf_counter(), args[0].shape[1]
             self._caught_up(len(committed), *head_step(self.draft, self.cache, *args))
+            self.behind_ms += 1000 * (time.perf_counter() - t) * (k - 1) / k
 
     def _catch_up_args(self, committed):
         """The catch-up step's (tokens, hidden, positions, mask, last), or None when nothing is
@@ -209,17 +215,22 @@ class FeatureProposer(TreeProposer):
         super().__init__(draft, layout, sampling, replacement, roots_from_target)
         self.model.window = window or None  # 0: the whole context
         self.target = target
-        self._capture = True
+        self.capturing = True
+        """Does this round's verify capture the target's features (`plain` may say no)?"""
         n_layers = len(decoder_layers(target))
         if n_layers != draft.config.target_num_layers:
             raise ValueError(f"feature draft expects a {draft.config.target_num_layers}-layer target, "
                              f"this one has {n_layers}")
 
+    @property
+    def behind_ms(self) -> float:
+        return self.model.behind_ms
+
     @contextmanager
     def verifying(self):
         """Wrap the engine's verify forward: capture the target's states for the next round
         (unless `plain` said they will not be read)."""
-        if not self._capture:
+        if not self.capturing:
             yield
             return
         with capture_aux(self.target, self.model.draft.config.aux_layers) as cap:
@@ -231,8 +242,8 @@ class FeatureProposer(TreeProposer):
         the head can draft again next round. `ahead`: plain rounds sure to follow this one; past
         FEATURE_LEAD of them, with `committed` (the committed length), this round's features are
         not captured at all (a gap: the hooks and the head's catch-up cost a plain round ~3%)."""
-        self._capture = ahead < FEATURE_LEAD or committed is None
-        if self._capture:
+        self.capturing = ahead < FEATURE_LEAD or committed is None
+        if self.capturing:
             self.model.ingest()
         else:
             self.model.gap(committed)
@@ -240,7 +251,7 @@ class FeatureProposer(TreeProposer):
 
     def propose(self, committed, stop, generator, anchor_p=None, position: int = 0,
                 hidden: bool = False) -> DraftTree:
-        self._capture = True
+        self.capturing = True
         self.model.ingest()
         if not self.model.ready(len(committed)):
             tree = empty_tree()

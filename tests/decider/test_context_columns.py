@@ -34,13 +34,18 @@ def test_sync_extends_a_request_and_restarts_on_a_new_one():
 
 
 def test_a_snapshot_answers_as_the_text_was_when_the_level_was_drafted():
-    ctx = ContextIndex().sync([5, 6, 7, 5, 6])
-    snap = Snapshot(ctx, 5)
+    from types import SimpleNamespace
+
+    holder, committed = SimpleNamespace(context=ContextIndex()), [5, 6, 7, 5, 6]
+    snap = Snapshot(holder, committed, 5)
+    assert holder.context.tokens == []  # nothing indexed until a feature is asked for
     before = snap.features([(), (7,)], [7, 5]).tolist()
-    ctx.sync([5, 6, 7, 5, 6, 9, 5, 6, 8])  # later rounds: 5, 6 last went on with 8, and 9 occurs
+    assert holder.context.tokens == committed
+    committed += [9, 5, 6, 8]  # later rounds: 5, 6 last went on with 8, and 9 occurs
     assert snap.features([(), (7,)], [7, 5]).tolist() == before  # every column, counts included
     assert [row[:4] for row in before] == [[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]
     assert snap.features([()], [9])[:, :4].tolist() == [[-1.0, -1.0, 0.0, 0.0]]
+    ctx = holder.context
     assert ctx.features((), 8)[:4] == [0.0, 0.0, 0.0, 1.0]  # the index itself has moved on: 8 is in it
 
 

@@ -283,6 +283,9 @@ class _NeverDrafts:
     def record(self, *a):
         pass
 
+    def lookahead(self):
+        return 0
+
 
 def test_one_request_drafts_every_round_whatever_the_measured_choice(pair):
     """Alone, a request drafts as the batch-1 engine does (its rounds are not the measured choice's
@@ -314,3 +317,41 @@ def test_measured_rounds_stay_lossless_and_the_head_drafts_after_plain_rounds(he
         assert r.out == ar.generate(p, N)[0]
     assert sum(r.stats.accepted for r in reqs) > 0
     assert any(k[1] for k in m.timed) and any(not k[1] for k in m.timed)
+
+
+class _EveryNth:
+    """A measured choice that drafts every `period`-th round and says so ahead (lookahead)."""
+
+    def __init__(self, period):
+        self.period, self.i = period, -1
+
+    def drafts(self, n, explore=True):
+        self.i += 1
+        return self.i % self.period == self.period - 1
+
+    def lookahead(self):
+        return self.period - 2 - self.i % self.period
+
+    def record(self, *a):
+        pass
+
+
+def test_plain_rounds_far_from_a_look_capture_no_features(head_pair, monkeypatch):
+    """Batched plain rounds far from the next drafted one capture no target features (a gap);
+    the FEATURE_LEAD rounds before it do, the heads draft from them (accepted nodes), and each
+    output stays ar's."""
+    from decoding.drafts import feature_proposer as fp
+
+    target, head = head_pair
+    monkeypatch.setattr(fp, "FEATURE_LEAD", 2)
+    ar = build_engine(target, None, StrategyConfig(strategy="ar"), GREEDY)
+    prompts = [[1, 5, 7], [2, 8], [9, 9, 4, 4, 11, 30, 17]]
+    eng = BatchEngine(target, head, LAYOUT, budget=JointGrow(q_scores, COST, max_width=3), measured=_EveryNth(6))
+    seen = []
+    capture = eng._capture
+    eng._capture = lambda r: seen.append(bool(capture(r))) or capture(r)
+    reqs = run_batched(eng, prompts, [0, 0, 0], n=40)
+    for p, r in zip(prompts, reqs):
+        assert r.out == ar.generate(p, 40)[0]
+    assert sum(r.stats.accepted for r in reqs) > 0
+    assert 0.3 < seen.count(False) / len(seen) < 0.7, seen  # of every 6 rounds, 3 gaps

@@ -2,6 +2,8 @@
 so at a long context rows cost more than the curve timed at 256 cached tokens says, and the grow
 rules (one request's, and the joint budget's) read the curve at the context they draft after."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -53,7 +55,7 @@ def test_measure_cost_times_a_second_context():
 def _frontier(upto: int) -> Frontier:
     q = torch.tensor([[0.9, 0.05, 0.03, 0.02]])
     return Frontier(depth=1, nodes=[-1], q=q, path_logq=[0.0], valid=[True], size=0,
-                    context=Snapshot(ContextIndex(), upto))
+                    context=Snapshot(SimpleNamespace(context=ContextIndex()), [1] * upto, upto))
 
 
 def test_one_request_grows_less_at_a_long_context():

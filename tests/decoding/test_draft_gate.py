@@ -116,6 +116,13 @@ def test_rounds_timed_dearer_than_priced_close_the_gate():
     chain_rounds(slow, 4 * priced, PAYS.target(1))  # 3 tokens in 45 ms: slower than plain steps
     assert honest.drafts(PAYS) and honest.scale(True) == pytest.approx(1.0)
     assert slow.scale(True) == pytest.approx(4.0) and not slow.drafts(PAYS)
+    behind = DraftGate(warmup=2)  # 4x the price, 3/4 of it catching the head up: a look's cost,
+    chain_rounds(behind, 4 * priced, PAYS.target(1), n=2)  # not what drafting costs a round
+    behind._scale[True].clear()
+    behind.drafts(PAYS)
+    behind.record(3, 2, [2, 1], 2)
+    behind.timed(True, 4 * priced, 3 * priced)
+    assert behind.scale(True) == pytest.approx(1.0)
     once = DraftGate(warmup=2)  # one round far dearer (the head caught up on a prompt): ignored
     chain_rounds(once, 20 * priced, PAYS.target(1), n=1)
     chain_rounds(once, priced, PAYS.target(1), n=1)
@@ -244,7 +251,10 @@ def test_a_feature_head_skips_features_far_from_a_draft_and_drafts_again(feature
     for prompt in PROMPTS:
         pol = _EveryNth(6, q_scores, PAYS, max_width=3, max_nodes=12)
         eng = build_engine(target, draft, cfg, SamplingConfig(), stop=pol)
+        behind = []
+        pol.timed = lambda drafted, ms, b=0.0: behind.append(b) if drafted else None
         got, st = eng.generate(prompt, 60)
+        assert max(behind) > 0  # the look after a gap caught the head up on 2 entries
         assert got == ar_output(target, prompt, 60)
         accepted, rounds = accepted + st.accepted, rounds + st.rounds
     # of every 6 rounds: 3 gaps, 2 captured plain rounds and the drafted one

@@ -70,3 +70,22 @@ def test_a_decisive_neighbour_spaces_the_looks_at_untimed_counts():
     close.record(8, True, 4, 6.0)
     close.record(8, False, 4, 5.0)
     assert [close.drafts(7) for _ in range(16)].count(True) == 4
+
+
+def test_the_choice_says_how_many_plain_rounds_come_before_its_look():
+    """Where plain rounds win, lookahead() after each is exactly the plain rounds before the next
+    look at drafting at that count (0 while it drafts), as the batch-1 gate's."""
+    m = MeasuredChoice(warmup=1, explore_every=4)
+    m.record(4, True, 4, 10.0)
+    m.record(4, False, 8, 10.0)  # plain twice as fast: a look every 16th round
+    went, ahead = [], []
+    for _ in range(40):
+        went.append(m.drafts(4))
+        ahead.append(m.lookahead())
+    looks = [i for i, go in enumerate(went) if go]
+    assert looks == [15, 31]
+    for i, a in enumerate(ahead[:32]):
+        nxt = next(j for j in looks if j >= i)
+        assert a == (0 if i == nxt else nxt - i - 1)
+    m.drafts(4, explore=False)
+    assert m.lookahead() == 0  # a round not timed promises nothing
