@@ -211,12 +211,13 @@ class DraftGate:
     explore_every: int = 16
     """Plain rounds in a row after which one round drafts again (times the squared rate gap,
     at most 8)."""
-    look_share: float = 0.01
+    look_share: float = 0.005
     """Most of the plain rounds' time the looks may take: a look (a drafted round after plain ones,
     the head catching up on what it skipped first) costs its measured wall time above a plain
     round's, so looks come at least that over (look_share x a plain round) rounds apart (a look
     at 600 cached tokens took ~19 ms against 4 ms a plain round: one every 48th, as the rate gap
-    alone spaced them, cost ~8%; reports/context-2026-11-29)."""
+    alone spaced them, cost ~8%; reports/context-2026-11-29). Where drafting loses, this share is
+    all the gate costs against `ar`: half a percent."""
     max_every: int = 512
     """Plain rounds in a row after which a look comes whatever it costs (the text changes)."""
     max_depth: int = 8
@@ -239,6 +240,13 @@ class DraftGate:
     def drafts(self, cost, explore: bool = True) -> bool:
         """Does the next round draft, at this context's `cost`? `explore` False: no look at the
         losing kind this round (a round whose time is not recorded, prompt rows riding in it)."""
+        if self._ahead > 0 and self._memo[1] is cost:
+            # a plain round promised by `lookahead` on the same curve: nothing to re-decide (a new
+            # curve every 16 cached tokens, or a new request, re-decides)
+            self._ahead -= 1
+            self._looking, self._plain = False, self._plain + 1
+            self._now = (cost, self._memo[4])
+            return False
         pays, rate, step, tree = self._priced(cost)
         self._ahead = 0
         if not pays:
@@ -286,10 +294,14 @@ class DraftGate:
         return max(looks[len(looks) // 2] - base, 0.0) / (self.look_share * base)
 
     def scale(self, drafted: bool) -> float:
-        """The (lower) median measured / priced time of the latest rounds of that kind (1: none
-        timed); lower, so the one round that caught the head up on a prompt does not count."""
-        seen = sorted(self._scale[drafted])
-        return seen[(len(seen) - 1) // 2] if seen else 1.0
+        """Measured over priced time of the latest rounds of that kind, their sums' ratio (1: none
+        timed): what those rounds' tokens cost per priced ms, as `rate` sums them. Not a lower
+        median: drafted rounds' times spread 2x, and the lower median, kept to drop a round that
+        caught the head up on a prompt (now left out as `behind_ms`), opened the gate at 100
+        cached tokens on 1 thread where drafted rounds ran at 0.87x plain ones."""
+        seen = self._scale[drafted]
+        priced = sum(p for _, p in seen)
+        return sum(m for m, _ in seen) / priced if priced > 0 else 1.0
 
     def timed(self, drafted: bool, ms: float, behind_ms: float = 0.0) -> None:
         """The round just run (drafted: the gate let it draft) took `ms` on the wall, `behind_ms`
@@ -299,7 +311,7 @@ class DraftGate:
         skipped rounds spent most of its draft time on it)."""
         priced = self._now[1]
         if priced > 0 and ms > 0:
-            self._scale[drafted].append(max(ms - behind_ms, 0.0) / priced)
+            self._scale[drafted].append((max(ms - behind_ms, 0.0), priced))
         if ms > 0 and (self._looking or not drafted):
             self._ms["look" if drafted else "plain"].append(ms)
 

@@ -103,11 +103,11 @@ def test_looks_are_spaced_by_what_they_were_measured_to_cost():
 def test_rounds_timed_dearer_than_priced_close_the_gate():
     """The curve prices forwards timed alone; a round that pays more on the wall (the head's
     catch-up, captures, cache moves) closes the gate where its price alone would keep it open."""
-    def chain_rounds(gate, drafted_ms, plain_ms, n=8):
+    def chain_rounds(gate, drafted_ms, plain_ms, n=8, behind=0.0):
         for _ in range(n):
             if gate.drafts(PAYS):
                 gate.record(3, 2, [2, 1], 2)  # a chain of 2, both accepted: 3 tokens
-                gate.timed(True, drafted_ms)
+                gate.timed(True, drafted_ms, behind)
             else:
                 gate.timed(False, plain_ms)
     priced = tree_ms(PAYS, 2, [2, 1], 2)  # ~11.4 ms for 3 tokens against 10 ms for 1
@@ -123,8 +123,8 @@ def test_rounds_timed_dearer_than_priced_close_the_gate():
     behind.record(3, 2, [2, 1], 2)
     behind.timed(True, 4 * priced, 3 * priced)
     assert behind.scale(True) == pytest.approx(1.0)
-    once = DraftGate(warmup=2)  # one round far dearer (the head caught up on a prompt): ignored
-    chain_rounds(once, 20 * priced, PAYS.target(1), n=1)
+    once = DraftGate(warmup=2)  # one round far dearer (the head caught up on a prompt): left out
+    chain_rounds(once, 20 * priced, PAYS.target(1), n=1, behind=19 * priced)
     chain_rounds(once, priced, PAYS.target(1), n=1)
     assert once.scale(True) == pytest.approx(1.0) and once.drafts(PAYS)
 
