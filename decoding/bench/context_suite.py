@@ -128,7 +128,8 @@ def _run(decoder, ids: list[int], new_tokens: int) -> dict:
         ids, new_tokens, decoder.session.eos_token_id, 0, lambda new: marks.append((time.perf_counter(), len(new))))
     end = time.perf_counter()
     return {"tokens": len(out) - marks[0][1], "wall_s": end - marks[0][0], "request_s": end - t, "ids": out,
-            "block_efficiency": st.block_efficiency}
+            "block_efficiency": st.block_efficiency, "rounds": st.rounds, "draft_s": st.draft_s,
+            "drafted_rounds": st.rounds - st.tree_sizes[0]}
 
 
 def _summary(rows, runs, c: int, todo) -> dict:
@@ -141,7 +142,10 @@ def _summary(rows, runs, c: int, todo) -> dict:
            "same_text_as_ar": {n: all(x["ids"] == y["ids"] for rx, ry in zip(runs[(n, c)], runs[("ar", c)])
                                       for x, y in zip(rx, ry)) for n in rows},
            "block_efficiency": {n: float(np.mean([x["block_efficiency"] or 1.0 for rep in runs[(n, c)] for x in rep]))
-                                for n in rows}}
+                                for n in rows},
+           # the round's draft phase (a plain round: the gate's decision and the head's bookkeeping)
+           "draft_ms": {n: float(1000 * arr(n, "draft_s").sum() / arr(n, "rounds").sum()) for n in rows},
+           "drafted_share": {n: float(arr(n, "drafted_rounds").sum() / arr(n, "rounds").sum()) for n in rows}}
     fixed = [n for n in rows if n not in ("default", "ar", *ON_REQUEST)]
     best = max(fixed, key=lambda n: out["tokens_per_s"][n]) if fixed else None
     mine = [n for n in ("default", *ON_REQUEST) if n in rows]
@@ -163,9 +167,11 @@ def context_markdown(r: dict, command: str) -> str:
              "of it, paired over prompts, 95% intervals.", ""]
     for c, s in r["per_context"].items():
         lines += [f"## {c} cached tokens (best fixed shape: {s['best_fixed']})", "",
-                  "| row | decode tok/s | median request s | tokens/round | text = ar's |", "|---|---|---|---|---|"]
+                  "| row | decode tok/s | median request s | tokens/round | rounds drafted | draft ms a round "
+                  "| text = ar's |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {n} | {v:.1f} | {s['request_s'][n]:.2f} | {s['block_efficiency'][n]:.2f} | "
-                  f"{s['same_text_as_ar'][n]} |" for n, v in s["tokens_per_s"].items()]
+                  f"{s['drafted_share'][n]:.1%} | {s['draft_ms'][n]:.3f} | {s['same_text_as_ar'][n]} |"
+                  for n, v in s["tokens_per_s"].items()]
         lines += ["", "| ratio | prompts | speedup [95% CI] |", "|---|---|---|"]
         lines += [f"| {x['a']} / {x['b']} | {x['kind']} | {x['speedup']:.3f}x [{x['low']:.3f}, {x['high']:.3f}] |"
                   for x in s["ratios"]]

@@ -19,9 +19,9 @@ the longer columns is `reports/decider/context3/` (`python -m training.decider.s
 context` re-checks them).
 
 Lossless: it reads only the committed tokens and the draft's own tokens. One index per request,
-extended round by round (O(new tokens)); a level keeps a Snapshot (the index and how many
-tokens were committed when it was drafted) and its features are computed only when asked for
-(a decider, trace collection), exactly as they were then.
+extended when a feature is asked for (O(new tokens)); a level keeps a Snapshot (the request's
+tokens and how many were committed when it was drafted) and its features are computed only when
+asked for (a decider, trace collection), exactly as they were then.
 """
 
 from __future__ import annotations
