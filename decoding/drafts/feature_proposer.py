@@ -36,8 +36,9 @@ from decoding.tree import ANCHOR, TreeLayout
 
 FEATURE_LEAD = 64
 """Plain rounds before a possible draft from which a feature head takes in the target's features
-again: enough entries to draft near its full-window acceptance (a window of 64 where it was
-trained on 256), so a look after many skipped rounds measures drafting as it would run."""
+again: enough entries to draft near its acceptance with a full window (64 entries where it
+attends up to HEAD_WINDOW), so a look after many skipped rounds measures drafting about as it
+would run, and catches up on 64 rows at most."""
 
 
 class FeatureCache:
