@@ -27,10 +27,11 @@ PROMPTS = [[1, 5, 7, 3], [2, 8], [9, 9, 4, 4, 11, 30, 17]]
 N = 24
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def pristine(feature_pair):
     """Another head for the pair, never run (a head that has drafted holds state deepcopy refuses):
-    each test takes a copy."""
+    each test takes a copy. Autouse: made before this module's first test drafts with the pair's
+    head, whichever test a worker runs first."""
     return noisy_copy(feature_pair[1], 0.02)
 
 
