@@ -259,3 +259,21 @@ def test_a_feature_head_skips_features_far_from_a_draft_and_drafts_again(feature
         accepted, rounds = accepted + st.accepted, rounds + st.rounds
     # of every 6 rounds: 3 gaps, 2 captured plain rounds and the drafted one
     assert accepted > 0 and len(captures) < 0.6 * rounds, (accepted, len(captures), rounds)
+
+
+def test_sampling_stays_exact_with_feature_gaps(tiny_pair, monkeypatch):
+    """Rounds that capture no features (a gap), rounds that capture, and drafted rounds after
+    them, in every phase across requests: the sampled continuations keep the target's law."""
+    from support.exact import SAMPLES, T1, chi2_pvalue, exact_distribution, speculative_counts
+    from decoding.drafts import feature_proposer as fp
+
+    target, draft = tiny_pair
+    monkeypatch.setattr(fp, "FEATURE_LEAD", 1)
+    cfg = StrategyConfig(strategy="ti-mcsd", width=2, depth=2, stop="confidence", confidence_rule="grow",
+                         max_nodes=4)
+    pol = _EveryNth(3, q_scores, PAYS, max_width=2, max_nodes=4)  # gap, capture, draft, in turn
+    eng = build_engine(target, draft, cfg, T1, stop=pol)
+    counts, depths, _ = speculative_counts(eng, SAMPLES)
+    assert sum(v for d, v in depths.items() if d >= 1) > 0.05 * SAMPLES
+    pvalue = chi2_pvalue(counts, exact_distribution(target, T1), SAMPLES)
+    assert pvalue > 1e-3, f"p={pvalue:.2e}"
