@@ -175,9 +175,10 @@ def to_lightning(folder: Path, out: Path) -> Path:
 
 # --- identity -----------------------------------------------------------------------------------
 
-VARIES = ("warm_start", "head", "trained_window")
+VARIES = ("warm_start", "head", "trained_window", "teacher_dtype")
 """Module settings a continuation may differ in: warm_start only seeds a run's first session
-(a chunk's weights replace it), head and trained_window are derived from the data."""
+(a chunk's weights replace it), head and trained_window are derived from the data, and
+teacher_dtype is where it runs (the same rows, labelled at another precision)."""
 
 
 def identity(module, data, trainer) -> dict:

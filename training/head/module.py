@@ -56,6 +56,15 @@ def unroll_skip(batch: dict, steps: int) -> int:
     return max(0, int(batch["label_start"].min()) - steps)
 
 
+def resolve_teacher_dtype(name: str, device: torch.device) -> str:
+    """auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16, AMX), else float32."""
+    if name != "auto":
+        return name
+    from decoding.forward.cpu import native_bf16
+
+    return "bfloat16" if torch.device(device).type == "cuda" or native_bf16() else "float32"
+
+
 class FeatureDistillModule(L.LightningModule):
     def __init__(self, target: str | None = None, steps: int = 5, step_decay: float = 0.8,
                  lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.95),
@@ -63,7 +72,7 @@ class FeatureDistillModule(L.LightningModule):
                  schedule: str = "time", rope_theta: float | None = None, init: str = "target",
                  freeze_output: bool = False, warm_start: str | None = None,
                  loss: str = "soft_ce", accept_temperature: float = 0.7, lk_kl_scale: float = 1.0,
-                 lk_kl_decay: float = 3.0):
+                 lk_kl_decay: float = 3.0, teacher_dtype: str = "float32"):
         """Args:
             target: target model dir (None = embedded SmolLM2): the head's shapes, frozen
                 embedding, initial weights and (source online) the prefill.
@@ -90,6 +99,10 @@ class FeatureDistillModule(L.LightningModule):
             accept_temperature: the sampling temperature of the logged expected acceptance
                 (val/accept_J) and of the LK losses: the one decoding will serve.
             lk_kl_scale, lk_kl_decay: lk_lambda's CE weight, kl_scale * exp(-kl_decay * acceptance).
+            teacher_dtype: dtype of the online prefill (features and labels): float32 | bfloat16 |
+                auto (bfloat16 on CUDA and on CPUs that compute it natively, where it runs ~3x
+                float32's speed; float32 elsewhere). The head, its shared embedding and its
+                optimiser stay float32 whichever is chosen.
         """
         super().__init__()
         if not 1 <= steps <= 16:
@@ -100,6 +113,8 @@ class FeatureDistillModule(L.LightningModule):
             raise ValueError(f"schedule must be time or steps (got {schedule!r})")
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)} (got {loss!r})")
+        if teacher_dtype not in ("float32", "bfloat16", "auto"):
+            raise ValueError(f"teacher_dtype must be float32, bfloat16 or auto (got {teacher_dtype!r})")
         if accept_temperature <= 0:
             raise ValueError(f"accept_temperature must be > 0 (got {accept_temperature})")
         self.hp = {"target": target, "steps": steps, "step_decay": step_decay, "lr": lr,
@@ -107,9 +122,11 @@ class FeatureDistillModule(L.LightningModule):
                    "min_lr_ratio": min_lr_ratio, "schedule": schedule, "rope_theta": rope_theta,
                    "init": init, "freeze_output": freeze_output, "warm_start": warm_start,
                    "loss": loss, "accept_temperature": accept_temperature,
-                   "lk_kl_scale": lk_kl_scale, "lk_kl_decay": lk_kl_decay}
+                   "lk_kl_scale": lk_kl_scale, "lk_kl_decay": lk_kl_decay,
+                   "teacher_dtype": teacher_dtype}
         self.head = None  # built in setup(): its vocabulary comes from the data
         self._target: list = []  # out of the module tree: never saved, never trained
+        self._teacher: dict = {}  # the online prefill's copy per dtype other than float32
         self._progress, self.t_start = 0.0, None
         self.layers, self.online_k = None, 32  # set from the data in setup()
 
@@ -120,6 +137,17 @@ class FeatureDistillModule(L.LightningModule):
 
             self._target.append(load_model(self.hp["target"], "float32").requires_grad_(False))
         return self._target[0]
+
+    def teacher(self, device: torch.device):
+        """The target that runs the online prefill, in teacher_dtype resolved for `device`."""
+        dtype = resolve_teacher_dtype(self.hp.get("teacher_dtype", "float32"), device)
+        if dtype == "float32":
+            return self.target()
+        if dtype not in self._teacher:
+            from decoding.models import load_model
+
+            self._teacher[dtype] = load_model(self.hp["target"], dtype).requires_grad_(False)
+        return self._teacher[dtype]
 
     def build_head(self, layers: list[int], used: torch.Tensor, init: bool = True):
         from decoding.drafts.feature import FeatureDraft, FeatureDraftConfig
@@ -173,7 +201,7 @@ class FeatureDistillModule(L.LightningModule):
     def _online(self, batch: dict) -> dict:
         from training.head.cache import target_batch
 
-        used, target = self.head.used_ids, self.target()
+        used, target = self.head.used_ids, self.teacher(batch["input_ids"].device)
         if target.device != batch["input_ids"].device:  # outside the module tree: Lightning never moves it
             target.to(batch["input_ids"].device)
         out = target_batch(target, batch["input_ids"], batch["attention_mask"],
