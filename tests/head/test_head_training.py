@@ -70,6 +70,41 @@ def test_online_batch_equals_cached_batch(head_corpus):
                                atol=2e-2, rtol=1e-2)
 
 
+def test_a_bf16_teacher_labels_the_same_rows_in_float32(head_corpus, monkeypatch):
+    """teacher_dtype: the online prefill runs in bf16 (auto: where the CPU computes it natively)
+    and hands the head float32 features close to float32's; the head stays float32."""
+    import decoding.forward.cpu as cpu
+    from training.head.module import resolve_teacher_dtype
+
+    monkeypatch.setattr(cpu, "native_bf16", lambda: False)
+    assert resolve_teacher_dtype("auto", torch.device("cpu")) == "float32"
+    assert resolve_teacher_dtype("auto", torch.device("cuda", 0)) == "bfloat16"
+    monkeypatch.setattr(cpu, "native_bf16", lambda: True)
+    assert resolve_teacher_dtype("auto", torch.device("cpu")) == "bfloat16"
+    assert resolve_teacher_dtype("float32", torch.device("cpu")) == "float32"
+    with pytest.raises(ValueError, match="teacher_dtype"):
+        FeatureDistillModule(teacher_dtype="float16")
+
+    dm = data(head_corpus, source="online")
+    dm.prepare_data()
+    dm.setup("fit")
+    b = next(iter(dm.val_dataloader()))
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        module = FeatureDistillModule(target=dm.target, teacher_dtype=dtype)
+        module.build_head(dm.layers, dm.vocab.used)
+        module.online_k = 8
+        out[dtype] = module._online(b)
+        assert all(p.dtype == torch.float32 for p in module.head.parameters())
+        assert module.target().dtype == torch.float32  # the head's shared embedding stays fp32
+    a, h = out["float32"], out["bfloat16"]
+    assert h["feats"].dtype == torch.float32 and torch.equal(a["lab_mask"], h["lab_mask"])
+    m = a["attention_mask"].bool()
+    assert not torch.equal(a["feats"][m], h["feats"][m]), "the bf16 prefill ran"
+    torch.testing.assert_close(h["feats"][m], a["feats"][m], atol=0.1, rtol=0.05)
+    assert (a["top1"] == h["top1"])[a["lab_mask"]].float().mean() > 0.9
+
+
 class Record(__import__("lightning").Callback):
     def __init__(self):
         self.losses, self.steps = [], []
