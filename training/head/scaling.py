@@ -8,7 +8,7 @@
         --positions-per-step 1940 --chain --out reports/head-scaling
 
 A curve is one training run: its validation points read from a bench JSON's `learning_curve`
-(training.draft.feature_bench) or a Lightning metrics.csv, merged by step. Positions seen =
+(training.bench.head) or a Lightning metrics.csv, merged by step. Positions seen =
 steps x the run's mean positions a step: metrics.csv logs them (`train/positions`); a bench JSON
 does not, so `--positions-per-step` stands in for it and the output says so. With `--chain`
 each curve starts where the one before ended (each run warm-started from the one before).
