@@ -26,7 +26,8 @@ class Losses(Callback):
         self.out[trainer.global_step] = float(outputs["loss"])
 
 
-def config(tmp_path, head_corpus, run: dict | None = None) -> list[str]:
+def config(tmp_path, head_corpus, run: dict | None = None, model: dict | None = None,
+           steps: int = STEPS) -> list[str]:
     """A 10-step run under tmp_path, compared with the head at ./shipped (the working directory)."""
     target, corpus, cache = head_corpus
     tmp_path.mkdir(exist_ok=True)
@@ -35,11 +36,12 @@ def config(tmp_path, head_corpus, run: dict | None = None) -> list[str]:
         "run": {"kind": "eagle3", "name": "head", "drafts": str(tmp_path / "drafts"), "threads": 1,
                 "export": False, "chunks": str(tmp_path / "chunks"), "commit_every_minutes": None,
                 "heldout_rows": 6, "baseline": "shipped"} | (run or {}),
-        "model": {"target": str(target), "steps": 2, "schedule": "steps", "lr": 0.01, "warmup_ratio": 0.2},
+        "model": {"target": str(target), "steps": 2, "schedule": "steps", "lr": 0.01, "warmup_ratio": 0.2}
+        | (model or {}),
         "data": {"corpora": [str(corpus)], "target": str(target), "cache_root": str(cache),
                  "draft_vocab_size": 40, "k": 8, "layers": LAYERS, "max_prompt_tokens": 16,
                  "max_tokens": 256, "val_percent": 20, "max_val_rows": 16},
-        "trainer": {"accelerator": "cpu", "max_steps": STEPS, "max_epochs": 100, "logger": False,
+        "trainer": {"accelerator": "cpu", "max_steps": steps, "max_epochs": 100, "logger": False,
                     "enable_progress_bar": False, "enable_model_summary": False,
                     "reload_dataloaders_every_n_epochs": 1, "val_check_interval": 3,
                     "check_val_every_n_epoch": None,
@@ -107,6 +109,67 @@ def test_a_run_continued_from_its_chunk_equals_the_uninterrupted_run(head_corpus
     assert [second[s] for s in range(5, STEPS + 1)] == [whole[s] for s in range(5, STEPS + 1)]
     assert all(torch.equal(out[k], ref[k]) for k in ref)
     assert C.read_meta(chunk)["global_step"] == STEPS
+
+
+WSD = {"schedule": "wsd", "warmup_steps": 2, "decay_steps": 3}
+
+
+def test_a_wsd_run_made_longer_before_its_decay_is_the_longer_run(head_corpus, tmp_path, monkeypatch, shipped):
+    """A run planned for 10 steps, stopped at step 4 and continued on a "new machine" as a 14-step
+    run, is bitwise the run planned for 14 steps from the start: a growing corpus can lengthen it."""
+    monkeypatch.chdir(tmp_path)
+    whole: dict = {}
+    ref = train(config(tmp_path / "a", head_corpus, {"heldout_rows": 0}, WSD, steps=14), monkeypatch, whole)
+    first: dict = {}
+    b = tmp_path / "b"
+    train(config(b, head_corpus, {"heldout_rows": 0, "session_steps": 4}, WSD, steps=10), monkeypatch, first)
+    assert first == {s: whole[s] for s in range(1, 5)}
+    shutil.rmtree(b / "runs")
+    second: dict = {}
+    out = train(config(b, head_corpus, {"heldout_rows": 0}, WSD, steps=14), monkeypatch, second)
+    assert [second[s] for s in range(5, 15)] == [whole[s] for s in range(5, 15)]
+    assert all(torch.equal(out[k], ref[k]) for k in ref)
+    assert C.read_meta(b / "chunks" / "head" / "latest")["identity"]["trainer"]["max_steps"] == 14
+
+
+def test_only_a_wsd_run_before_its_decay_may_change_its_length():
+    mine = {"target": {"name": "t"}, "vocab_sha256": "v", "data": {"corpora": ["c"]},
+            "model": {"schedule": "wsd", "warmup_steps": 50, "decay_steps": 600},
+            "trainer": {"max_steps": 6000, "accumulate_grad_batches": 1, "gradient_clip_val": 0.5}}
+
+    def chunk(step, max_steps, **model):
+        ident = json.loads(json.dumps(mine))
+        ident["trainer"]["max_steps"], ident["model"] = max_steps, ident["model"] | model
+        return {"global_step": step, "identity": ident}
+
+    assert C.longer_wsd(chunk(3000, 4000), mine)            # before 3,400 and 5,400
+    C.check_identity(chunk(3000, 4000), mine, "chunk")
+    assert C.longer_wsd(chunk(3000, 9000), mine)            # shorter, still before both decays
+    assert not C.longer_wsd(chunk(3500, 4000), mine)        # the 4,000-step run was decaying
+    assert not C.longer_wsd(chunk(5500, 9000), mine)        # the 6,000-step run would decay from 5,400
+    assert not C.longer_wsd(chunk(100, 4000, decay_steps=500), mine)  # another schedule
+    with pytest.raises(C.ChunkError, match="max_steps = 4000, this run's 6000"):
+        C.check_identity(chunk(3500, 4000), mine, "chunk")
+    cosine = json.loads(json.dumps(mine))
+    cosine["model"] = {"schedule": "steps"}
+    stepped = chunk(10, 4000)
+    stepped["identity"]["model"] = {"schedule": "steps"}
+    with pytest.raises(C.ChunkError, match="max_steps"):
+        C.check_identity(stepped, cosine, "chunk")
+
+
+def test_the_wsd_factor():
+    from training.head.module import FeatureDistillModule, wsd_factor
+
+    f = [wsd_factor(s, 10, 2, 4, 0.1) for s in range(11)]
+    assert f[0] == 1e-3 and f[1] == 0.5 and f[2:7] == [1.0] * 5
+    assert f[7] == pytest.approx(0.1 + 0.9 * (1 - 0.5))  # a quarter into the decay: 1 - sqrt(1/4)
+    assert f[10] == pytest.approx(0.1) and all(a >= b for a, b in zip(f[2:], f[3:]))
+    assert f[:6] == [wsd_factor(s, 1000, 2, 4, 0.1) for s in range(6)]  # the length shows only in the decay
+    for bad in ({"schedule": "wsd"}, {"schedule": "steps", "warmup_steps": 5, "decay_steps": 5},
+                {"schedule": "wsd", "warmup_steps": 0, "decay_steps": 5}):
+        with pytest.raises(ValueError):
+            FeatureDistillModule(**bad)
 
 
 def test_a_chunk_of_another_run_is_refused(head_corpus, tmp_path, monkeypatch, shipped):

@@ -174,6 +174,10 @@ def resume_path(chunk: Path, last: Path, identity: dict) -> str | None:
     doc = C.read_meta(chunk)
     if doc is not None:
         C.check_identity(doc, identity, chunk)
+        was, now = (d.get("trainer", {}).get("max_steps") for d in (doc.get("identity") or {}, identity))
+        if was != now:
+            print(f"distill: the wsd run {chunk.parent.name} goes on as {now} steps (planned as {was}; "
+                  f"step {doc['global_step']} is before the decay under both)", file=sys.stderr)
     here = ckpt_metrics(str(last))["global_step"] if last.exists() else -1
     if doc is None or doc["global_step"] <= here:
         return str(last) if last.exists() else None

@@ -199,9 +199,28 @@ def identity(module, data, trainer) -> dict:
                         "gradient_clip_val": trainer.gradient_clip_val}}
 
 
-def check_identity(doc: dict, mine: dict, folder) -> None:
-    """One line naming the first difference where the chunk was made for another run."""
+def longer_wsd(doc: dict, mine: dict) -> bool:
+    """Whether `mine` differs from the chunk's run only in trainer.max_steps, under a wsd schedule,
+    with the chunk before the decay under both lengths: every lr it has used (and the one its
+    optimizer holds for the next step) is then the longer run's too, so the continuation is that
+    run's, as if it had been planned so from the start."""
     theirs = doc.get("identity") or {}
+    if any(theirs.get(k) != mine.get(k) for k in ("target", "vocab_sha256", "model", "data")):
+        return False
+    a, b = dict(theirs.get("trainer") or {}), dict(mine.get("trainer") or {})
+    old, new = a.pop("max_steps", None), b.pop("max_steps", None)
+    model = mine.get("model") or {}
+    if a != b or model.get("schedule") != "wsd" or not (old and new and old > 0 and new > 0):
+        return False
+    return doc.get("global_step", math.inf) < min(old, new) - model["decay_steps"]
+
+
+def check_identity(doc: dict, mine: dict, folder) -> None:
+    """One line naming the first difference where the chunk was made for another run (a wsd run
+    made longer or shorter before its decay is the same run: longer_wsd)."""
+    theirs = doc.get("identity") or {}
+    if longer_wsd(doc, mine):
+        return
     for part in ("target", "vocab_sha256", "model", "data", "trainer"):
         a, b = theirs.get(part), mine.get(part)
         if a == b:

@@ -50,6 +50,19 @@ def step_loss(head, h: torch.Tensor, batch: dict, j: int, skip: int = 0, loss: s
     return total, agree, accept.detach(), m
 
 
+def wsd_factor(step: int, total: int, warmup_steps: int, decay_steps: int, floor: float) -> float:
+    """Warmup-stable-decay: linear up over `warmup_steps`, the full lr, then the last
+    `decay_steps` of `total` down to `floor` as 1 - sqrt (the WSD schedule of MiniCPM). Before its
+    decay the factor does not depend on `total`: a run can be made longer while it is there."""
+    if step < warmup_steps:
+        return max(step / warmup_steps, 1e-3)
+    start = total - decay_steps
+    if step < start:
+        return 1.0
+    frac = min(1.0, (step - start) / max(1, decay_steps))
+    return floor + (1 - floor) * (1 - math.sqrt(frac))
+
+
 def unroll_skip(batch: dict, steps: int) -> int:
     """Leading indices no step >= 1 needs: step j's label at t is the token t + 2 + j, and no
     row labels a token before its label_start + 1."""
@@ -72,17 +85,22 @@ class FeatureDistillModule(L.LightningModule):
                  schedule: str = "time", rope_theta: float | None = None, init: str = "target",
                  freeze_output: bool = False, warm_start: str | None = None,
                  loss: str = "soft_ce", accept_temperature: float = 0.7, lk_kl_scale: float = 1.0,
-                 lk_kl_decay: float = 3.0, teacher_dtype: str = "float32"):
+                 lk_kl_decay: float = 3.0, teacher_dtype: str = "float32",
+                 warmup_steps: int | None = None, decay_steps: int | None = None):
         """Args:
             target: target model dir (None = embedded SmolLM2): the head's shapes, frozen
                 embedding, initial weights and (source online) the prefill.
             steps: training-time-test unroll depth (EAGLE-3: 7; 3-7 is the useful range).
             step_decay: weight of step j is step_decay ** j.
             lr, betas, weight_decay: AdamW.
-            warmup_ratio: linear warm-up over this share of the schedule.
-            min_lr_ratio: cosine floor (share of lr).
+            warmup_ratio: linear warm-up over this share of the schedule (time, steps).
+            min_lr_ratio: the schedule's floor (share of lr).
             schedule: time (cosine over the share of trainer.max_time spent: a time-boxed run
-                ends at the floor, also after a resume) | steps (over the estimated steps).
+                ends at the floor, also after a resume) | steps (cosine over the estimated
+                steps) | wsd (warmup_steps up, the full lr, the last decay_steps of
+                trainer.max_steps down: a run on a growing corpus can be lengthened while it
+                is before its decay, training.head.chunks.longer_wsd).
+            warmup_steps, decay_steps: the wsd schedule's ramps, in optimizer steps (wsd only).
             rope_theta: RoPE base of the head (None: the target's own); recorded on export.
             init: target (every layer from the target: fc passes the highest captured layer
                 through, the midlayer copies the target's last layer) | output (only the
@@ -109,8 +127,12 @@ class FeatureDistillModule(L.LightningModule):
             raise ValueError(f"steps must be in 1..16 (got {steps})")
         if init not in ("target", "output"):
             raise ValueError(f"init must be target or output (got {init!r})")
-        if schedule not in ("time", "steps"):
-            raise ValueError(f"schedule must be time or steps (got {schedule!r})")
+        if schedule not in ("time", "steps", "wsd"):
+            raise ValueError(f"schedule must be time, steps or wsd (got {schedule!r})")
+        if (schedule == "wsd") != (warmup_steps is not None and decay_steps is not None):
+            raise ValueError("warmup_steps and decay_steps go with schedule: wsd, and it needs both")
+        if schedule == "wsd" and (warmup_steps < 1 or decay_steps < 1):
+            raise ValueError(f"warmup_steps and decay_steps must be >= 1 (got {warmup_steps}, {decay_steps})")
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)} (got {loss!r})")
         if teacher_dtype not in ("float32", "bfloat16", "auto"):
@@ -124,6 +146,8 @@ class FeatureDistillModule(L.LightningModule):
                    "loss": loss, "accept_temperature": accept_temperature,
                    "lk_kl_scale": lk_kl_scale, "lk_kl_decay": lk_kl_decay,
                    "teacher_dtype": teacher_dtype}
+        if schedule == "wsd":  # only here: the other schedules' runs keep the identity they had
+            self.hp |= {"warmup_steps": warmup_steps, "decay_steps": decay_steps}
         self.head = None  # built in setup(): its vocabulary comes from the data
         self._target: list = []  # out of the module tree: never saved, never trained
         self._teacher: dict = {}  # the online prefill's copy per dtype other than float32
@@ -295,9 +319,14 @@ class FeatureDistillModule(L.LightningModule):
                                 weight_decay=self.hp["weight_decay"])
         timed = self.hp["schedule"] == "time" and self._timer() is not None
         total = 1 if timed else max(1, int(self.trainer.estimated_stepping_batches))
+        if self.hp["schedule"] == "wsd" and not 0 < self.hp["decay_steps"] < self.trainer.max_steps:
+            raise ValueError(f"schedule wsd needs trainer.max_steps above decay_steps "
+                             f"({self.hp['decay_steps']}; got max_steps {self.trainer.max_steps})")
         warm_frac, floor = self.hp["warmup_ratio"], self.hp["min_lr_ratio"]
 
         def factor(step: int) -> float:
+            if self.hp["schedule"] == "wsd":
+                return wsd_factor(step, total, self.hp["warmup_steps"], self.hp["decay_steps"], floor)
             frac = min(1.0, self._progress) if timed else min(1.0, step / total)
             if frac < warm_frac:
                 return max(frac / warm_frac, 1e-3)
