@@ -98,6 +98,8 @@ def test_a_run_continued_from_its_chunk_equals_the_uninterrupted_run(head_corpus
     assert held["rows"] == 6 and "agree_step1" in held["chunk"] and "agree_step1" in held["shipped"]
     assert set(held["vs_shipped"]) >= {"agree_step1", "accepted_length"}
     assert json.loads((b / "chunks" / "head" / "best.json").read_text())["global_step"] == 4
+    kept = json.dumps(doc["checkpoint"]["callbacks"]) + json.dumps(doc["files"])  # Lightning's own paths
+    assert str(tmp_path) not in kept and f"{C.CWD}/b/runs/ckpt" in kept  # name no machine's folder
     assert (b / "chunks" / "head" / "best" / "model.safetensors").is_file()
     shutil.rmtree(b / "runs")
     second: dict = {}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -76,6 +77,28 @@ def decode(obj, tensors: dict):
     return {k: decode(v, tensors) for k, v in obj.items()}
 
 
+# --- the callbacks' paths, relative to the working directory -------------------------------------
+
+CWD = "$cwd"
+"""Stands for the working directory in the callbacks' paths (ModelCheckpoint's dirpath and
+best_k_models): a committed chunk names no machine's folder, and a clone elsewhere gets its own."""
+
+
+def relocated(obj, old: str, new: str):
+    """`obj` with every string (and dict key) that is `old` or under it starting with `new` instead."""
+    if isinstance(obj, str):
+        return new + obj[len(old):] if obj == old or obj.startswith(old + os.sep) else obj
+    if isinstance(obj, dict):
+        return {relocated(k, old, new): relocated(v, old, new) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(relocated(v, old, new) for v in obj)
+    return obj
+
+
+def _cwd() -> str:
+    return os.path.realpath(os.getcwd())  # ModelCheckpoint keeps realpaths
+
+
 # --- write / read -------------------------------------------------------------------------------
 
 def _shards(tensors: dict, limit: int) -> list[dict]:
@@ -99,6 +122,8 @@ def write_chunk(out: Path, ckpt: dict, meta: dict, moments: str = "float32", sha
     if moments not in ("float32", "bfloat16"):
         raise ValueError(f"chunk moments must be float32 or bfloat16 (got {moments!r})")
     tensors: dict = {}
+    if "callbacks" in ckpt:
+        ckpt = ckpt | {"callbacks": relocated(ckpt["callbacks"], _cwd(), CWD)}
     skeleton = encode(ckpt, tensors, moments=moments)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -159,7 +184,10 @@ def read_chunk(folder: Path) -> tuple[dict, dict]:
         if not f.is_file() or _sha256(f) != info["sha256"]:
             raise ChunkError(f"{f}: missing or not the file the chunk was written with")
         tensors |= load_file(str(f))
-    return decode(doc["checkpoint"], tensors), doc
+    ckpt = decode(doc["checkpoint"], tensors)
+    if "callbacks" in ckpt:
+        ckpt["callbacks"] = relocated(ckpt["callbacks"], CWD, _cwd())
+    return ckpt, doc
 
 
 def to_lightning(folder: Path, out: Path) -> Path:
