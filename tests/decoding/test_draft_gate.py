@@ -100,6 +100,49 @@ def test_looks_are_spaced_by_what_they_were_measured_to_cost():
     assert run(capped, 120) == [33, 84]
 
 
+def test_a_look_of_several_rounds_is_spaced_by_its_whole_cost_and_can_open_the_gate():
+    """burst 3: a closed gate's look drafts 3 rounds in a row; timed at 20 ms each beside 4 ms plain
+    rounds, a look costs 3 x 16 ms, so at look_share 0.05 the next comes 240 plain rounds on (a
+    lone look's 80, three times). A look whose later rounds commit what drafting gives opens the
+    gate: the first round after a gap may undersell it."""
+    def run(gate, rounds, tokens=lambda k: 1):
+        looks, k = [], 0
+        for i in range(1, rounds + 1):
+            go = gate.drafts(PAYS)
+            if go:
+                gate.record(tokens(k), 2, [2, 1], 2)
+                k += 1
+                looks.append(i)
+            gate.timed(go, 20.0 if go else 4.0)
+        return looks
+
+    lone, burst = (DraftGate(warmup=1, explore_every=4, look_share=0.05, burst=b) for b in (1, 3))
+    for g in (lone, burst):
+        g.record(1, 64, [2] + [64] * 10, 640)  # far behind: the rate gap alone looks every 32nd
+    assert run(lone, 200) == [33, 114, 195]
+    assert run(burst, 320) == [33, 34, 35, 276, 277, 278]
+
+    def first_undersells(burst, rounds=40):
+        """Chains of 2 timed as priced; a drafted round right after a plain one commits 1 token
+        (1 in ~11.5 ms against 1 in 10: the gate closes), one after a drafted round 3."""
+        gate, looks = DraftGate(warmup=1, explore_every=4, burst=burst), []
+        gate.record(1, 2, [2, 1], 2)
+        gate.record(1, 2, [2, 1], 2)
+        for i in range(1, rounds + 1):
+            go = gate.drafts(PAYS)
+            if go:
+                gate.record(3 if looks and looks[-1] == i - 1 else 1, 2, [2, 1], 2)
+                looks.append(i)
+            gate.timed(go, 11.5 if go else 10.0)
+        return looks
+
+    lone = first_undersells(1)
+    assert len(lone) <= 6 and all(b - a > 1 for a, b in zip(lone, lone[1:]))  # lone looks: stays shut
+    opened = first_undersells(3)
+    assert opened[0] == lone[0] and opened[1:3] == [opened[0] + 1, opened[0] + 2]
+    assert opened[2:] == list(range(opened[2], 41))  # the burst showed 3 tokens a round: open
+
+
 def test_rounds_timed_dearer_than_priced_close_the_gate():
     """The curve prices forwards timed alone; a round that pays more on the wall (the head's
     catch-up, captures, cache moves) closes the gate where its price alone would keep it open."""
@@ -252,7 +295,7 @@ def test_a_feature_head_skips_features_far_from_a_draft_and_drafts_again(feature
         pol = _EveryNth(6, q_scores, PAYS, max_width=3, max_nodes=12)
         eng = build_engine(target, draft, cfg, SamplingConfig(), stop=pol)
         behind = []
-        pol.timed = lambda drafted, ms, b=0.0: behind.append(b) if drafted else None
+        pol.timed = lambda drafted, ms, b=0.0, seen=behind: seen.append(b) if drafted else None
         got, st = eng.generate(prompt, 60)
         assert max(behind) > 0  # the look after a gap caught the head up on 2 entries
         assert got == ar_output(target, prompt, 60)
