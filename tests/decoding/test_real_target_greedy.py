@@ -11,6 +11,7 @@ from decoding import models
 from decoding.bench.agreement import check_greedy
 from decoding.forward.cost import CostCurve
 from decoding.growth import GrowPolicy, q_scores
+from decoding.stopping import DraftGate
 from decoding.sampling import SamplingConfig
 from decoding.models.session import Session
 from decoding.strategies import StrategyConfig, build_engine
@@ -21,9 +22,12 @@ N = 32
 
 
 def grow_policy(cfg):
-    """The cost-aware tree over q, with the CPU's measured cost shape (decoding.growth)."""
+    """The cost-aware tree over q, with the CPU's measured cost shape (decoding.growth), its gate
+    held open: the gate scales prices by rounds timed on the wall, and a loaded machine's timings
+    can shut it for the whole request, so that no deep path is taken (the gate's plain and drafted
+    rounds mixed keep ar's text too: tests/decoding/test_draft_gate.py)."""
     cost = CostCurve([1, 5, 16, 45, 64], [36.6, 41.0, 42.0, 55.0, 59.0], [4.0, 4.2, 5.0, 6.0, 7.0])
-    return GrowPolicy(q_scores, cost, max_width=cfg.width, max_nodes=cfg.max_nodes)
+    return GrowPolicy(q_scores, cost, max_width=cfg.width, max_nodes=cfg.max_nodes, gate=DraftGate(warmup=10**9))
 
 
 STANDALONE = Path(__file__).resolve().parents[2] / "checkpoints" / "drafts" / "smollm2-135m-draft"

@@ -13,6 +13,7 @@ from __future__ import annotations
 from decoding.batch.budget import JointGrow
 from decoding.batch.scheduler import BatchEngine
 from decoding.sampling import SamplingConfig
+from decoding.stopping import DraftGate
 from decoding.strategies import StrategyConfig
 from decoding.tree import layout_from_k_config
 
@@ -21,8 +22,10 @@ def joint_engine(session, scfg: StrategyConfig) -> BatchEngine:
     """The server's `--budget joint-always` engine over q for this pair: a tree of scfg's width and
     depth at most, the budget every round (no measured switch to plain rounds: those draft nothing)."""
     grow = session.grow_policy(scfg, scorer=None)
+    # the gate held open: a request left alone in its batch would otherwise be gated by rounds
+    # timed on the wall, and the traces would depend on the machine's load
     budget = JointGrow(grow.scorer, grow.cost, max_width=grow.max_width, max_nodes=grow.max_nodes,
-                       label=grow.label, needs_hidden=grow.needs_hidden)
+                       label=grow.label, needs_hidden=grow.needs_hidden, gate=DraftGate(warmup=10**9))
     return BatchEngine(session.target, session.draft, layout_from_k_config(scfg.k_levels), budget=budget)
 
 
