@@ -245,6 +245,13 @@ class DraftGate:
     _ahead: int = 0
     _burst_left: int = 0
 
+    @classmethod
+    def held_open(cls) -> DraftGate:
+        """A gate that never closes (its warm-up never ends): every round drafts, whatever the
+        rounds timed on the wall say, for traces, comparisons and tests that must not depend on
+        the machine's load."""
+        return cls(warmup=10 ** 9)
+
     def drafts(self, cost, explore: bool = True) -> bool:
         """Does the next round draft, at this context's `cost`? `explore` False: no look at the
         losing kind this round (a round whose time is not recorded, prompt rows riding in it)."""

@@ -102,7 +102,7 @@ def context_suite(contexts=(100, 600, 1200, 2400), prompts: int = 4, new_tokens:
             rows[name]._stop.gate = DraftGate(burst=BURST)  # the grow policy the engine is built with
             continue
         rows[name] = open_ = ar.default_variant()
-        open_._stop.gate = DraftGate(warmup=10 ** 9)  # the grow policy the engine is built with
+        open_._stop.gate = DraftGate.held_open()  # the grow policy the engine is built with
         if name == "default-unpriced":
             open_._stop.cost = replace(open_._stop.cost, policy_ms=0.0, overhead_ms=0.0)
     fill = ar.tokenizer(filler_text(), add_special_tokens=False)["input_ids"]

@@ -107,7 +107,7 @@ def test_replay_grows_the_tree_the_engine_grows(k_config):
     full.observer = rec
     cfg = StrategyConfig(strategy="mcsd", k_config=k, stop="confidence", confidence_rule="grow")
     pol = GrowPolicy(q_scores, GENTLE, max_width=max(k_config), level_widths=k_config, max_nodes=16,
-                     gate=DraftGate(warmup=10 ** 9))  # every first round drafts: the trees are compared
+                     gate=DraftGate.held_open())  # every first round drafts: the trees are compared
     grown = build_engine(target, draft, cfg, greedy, stop=pol)
     engine_trees, shapes = [], set()
     grown.observer = lambda tree, *_: engine_trees.append(tree)

@@ -256,7 +256,7 @@ def test_one_request_under_the_joint_budget_grows_growth_s_trees(pair):
     target, draft = pair
     cost = CostCurve([1, 8, 16, 64], [10.0, 11.0, 14.0, 40.0], [0.3, 0.3, 0.4, 0.5])
     score = lambda level: 0.5 + 0.5 * q_scores(level)  # above q: trees of several shapes
-    always = lambda: DraftGate(warmup=10 ** 9)  # every round drafts: the trees' sizing is compared
+    always = lambda: DraftGate.held_open()  # every round drafts: the trees' sizing is compared
     one = build_engine(target, draft, StrategyConfig(strategy="ti-mcsd", width=3, depth=4), GREEDY,
                        stop=GrowPolicy(score, cost, max_width=3, gate=always()))
     solo_trees = []

@@ -27,7 +27,7 @@ def grow_policy(cfg):
     can shut it for the whole request, so that no deep path is taken (the gate's plain and drafted
     rounds mixed keep ar's text too: tests/decoding/test_draft_gate.py)."""
     cost = CostCurve([1, 5, 16, 45, 64], [36.6, 41.0, 42.0, 55.0, 59.0], [4.0, 4.2, 5.0, 6.0, 7.0])
-    return GrowPolicy(q_scores, cost, max_width=cfg.width, max_nodes=cfg.max_nodes, gate=DraftGate(warmup=10**9))
+    return GrowPolicy(q_scores, cost, max_width=cfg.width, max_nodes=cfg.max_nodes, gate=DraftGate.held_open())
 
 
 STANDALONE = Path(__file__).resolve().parents[2] / "checkpoints" / "drafts" / "smollm2-135m-draft"

@@ -25,7 +25,7 @@ def joint_engine(session, scfg: StrategyConfig) -> BatchEngine:
     # the gate held open: a request left alone in its batch would otherwise be gated by rounds
     # timed on the wall, and the traces would depend on the machine's load
     budget = JointGrow(grow.scorer, grow.cost, max_width=grow.max_width, max_nodes=grow.max_nodes,
-                       label=grow.label, needs_hidden=grow.needs_hidden, gate=DraftGate(warmup=10**9))
+                       label=grow.label, needs_hidden=grow.needs_hidden, gate=DraftGate.held_open())
     return BatchEngine(session.target, session.draft, layout_from_k_config(scfg.k_levels), budget=budget)
 
 
