@@ -172,7 +172,10 @@ def test_bench_write_defaults(tmp_path, capsys):
     assert main(["--quick", "--no-sweep", "--temperatures", "0", "--repeats", "1", "--out", str(out2),
                  "--write-defaults"]) == 0
     mine = D.load_defaults(out2 / "defaults.yaml")
-    assert mine[kind]["strategy"] == entry["strategy"] and set(mine) == set(D.load_defaults())
+    # the pick of its own run: two timed runs may rank near-equal rows differently
+    res2 = json.loads((out2 / "results.json").read_text())
+    assert mine[kind] == pick_best(res2, source=str(out2 / "results.json"))
+    assert set(mine) == set(D.load_defaults())
     # the package's own file: never from a bench run (refused before the run)
     capsys.readouterr()
     assert main(["--quick", "--no-sweep", "--out", str(tmp_path / "r3"), "--write-defaults", str(D.DEFAULTS_PATH)]) == 2
