@@ -172,6 +172,28 @@ def test_rounds_timed_dearer_than_priced_close_the_gate():
     assert once.scale(True) == pytest.approx(1.0) and once.drafts(PAYS)
 
 
+def test_a_look_after_plain_rounds_prices_no_steady_drafting():
+    """A look drafts cold (its head restarted, weights the plain rounds evicted): timed at 3x its
+    price, it leaves the drafted rounds' scale to the plain rounds' (here 1.2x their price);
+    drafted rounds in a row set it."""
+    priced = tree_ms(PAYS, 2, [2, 1], 2)
+    gate, looks = DraftGate(warmup=1, explore_every=4, look_share=0.05), 0
+    gate.record(1, 64, [2] + [64] * 10, 640)  # far behind: shut, a look every 32nd round
+    for _ in range(100):
+        go = gate.drafts(PAYS)
+        if go:
+            gate.record(1, 2, [2, 1], 2)
+            looks += 1
+        gate.timed(go, 3 * priced if go else 1.2 * float(PAYS.target(1)))
+    assert looks >= 2 and gate.scale(False) == pytest.approx(1.2) and gate.scale(True) == pytest.approx(1.2)
+    steady = DraftGate(warmup=3)
+    for _ in range(3):  # the warm-up drafts round after round
+        assert steady.drafts(PAYS)
+        steady.record(3, 2, [2, 1], 2)
+        steady.timed(True, 2 * priced)
+    assert steady.scale(True) == pytest.approx(2.0)
+
+
 def _frontier(q) -> Frontier:
     return Frontier(depth=1, nodes=[-1], q=torch.tensor([q]), path_logq=[0.0], valid=[True], size=0)
 
