@@ -226,6 +226,16 @@ def export(model: DeciderModule, dm: TraceDataModule, rcfg: ReplayConfig, ecfg: 
     return run_dir, metrics
 
 
+def _leave_group() -> None:
+    """A DDP worker leaves its process group before it exits: left to the interpreter's teardown,
+    gloo's threads aborted a worker ("terminate called without an active exception"), and the
+    launcher then killed rank 0 in the middle of its export."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def main(argv=None) -> int:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*number of training batches.*")
@@ -252,6 +262,7 @@ def main(argv=None) -> int:
                 if rank_zero_only.rank == 0 else None)
         trainer.fit(model, datamodule=dm)
         if not trainer.is_global_zero:
+            _leave_group()
             return 0  # DDP workers: rank 0 evaluates and exports
         ckpt = trainer.checkpoint_callback
         if ckpt is not None and ckpt.best_model_path:
