@@ -213,11 +213,12 @@ class DraftGate:
     at most 8)."""
     look_share: float = 0.005
     """Most of the plain rounds' time the looks may take: a look (a drafted round after plain ones,
-    the head catching up on what it skipped first) costs its measured wall time above a plain
-    round's, so looks come at least that over (look_share x a plain round) rounds apart (a look
-    at 600 cached tokens took ~19 ms against 4 ms a plain round: one every 48th, as the rate gap
-    alone spaced them, cost ~8%; reports/context-2026-11-29). Where drafting loses, this share is
-    all the gate costs against `ar`: half a percent."""
+    the head catching up on what it skipped first) costs its measured wall time above what plain
+    rounds would take for the tokens it committed (`net_looks`), so looks come at least that over
+    (look_share x a plain round) rounds apart (a look at 600 cached tokens took ~19 ms against 4 ms
+    a plain round: one every 48th, as the rate gap alone spaced them, cost ~8%;
+    reports/context-2026-11-29). Where drafting loses, this share is all the gate costs against
+    `ar`: half a percent."""
     max_every: int = 512
     """Plain rounds in a row after which a look comes whatever it costs (the text changes)."""
     max_depth: int = 8
@@ -229,6 +230,13 @@ class DraftGate:
     where sd g2 committed 1.79 a round and ran 1.27x `ar`, and the gate stayed shut. The rounds
     after the first show the rate as drafting runs; looks are spaced by the whole burst's cost,
     so the share they may take (`look_share`) holds."""
+    net_looks: bool = True
+    """A look's cost is its wall time less a plain round's for each token it committed (False: less
+    one plain round, whatever it committed). A look that commits what drafting gives is no loss:
+    at 2,400 cached tokens on an AVX2 Zen 3 (2 threads) looks of 25-30 ms committing 2-3 tokens
+    beside 16.5 ms plain rounds were counted as 9-13 ms lost each, spaced the looks 512 plain
+    rounds apart, and the gate stayed shut (3% of rounds drafted) where sd g2 ran 1.28x `ar`;
+    netted, it drafted 76% of rounds at 1.17x `ar` (reports/context-2026-12-06-net)."""
     _past: deque = field(default_factory=deque, repr=False)
     _ms: dict = field(default_factory=lambda: {"look": deque(maxlen=4), "plain": deque(maxlen=8)}, repr=False)
     """Wall ms of the latest looks and plain rounds (`timed`)."""
@@ -313,10 +321,11 @@ class DraftGate:
     def _look_rounds(self) -> float:
         """Plain rounds a look's measured extra cost (each of its `burst` rounds timed as one)
         buys at `look_share` (0 before both are timed)."""
-        looks, plain = sorted(self._ms["look"]), sorted(self._ms["plain"])
-        if not looks or not plain:
+        plain = sorted(ms for ms, _ in self._ms["plain"])
+        if not self._ms["look"] or not plain:
             return 0.0
         base = plain[len(plain) // 2]
+        looks = sorted(ms - max(tokens - 1, 0) * base for ms, tokens in self._ms["look"])
         return self.burst * max(looks[len(looks) // 2] - base, 0.0) / (self.look_share * base)
 
     def scale(self, drafted: bool) -> float:
@@ -346,7 +355,8 @@ class DraftGate:
         if priced > 0 and ms > 0 and not (drafted and self._cold):
             self._scale[drafted].append((max(ms - behind_ms, 0.0), priced))
         if ms > 0 and (self._looking or not drafted):
-            self._ms["look" if drafted else "plain"].append(ms)
+            tokens = self._past[-1][0] if drafted and self._past and self.net_looks else 0
+            self._ms["look" if drafted else "plain"].append((ms, tokens))
 
     def rate(self, cost) -> float:
         """Tokens per ms the remembered drafted rounds would run at on `cost`."""

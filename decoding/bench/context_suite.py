@@ -11,9 +11,10 @@ loaded target (the GGUF one by default, as the llama suite), greedy, the variant
 per prompt and repeat so drift hits all alike. Reported per context: decoding tokens per second
 after the first round (the prompt's forward left out), tokens per round, paired speedups with 95% intervals over prompts
 (decoding.bench.stats), and whether every variant's text equals `ar`'s. `--variants
-default,ar,default-ungated,default-unpriced,default-window-all,default-decider,default-burst` adds the
-default with its gate always open, with its host work unpriced, with its head attending the whole
-context, with the decider's scores for q's, and with looks of several rounds (ON_REQUEST).
+default,ar,default-ungated,default-unpriced,default-window-all,default-decider,default-burst,default-gross`
+adds the default with its gate always open, with its host work unpriced, with its head attending
+the whole context, with the decider's scores for q's, with looks of several rounds, and with looks
+costed gross of the tokens they commit (ON_REQUEST).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ VARIANTS = {
 }
 """Rows: the default, plain decoding and the fixed shapes that ran fastest on the CPU."""
 ON_REQUEST = ("default-ungated", "default-unpriced", "default-window-all", "sd-g3-window-all", "default-decider",
-              "default-burst")
+              "default-burst", "default-gross")
 """Rows run only when --variants names them: the default with its gate always open (every round
 drafts), to isolate what the gate gives; and also with its host work unpriced (policy_ms and
 overhead_ms 0: the rule as it ran before they were timed), to isolate what pricing gives; the
@@ -47,7 +48,9 @@ default, and sd g3, with its feature head attending the whole context (head_wind
 isolate what the window gives (sd g3 drafts every round: its tokens a round show the head's
 acceptance); and the default with the shipped decider's scores in place of q (its grow rule and
 gate otherwise the same), to compare the two as the rule's estimate; and the default whose looks
-draft BURST rounds in a row (DraftGate.burst), to see whether lone looks undersell drafting."""
+draft BURST rounds in a row (DraftGate.burst), to see whether lone looks undersell drafting; and the
+default whose looks cost their whole time above a plain round's, whatever they commit
+(DraftGate.net_looks off), to see what netting gives."""
 BURST = 4
 
 
@@ -96,6 +99,10 @@ def context_suite(contexts=(100, 600, 1200, 2400), prompts: int = 4, new_tokens:
         if name.endswith("-window-all"):
             rows[name] = ar.default_variant(head_window=0) if name.startswith("default") else \
                 ar.variant(**VARIANTS["sd-g3"], head_window=0)
+            continue
+        if name == "default-gross":
+            rows[name] = ar.default_variant()
+            rows[name]._stop.gate = DraftGate(net_looks=False)  # the grow policy the engine is built with
             continue
         if name == "default-burst":
             rows[name] = ar.default_variant()

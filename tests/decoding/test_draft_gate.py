@@ -100,6 +100,24 @@ def test_looks_are_spaced_by_what_they_were_measured_to_cost():
     assert run(capped, 120) == [33, 84]
 
 
+def test_a_look_costs_its_time_less_what_plain_rounds_would_take_for_its_tokens():
+    """A look timed at 20 ms beside 4 ms plain rounds that commits 4 tokens bought what 4 plain
+    rounds (16 ms) would have: it costs 4 ms, so at look_share 0.05 the next look may come 4 / (0.05
+    x 4) = 20 plain rounds on; one that commits 5 or more costs nothing; one that commits 1 costs
+    its whole 16 ms (80 rounds), as every look does with net_looks off."""
+    def spacing(tokens, net=True):
+        gate = DraftGate(warmup=1, explore_every=4, look_share=0.05, net_looks=net)
+        gate.record(1, 64, [2] + [64] * 10, 640)  # far behind: closed
+        while not gate.drafts(PAYS):  # plain rounds up to the rate gap's look
+            gate.timed(False, 4.0)
+        gate.record(tokens, 1, [2], 1)
+        gate.timed(True, 20.0)
+        return gate._look_rounds()
+
+    assert [spacing(t) for t in (1, 2, 4, 5, 8)] == [80.0, 60.0, 20.0, 0.0, 0.0]
+    assert spacing(4, net=False) == 80.0
+
+
 def test_a_look_of_several_rounds_is_spaced_by_its_whole_cost_and_can_open_the_gate():
     """burst 3: a closed gate's look drafts 3 rounds in a row; timed at 20 ms each beside 4 ms plain
     rounds, a look costs 3 x 16 ms, so at look_share 0.05 the next comes 240 plain rounds on (a
