@@ -239,7 +239,8 @@ class DraftGate:
     netted, it drafted 76% of rounds at 1.17x `ar` (reports/context-2026-12-06-net)."""
     _past: deque = field(default_factory=deque, repr=False)
     _ms: dict = field(default_factory=lambda: {"look": deque(maxlen=4), "plain": deque(maxlen=8)}, repr=False)
-    """Wall ms of the latest looks and plain rounds (`timed`)."""
+    """The latest looks' (wall ms, tokens committed; 0 with `net_looks` off) and plain rounds' wall ms
+    (`timed`)."""
     _looking: bool = False
     _recorded: int = 0
     _memo: tuple = (None, None)
@@ -319,14 +320,15 @@ class DraftGate:
         return self._memo[2:]
 
     def _look_rounds(self) -> float:
-        """Plain rounds a look's measured extra cost (each of its `burst` rounds timed as one)
-        buys at `look_share` (0 before both are timed)."""
-        plain = sorted(ms for ms, _ in self._ms["plain"])
+        """Plain rounds a look's measured extra cost (each of its `burst` rounds timed as one: its
+        time less a plain round's for each token committed, at least one) buys at `look_share` (0
+        before both are timed)."""
+        plain = sorted(self._ms["plain"])
         if not self._ms["look"] or not plain:
             return 0.0
         base = plain[len(plain) // 2]
-        looks = sorted(ms - max(tokens - 1, 0) * base for ms, tokens in self._ms["look"])
-        return self.burst * max(looks[len(looks) // 2] - base, 0.0) / (self.look_share * base)
+        looks = sorted(ms - max(tokens, 1) * base for ms, tokens in self._ms["look"])
+        return self.burst * max(looks[len(looks) // 2], 0.0) / (self.look_share * base)
 
     def scale(self, drafted: bool) -> float:
         """Measured over priced time of the latest rounds of that kind, their sums' ratio (1: none
@@ -354,9 +356,10 @@ class DraftGate:
         priced = self._now[1]
         if priced > 0 and ms > 0 and not (drafted and self._cold):
             self._scale[drafted].append((max(ms - behind_ms, 0.0), priced))
-        if ms > 0 and (self._looking or not drafted):
-            tokens = self._past[-1][0] if drafted and self._past and self.net_looks else 0
-            self._ms["look" if drafted else "plain"].append((ms, tokens))
+        if ms > 0 and drafted and self._looking:
+            self._ms["look"].append((ms, self._past[-1][0] if self._past and self.net_looks else 0))
+        elif ms > 0 and not drafted:
+            self._ms["plain"].append(ms)
 
     def rate(self, cost) -> float:
         """Tokens per ms the remembered drafted rounds would run at on `cost`."""
