@@ -171,7 +171,7 @@ class GrowPolicy(StopPolicy):
         """Does this round draft at all (`context`: cached tokens)? The gate's call, made before
         the draft's first step: a skipped round is a plain step, with no draft step paid."""
         self._round = {}
-        return self.gate.drafts(self.cost.at_context(context))
+        return self.gate.drafts(self.cost.at_context(context), context=context)
 
     def timed(self, drafted: bool, ms: float, behind_ms: float = 0.0) -> None:
         self.gate.timed(drafted, ms, behind_ms)

@@ -200,6 +200,13 @@ def can_pay(cost, max_depth: int) -> bool:
     return False
 
 
+def _near(a: int, b: int, span: float) -> bool:
+    """Are two contexts (cached tokens) within `span` of each other? Below 128 cached tokens the
+    keys cost little beside the weights: one context."""
+    lo, hi = sorted((max(a, 128), max(b, 128)))
+    return hi <= span * lo
+
+
 @dataclass
 class DraftGate:
     """Whether a round drafts at all (the comment above says how it decides)."""
@@ -237,6 +244,15 @@ class DraftGate:
     beside 16.5 ms plain rounds were counted as 9-13 ms lost each, spaced the looks 512 plain
     rounds apart, and the gate stayed shut (3% of rounds drafted) where sd g2 ran 1.28x `ar`;
     netted, it drafted 76% of rounds at 1.17x `ar` (reports/context-2026-12-06-net)."""
+    scale_span: float = 1.5
+    """Drafted rounds price drafting only at contexts within this factor of the current one
+    (cached tokens, 128 at least): what a drafted round pays beside its price moves with the
+    context (AVX2 Zen 3, 2 threads: 1.72-1.78x at 600 cached tokens, 1.15x at 2,400), and a scale
+    kept from shorter contexts held the gate shut at 2,400 where sd g2 ran 1.2x `ar`."""
+    scale_warm: int = 4
+    """Drafted rounds timed near this context before their scale prices drafting; until then it
+    is the plain rounds' (timed at every context), so a gate that opens drafts these rounds in a
+    row and measures its own: a single round timed at 2.35x its price kept the gate shut."""
     _past: deque = field(default_factory=deque, repr=False)
     _ms: dict = field(default_factory=lambda: {"look": deque(maxlen=4), "plain": deque(maxlen=8)}, repr=False)
     """The latest looks' (wall ms, tokens committed; 0 with `net_looks` off) and plain rounds' wall ms
@@ -245,12 +261,13 @@ class DraftGate:
     _recorded: int = 0
     _memo: tuple = (None, None)
     _plain: int = 0
-    _scale: dict = field(default_factory=lambda: {True: deque(maxlen=8), False: deque(maxlen=8)}, repr=False)
-    """Measured / priced time of the latest drafted and plain rounds (`timed`): the curve prices
+    _scale: dict = field(default_factory=lambda: {True: deque(maxlen=32), False: deque(maxlen=8)}, repr=False)
+    """(measured ms, priced ms, context) of the latest drafted and plain rounds (`timed`): the curve prices
     forwards timed alone, a round pays more (the feature head's catch-up, capture, cache moves,
     more at long contexts), and a gate on prices alone drafted at 600 cached tokens where drafting
     lost to `ar` (reports/context-2026-11-28)."""
     _now: tuple = (None, 0.0)
+    _context: int = 0
     _ahead: int = 0
     _burst_left: int = 0
     _cold: bool = False
@@ -264,9 +281,11 @@ class DraftGate:
         the machine's load."""
         return cls(warmup=10 ** 9)
 
-    def drafts(self, cost, explore: bool = True) -> bool:
-        """Does the next round draft, at this context's `cost`? `explore` False: no look at the
-        losing kind this round (a round whose time is not recorded, prompt rows riding in it)."""
+    def drafts(self, cost, explore: bool = True, context: int | None = None) -> bool:
+        """Does the next round draft, at this context's `cost` (`context`: its cached tokens; None:
+        the curve's)? `explore` False: no look at the losing kind this round (a round whose time
+        is not recorded, prompt rows riding in it)."""
+        self._context = int(cost.context if context is None else context)
         if self._ahead > 0 and self._memo[1] is cost:
             # a plain round promised by `lookahead` on the same curve: nothing to re-decide (a new
             # curve every 16 cached tokens, or a new request, re-decides)
@@ -336,13 +355,16 @@ class DraftGate:
         median: drafted rounds' times spread 2x, and the lower median, kept to drop a round that
         caught the head up on a prompt (now left out as `behind_ms`), opened the gate at 100
         cached tokens on 1 thread where drafted rounds ran at 0.87x plain ones. Drafted rounds are
-        the steady ones, drafted after drafted (`timed`); before any, a drafted round is taken to
-        be as dear beside its price as a plain one."""
+        the steady ones, drafted after drafted (`timed`), at contexts near this one (`scale_span`);
+        before `scale_warm` of them, a drafted round is taken to be as dear beside its price as a
+        plain one."""
         seen = self._scale[drafted]
-        if drafted and not seen:
-            return self.scale(False)
-        priced = sum(p for _, p in seen)
-        return sum(m for m, _ in seen) / priced if priced > 0 else 1.0
+        if drafted:
+            seen = [x for x in seen if _near(x[2], self._context, self.scale_span)][-8:]
+            if len(seen) < max(self.scale_warm, 1):
+                return self.scale(False)
+        priced = sum(p for _, p, _ in seen)
+        return sum(m for m, _, _ in seen) / priced if priced > 0 else 1.0
 
     def timed(self, drafted: bool, ms: float, behind_ms: float = 0.0) -> None:
         """The round just run (drafted: the gate let it draft) took `ms` on the wall, `behind_ms`
@@ -355,7 +377,7 @@ class DraftGate:
         and looks alone kept the gate shut where sd g2 ran 1.2x `ar`."""
         priced = self._now[1]
         if priced > 0 and ms > 0 and not (drafted and self._cold):
-            self._scale[drafted].append((max(ms - behind_ms, 0.0), priced))
+            self._scale[drafted].append((max(ms - behind_ms, 0.0), priced, self._context))
         if ms > 0 and drafted and self._looking:
             self._ms["look"].append((ms, self._past[-1][0] if self._past and self.net_looks else 0))
         elif ms > 0 and not drafted:

@@ -118,7 +118,7 @@ class JointGrow:
         """Does a round of one request (`context` cached tokens) draft at all? Before its first
         draft step; False: a plain round (`explore`: DraftGate.drafts)."""
         self._sized = False
-        return self.gate.drafts(self.cost.at_context(context), explore)
+        return self.gate.drafts(self.cost.at_context(context), explore, context)
 
     def timed(self, drafted: bool, ms: float, behind_ms: float = 0.0) -> None:
         """A steady round of one request took `ms` (decoding.stopping.DraftGate.timed)."""

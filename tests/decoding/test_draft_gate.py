@@ -3,6 +3,7 @@ priced with every cost (verify rows at the current context, draft steps, each le
 tree round's fixed cost); the text stays ar's, for the single-request engine and the batch one."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -204,12 +205,44 @@ def test_a_look_after_plain_rounds_prices_no_steady_drafting():
             looks += 1
         gate.timed(go, 3 * priced if go else 1.2 * float(PAYS.target(1)))
     assert looks >= 2 and gate.scale(False) == pytest.approx(1.2) and gate.scale(True) == pytest.approx(1.2)
-    steady = DraftGate(warmup=3)
-    for _ in range(3):  # the warm-up drafts round after round
+    steady = DraftGate(warmup=4)
+    for _ in range(4):  # the warm-up drafts round after round; 4 of them (`scale_warm`) set the scale
+        assert steady.scale(True) == pytest.approx(1.0)
         assert steady.drafts(PAYS)
         steady.record(3, 2, [2, 1], 2)
         steady.timed(True, 2 * priced)
     assert steady.scale(True) == pytest.approx(2.0)
+
+
+def _drafted(gate, cost, drafted_ms, rounds=40):
+    """Rounds of chains of 2 (3 tokens) on `cost`, drafted ones timed at `drafted_ms`, plain ones
+    at their price: how many drafted."""
+    n = 0
+    for _ in range(rounds):
+        go = gate.drafts(cost)
+        if go:
+            gate.record(3, 2, [2, 1], 2)
+            n += 1
+        gate.timed(go, drafted_ms if go else float(cost.target(1)))
+    return n
+
+
+def test_drafted_rounds_price_drafting_only_near_their_own_context():
+    """Drafting that lost at 600 cached tokens (3x its price) does not keep the gate shut at 2,400,
+    where it pays (1.1x): there the plain rounds' scale prices it until 4 drafted rounds in a row
+    measure their own. Where it loses there too, those rounds close the gate again."""
+    priced = tree_ms(PAYS, 2, [2, 1], 2)
+    short, long_ = replace(PAYS, context=600), replace(PAYS, context=2400)
+    scoped, one_scope = DraftGate(), DraftGate(scale_span=float("inf"))
+    for gate in (scoped, one_scope):
+        assert _drafted(gate, short, 3 * priced) <= 6  # the warm-up and 4 in a row: then shut
+        assert gate.scale(True) == pytest.approx(3.0) and not gate.drafts(short)
+    assert _drafted(scoped, long_, 1.1 * priced) >= 38 and scoped.scale(True) == pytest.approx(1.1)
+    assert _drafted(one_scope, long_, 1.1 * priced) <= 2  # priced by 600's rounds: shut
+    loses = DraftGate()
+    _drafted(loses, short, 3 * priced)
+    assert _drafted(loses, long_, 3 * priced) == 5  # a cold round (not timed) and 4 timed
+    assert not loses.drafts(long_) and loses.drafts(short, context=550) is False
 
 
 def _frontier(q) -> Frontier:
