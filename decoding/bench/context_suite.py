@@ -11,10 +11,12 @@ loaded target (the GGUF one by default, as the llama suite), greedy, the variant
 per prompt and repeat so drift hits all alike. Reported per context: decoding tokens per second
 after the first round (the prompt's forward left out), tokens per round, paired speedups with 95% intervals over prompts
 (decoding.bench.stats), and whether every variant's text equals `ar`'s. `--variants
-default,ar,default-ungated,default-unpriced,default-window-all,default-decider,default-burst,default-gross`
+default,ar,default-ungated,default-unpriced,default-window-all,default-decider,default-burst,default-gross,
+default-unscoped`
 adds the default with its gate always open, with its host work unpriced, with its head attending
-the whole context, with the decider's scores for q's, with looks of several rounds, and with looks
-costed gross of the tokens they commit (ON_REQUEST).
+the whole context, with the decider's scores for q's, with looks of several rounds, with looks
+costed gross of the tokens they commit, and with drafting priced alike at every context
+(ON_REQUEST).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ VARIANTS = {
 }
 """Rows: the default, plain decoding and the fixed shapes that ran fastest on the CPU."""
 ON_REQUEST = ("default-ungated", "default-unpriced", "default-window-all", "sd-g3-window-all", "default-decider",
-              "default-burst", "default-gross")
+              "default-burst", "default-gross", "default-unscoped")
 """Rows run only when --variants names them: the default with its gate always open (every round
 drafts), to isolate what the gate gives; and also with its host work unpriced (policy_ms and
 overhead_ms 0: the rule as it ran before they were timed), to isolate what pricing gives; the
@@ -48,10 +50,13 @@ default, and sd g3, with its feature head attending the whole context (head_wind
 isolate what the window gives (sd g3 drafts every round: its tokens a round show the head's
 acceptance); and the default with the shipped decider's scores in place of q (its grow rule and
 gate otherwise the same), to compare the two as the rule's estimate; and the default whose looks
-draft BURST rounds in a row (DraftGate.burst), to see whether lone looks undersell drafting; and the
+draft 4 rounds in a row (DraftGate.burst), to see whether lone looks undersell drafting; and the
 default whose looks cost their whole time above a plain round's, whatever they commit
-(DraftGate.net_looks off), to see what netting gives."""
-BURST = 4
+(DraftGate.net_looks off), to see what netting gives; and the default whose drafted rounds price
+drafting at every context alike (DraftGate.scale_span unbounded), to see what scoping gives."""
+GATES = {"default-burst": {"burst": 4}, "default-gross": {"net_looks": False},
+         "default-unscoped": {"scale_span": float("inf")}}
+"""The rows of ON_REQUEST that change only the default's gate: its DraftGate settings."""
 
 
 def filler_text() -> str:
@@ -100,13 +105,9 @@ def context_suite(contexts=(100, 600, 1200, 2400), prompts: int = 4, new_tokens:
             rows[name] = ar.default_variant(head_window=0) if name.startswith("default") else \
                 ar.variant(**VARIANTS["sd-g3"], head_window=0)
             continue
-        if name == "default-gross":
+        if name in GATES:
             rows[name] = ar.default_variant()
-            rows[name]._stop.gate = DraftGate(net_looks=False)  # the grow policy the engine is built with
-            continue
-        if name == "default-burst":
-            rows[name] = ar.default_variant()
-            rows[name]._stop.gate = DraftGate(burst=BURST)  # the grow policy the engine is built with
+            rows[name]._stop.gate = DraftGate(**GATES[name])  # the grow policy the engine is built with
             continue
         rows[name] = open_ = ar.default_variant()
         open_._stop.gate = DraftGate.held_open()  # the grow policy the engine is built with
