@@ -200,6 +200,11 @@ def can_pay(cost, max_depth: int) -> bool:
     return False
 
 
+MOVED = 80
+"""Most cached tokens a round adds (its committed tokens; max_nodes 64 and the pending one): a
+larger move, or any fall, is a new prompt."""
+
+
 def _near(a: int, b: int, span: float) -> bool:
     """Are two contexts (cached tokens) within `span` of each other? Below 128 cached tokens the
     keys cost little beside the weights: one context."""
@@ -212,12 +217,12 @@ class DraftGate:
     """Whether a round drafts at all (the comment above says how it decides)."""
 
     window: int = 8
-    """Drafted rounds remembered (their tokens and tree shapes)."""
-    warmup: int = 2
-    """Drafted rounds before the history may close the gate."""
+    """Drafted rounds remembered near the current context (their tokens and tree shapes)."""
+    warmup: int = 4
+    """Drafted rounds near the current context before the history may close the gate."""
     explore_every: int = 16
-    """Plain rounds in a row after which one round drafts again (times the squared rate gap,
-    at most 8)."""
+    """Plain rounds in a row after which one round drafts again (times the squared rate gap, at
+    most 8), until looks are timed: then their measured cost spaces them (`look_share`)."""
     look_share: float = 0.005
     """Most of the plain rounds' time the looks may take: a look (a drafted round after plain ones,
     the head catching up on what it skipped first) costs its measured wall time above what plain
@@ -246,14 +251,15 @@ class DraftGate:
     netted, it drafted 76% of rounds at 1.17x `ar` (reports/context-2026-12-06-net)."""
     scale_span: float = 1.5
     """Drafted rounds price drafting only at contexts within this factor of the current one
-    (cached tokens, 128 at least): what a drafted round pays beside its price moves with the
-    context (AVX2 Zen 3, 2 threads: 1.72-1.78x at 600 cached tokens, 1.15x at 2,400), and a scale
-    kept from shorter contexts held the gate shut at 2,400 where sd g2 ran 1.2x `ar`."""
+    (cached tokens, 128 at least): the trees the grow rule sizes and what a round pays beside its
+    price move with the context (AVX2 Zen 3, 2 threads: 1.72-1.78x at 600 cached tokens, 1.15x at
+    2,400), and a history kept from shorter contexts (empty trees, dear rounds) held the gate shut
+    at 2,400 where sd g2 ran 1.2-1.3x `ar`. A context with no drafted rounds near it warms up."""
     scale_warm: int = 4
     """Drafted rounds timed near this context before their scale prices drafting; until then it
     is the plain rounds' (timed at every context), so a gate that opens drafts these rounds in a
     row and measures its own: a single round timed at 2.35x its price kept the gate shut."""
-    _past: deque = field(default_factory=deque, repr=False)
+    _past: deque = field(default_factory=lambda: deque(maxlen=32), repr=False)
     _ms: dict = field(default_factory=lambda: {"look": deque(maxlen=4), "plain": deque(maxlen=8)}, repr=False)
     """The latest looks' (wall ms, tokens committed; 0 with `net_looks` off) and plain rounds' wall ms
     (`timed`)."""
@@ -268,11 +274,14 @@ class DraftGate:
     lost to `ar` (reports/context-2026-11-28)."""
     _now: tuple = (None, 0.0)
     _context: int = 0
+    _fresh: int = 0
+    """Rounds since the context moved other than by a round's tokens (a new prompt)."""
     _ahead: int = 0
     _burst_left: int = 0
     _cold: bool = False
-    """The round being run drafts after a plain one: its head caught up on what it skipped, with
-    weights and caches the plain rounds evicted."""
+    """The round being run drafts after a plain one (its head caught up on what it skipped, with
+    weights and caches the plain rounds evicted), or is one of the first two after a prompt (at
+    2,400 cached tokens on an AVX2 Zen 3 they ran 1.6-2.3x their price, steady ones 1.2x)."""
 
     @classmethod
     def held_open(cls) -> DraftGate:
@@ -285,7 +294,9 @@ class DraftGate:
         """Does the next round draft, at this context's `cost` (`context`: its cached tokens; None:
         the curve's)? `explore` False: no look at the losing kind this round (a round whose time
         is not recorded, prompt rows riding in it)."""
-        self._context = int(cost.context if context is None else context)
+        context = int(cost.context if context is None else context)
+        moved = not self._context <= context <= self._context + MOVED
+        self._fresh, self._context = 0 if moved else self._fresh + 1, context
         if self._ahead > 0 and self._memo[1] is cost:
             # a plain round promised by `lookahead` on the same curve: nothing to re-decide (a new
             # curve every 16 cached tokens, or a new request, re-decides)
@@ -301,7 +312,7 @@ class DraftGate:
             go = True  # a look's further rounds: measured as drafting runs
         elif not pays:
             go, self._ahead = False, self.max_every  # until the context changes: a new request re-decides
-        elif len(self._past) < self.warmup:
+        elif len(self._near()) < self.warmup:
             go = True
         else:
             # skipping, look again every `explore_every` rounds, up to 8x rarer the further
@@ -309,7 +320,8 @@ class DraftGate:
             drafted = rate / self.scale(True)
             plain = 1.0 / (step * self.scale(False))
             gap = min(8.0, (plain / drafted) ** 2) if drafted > 0 else 8.0
-            due = min(max(self.explore_every * gap, self._look_rounds()), self.max_every)
+            due = self._look_rounds()
+            due = min(max(self.explore_every * gap if due is None else due, 1), self.max_every)
             look = explore and self._plain >= due
             go = drafted > plain or look
             if look and not drafted > plain:
@@ -317,8 +329,8 @@ class DraftGate:
             # a rate that beats plain may open the gate sooner (the curve moves with the context):
             # then the head drafts from what it has
             self._ahead = 0 if go else int(due - self._plain - 1)
-        self._looking = bursting or (go and len(self._past) >= self.warmup and self._plain > 0)
-        self._cold = go and self._plain > 0
+        self._looking = bursting or (go and len(self._near()) >= self.warmup and self._plain > 0)
+        self._cold = go and (self._plain > 0 or self._fresh <= 2)
         self._plain = 0 if go else self._plain + 1
         # priced until record() says what was drafted: a draft step that sized no node
         self._now = (cost, tree if go else step)
@@ -332,19 +344,21 @@ class DraftGate:
         """(can_pay, rate, a plain step's ms, an empty drafted round's ms) on `cost`, kept while
         the curve (one a 16-token step of context) and the history stay: ~25 curve reads a round
         cost ~2.5% of a plain step at 600 cached tokens."""
-        key = (id(cost), len(self._past), self._recorded)
+        key = (id(cost), self._context // 16, self._recorded)
         if self._memo[0] != key or self._memo[1] is not cost:
             self._memo = (key, cost, can_pay(cost, self.max_depth), self.rate(cost),
                           float(cost.target(1)), tree_ms(cost, 0, [2], 1))
         return self._memo[2:]
 
-    def _look_rounds(self) -> float:
+    def _look_rounds(self) -> float | None:
         """Plain rounds a look's measured extra cost (each of its `burst` rounds timed as one: its
-        time less a plain round's for each token committed, at least one) buys at `look_share` (0
-        before both are timed)."""
+        time less a plain round's for each token committed, at least one) buys at `look_share`
+        (None before both are timed). A look that costs nothing comes after one plain round: at
+        2,400 cached tokens on an AVX2 Zen 3 looks bought what plain rounds would, and a floor of
+        16 rounds between them left the gate shut where drafting ran 1.22x `ar`."""
         plain = sorted(self._ms["plain"])
         if not self._ms["look"] or not plain:
-            return 0.0
+            return None
         base = plain[len(plain) // 2]
         looks = sorted(ms - max(tokens, 1) * base for ms, tokens in self._ms["look"])
         return self.burst * max(looks[len(looks) // 2], 0.0) / (self.look_share * base)
@@ -360,7 +374,7 @@ class DraftGate:
         plain one."""
         seen = self._scale[drafted]
         if drafted:
-            seen = [x for x in seen if _near(x[2], self._context, self.scale_span)][-8:]
+            seen = self._near(seen)
             if len(seen) < max(self.scale_warm, 1):
                 return self.scale(False)
         priced = sum(p for _, p, _ in seen)
@@ -385,15 +399,20 @@ class DraftGate:
 
     def rate(self, cost) -> float:
         """Tokens per ms the remembered drafted rounds would run at on `cost`."""
-        ms = sum(tree_ms(cost, n, s, lv) for _, n, s, lv in self._past)
-        return sum(t for t, *_ in self._past) / ms if ms > 0 else float("inf")
+        past = self._near()
+        ms = sum(tree_ms(cost, n, s, lv) for _, n, s, lv, _ in past)
+        return sum(t for t, *_ in past) / ms if ms > 0 else float("inf")
+
+    def _near(self, rounds=None) -> list:
+        """The latest `window` of `rounds` (default: the drafted rounds' history) whose context
+        (their last field) is near the current one (`scale_span`)."""
+        rounds = self._past if rounds is None else rounds
+        return [x for x in rounds if _near(x[-1], self._context, self.scale_span)][-self.window:]
 
     def record(self, tokens: int, nodes: int, draft_sizes: list[int], parents: int) -> None:
         """A drafted round committed `tokens` with a tree of `nodes` (draft steps of
         `draft_sizes` tokens, levels of `parents` parents in all)."""
-        self._past.append((tokens, nodes, list(draft_sizes), parents))
+        self._past.append((tokens, nodes, list(draft_sizes), parents, self._context))
         self._recorded += 1
         if self._now[0] is not None:
             self._now = (self._now[0], tree_ms(self._now[0], nodes, draft_sizes, parents))
-        while len(self._past) > self.window:
-            self._past.popleft()

@@ -52,10 +52,11 @@ acceptance); and the default with the shipped decider's scores in place of q (it
 gate otherwise the same), to compare the two as the rule's estimate; and the default whose looks
 draft 4 rounds in a row (DraftGate.burst), to see whether lone looks undersell drafting; and the
 default whose looks cost their whole time above a plain round's, whatever they commit
-(DraftGate.net_looks off), to see what netting gives; and the default whose drafted rounds price
-drafting at every context alike (DraftGate.scale_span unbounded), to see what scoping gives."""
+(DraftGate.net_looks off), to see what netting gives; and the default whose gate keeps one history
+for every context (DraftGate.scale_span unbounded, 2 rounds of warm-up, the drafted rounds' scale
+from one), to see what scoping gives."""
 GATES = {"default-burst": {"burst": 4}, "default-gross": {"net_looks": False},
-         "default-unscoped": {"scale_span": float("inf")}}
+         "default-unscoped": {"scale_span": float("inf"), "warmup": 2, "scale_warm": 1}}
 """The rows of ON_REQUEST that change only the default's gate: its DraftGate settings."""
 
 

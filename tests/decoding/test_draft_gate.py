@@ -119,6 +119,21 @@ def test_a_look_costs_its_time_less_what_plain_rounds_would_take_for_its_tokens(
     assert spacing(4, net=False) == 80.0
 
 
+def test_looks_that_cost_nothing_come_one_plain_round_apart_and_open_the_gate():
+    """Looks timed at 12 ms beside 10 ms plain rounds that commit 3 tokens bought what 3 plain
+    rounds would: once one is timed, the next comes after a single plain round (not the rate gap's
+    spacing), and their tokens soon outweigh a far-behind history: the gate opens."""
+    gate, looks = DraftGate(warmup=1, explore_every=4, look_share=0.05), []
+    gate.record(1, 64, [2] + [64] * 10, 640)  # far behind: closed, the rate gap's first look at 33
+    for i in range(1, 61):
+        go = gate.drafts(PAYS)
+        if go:
+            gate.record(3, 2, [2, 1], 2)
+            looks.append(i)
+        gate.timed(go, 12.0 if go else float(PAYS.target(1)))
+    assert looks[:4] == [33, 35, 37, 39] and looks[-10:] == list(range(51, 61))
+
+
 def test_a_look_of_several_rounds_is_spaced_by_its_whole_cost_and_can_open_the_gate():
     """burst 3: a closed gate's look drafts 3 rounds in a row; timed at 20 ms each beside 4 ms plain
     rounds, a look costs 3 x 16 ms, so at look_share 0.05 the next comes 240 plain rounds on (a
@@ -205,13 +220,16 @@ def test_a_look_after_plain_rounds_prices_no_steady_drafting():
             looks += 1
         gate.timed(go, 3 * priced if go else 1.2 * float(PAYS.target(1)))
     assert looks >= 2 and gate.scale(False) == pytest.approx(1.2) and gate.scale(True) == pytest.approx(1.2)
-    steady = DraftGate(warmup=4)
-    for _ in range(4):  # the warm-up drafts round after round; 4 of them (`scale_warm`) set the scale
-        assert steady.scale(True) == pytest.approx(1.0)
+    steady = DraftGate(warmup=6)
+    for i in range(6):  # the warm-up drafts round after round: the first two after the prompt
+        assert steady.scale(True) == pytest.approx(1.0)  # price nothing, 4 (`scale_warm`) set the scale
         assert steady.drafts(PAYS)
         steady.record(3, 2, [2, 1], 2)
-        steady.timed(True, 2 * priced)
+        steady.timed(True, 9 * priced if i < 2 else 2 * priced)
     assert steady.scale(True) == pytest.approx(2.0)
+    steady.drafts(PAYS, context=100)  # a new prompt (the context jumped): its first two rounds price nothing
+    steady.timed(True, 9 * priced)
+    assert steady.drafts(PAYS, context=101) and steady.scale(True) == pytest.approx(2.0)
 
 
 def _drafted(gate, cost, drafted_ms, rounds=40):
@@ -230,18 +248,20 @@ def _drafted(gate, cost, drafted_ms, rounds=40):
 def test_drafted_rounds_price_drafting_only_near_their_own_context():
     """Drafting that lost at 600 cached tokens (3x its price) does not keep the gate shut at 2,400,
     where it pays (1.1x): there the plain rounds' scale prices it until 4 drafted rounds in a row
-    measure their own. Where it loses there too, those rounds close the gate again."""
+    measure their own. Where it loses there too, those rounds close the gate again. (Every round
+    here is timed; the engine leaves the prompt's out.)"""
     priced = tree_ms(PAYS, 2, [2, 1], 2)
     short, long_ = replace(PAYS, context=600), replace(PAYS, context=2400)
     scoped, one_scope = DraftGate(), DraftGate(scale_span=float("inf"))
     for gate in (scoped, one_scope):
-        assert _drafted(gate, short, 3 * priced) <= 6  # the warm-up and 4 in a row: then shut
+        # the prompt's round and the two after it (their time prices nothing), 4 timed: then shut
+        assert _drafted(gate, short, 3 * priced) <= 8
         assert gate.scale(True) == pytest.approx(3.0) and not gate.drafts(short)
     assert _drafted(scoped, long_, 1.1 * priced) >= 38 and scoped.scale(True) == pytest.approx(1.1)
     assert _drafted(one_scope, long_, 1.1 * priced) <= 2  # priced by 600's rounds: shut
     loses = DraftGate()
     _drafted(loses, short, 3 * priced)
-    assert _drafted(loses, long_, 3 * priced) == 5  # a cold round (not timed) and 4 timed
+    assert _drafted(loses, long_, 3 * priced) == 7  # 3 after the prompt (not timed) and 4 timed
     assert not loses.drafts(long_) and loses.drafts(short, context=550) is False
 
 
