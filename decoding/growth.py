@@ -29,7 +29,8 @@ import torch
 
 from decoding.decider.features import TOP_K
 from decoding.forward.cost import CostCurve
-from decoding.stopping import DraftGate, DraftLevel, Frontier, StopPolicy
+from decoding.gate import DraftGate
+from decoding.stopping import DraftLevel, Frontier, StopPolicy
 from decoding.tree import MAX_TREE_NODES
 
 
