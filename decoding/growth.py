@@ -29,7 +29,7 @@ import torch
 
 from decoding.decider.features import TOP_K
 from decoding.forward.cost import CostCurve
-from decoding.gate import DraftGate
+from decoding.stopping.gate import DraftGate
 from decoding.stopping import DraftLevel, Frontier, StopPolicy
 from decoding.tree import MAX_TREE_NODES
 

@@ -55,7 +55,7 @@ class TreeProposer:
     behind_ms = 0.0
     """Wall ms the latest propose spent catching the draft up on rounds it did not draft (a
     feature head's entries beyond one): a run that drafts every round does not pay it, so a
-    stop policy's timing of drafted rounds leaves it out (decoding.gate.DraftGate.timed)."""
+    stop policy's timing of drafted rounds leaves it out (decoding.stopping.gate.DraftGate.timed)."""
 
     def __init__(self, draft, layout: TreeLayout, sampling: SamplingConfig,
                  replacement: bool = False, roots_from_target: bool = False):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoding.forward.cost import NODES, CostCurve
-from decoding.gate import DraftGate
+from decoding.stopping.gate import DraftGate
 from decoding.growth import best_count, candidate_level, child_values, pooled_keys, worth_a_level
 from decoding.stopping import DraftLevel, Frontier
 from decoding.tree import MAX_TREE_NODES
@@ -121,7 +121,7 @@ class JointGrow:
         return self.gate.drafts(self.cost.at_context(context), explore, context)
 
     def timed(self, drafted: bool, ms: float, behind_ms: float = 0.0) -> None:
-        """A steady round of one request took `ms` (decoding.gate.DraftGate.timed)."""
+        """A steady round of one request took `ms` (decoding.stopping.gate.DraftGate.timed)."""
         self.gate.timed(drafted, ms, behind_ms)
 
     def lookahead(self) -> int:

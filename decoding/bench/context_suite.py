@@ -97,7 +97,7 @@ def context_suite(contexts=(100, 600, 1200, 2400), prompts: int = 4, new_tokens:
     for name in [n for n in ON_REQUEST if variants is not None and n in variants]:
         from dataclasses import replace
 
-        from decoding.gate import DraftGate
+        from decoding.stopping.gate import DraftGate
 
         if name == "default-decider":
             rows[name] = ar.default_variant(stop="decider", decider_rule="grow")

@@ -10,7 +10,7 @@ import pytest
 from support.models import noisy_copy, tiny_llama
 from support.decider import FORK, table
 from decoding.forward.cost import CostCurve
-from decoding.gate import DraftGate
+from decoding.stopping.gate import DraftGate
 from decoding.growth import GrowPolicy, q_scores
 from decoding.sampling import SamplingConfig
 from decoding.strategies import StrategyConfig, build_engine

@@ -250,7 +250,7 @@ def test_a_consumer_that_fails_ends_only_its_request(pair):
 def test_one_request_under_the_joint_budget_grows_growth_s_trees(pair):
     """With one request (a one-token prompt: one pending row, as growth.py assumes) the joint
     rule IS the grow rule: round by round the same trees as GrowPolicy's on the batch-1 engine."""
-    from decoding.gate import DraftGate
+    from decoding.stopping.gate import DraftGate
     from decoding.growth import GrowPolicy
 
     target, draft = pair

@@ -1,4 +1,4 @@
-"""decoding.gate: a round drafts nothing (a plain step, no draft step) where drafting cannot pay,
+"""decoding.stopping.gate: a round drafts nothing (a plain step, no draft step) where drafting cannot pay,
 priced with every cost (verify rows at the current context, draft steps, each level's host work, a
 tree round's fixed cost); the text stays ar's, for the single-request engine and the batch one."""
 
@@ -13,7 +13,7 @@ from support.models import noisy_copy, tiny_llama
 from decoding.batch.budget import JointGrow
 from decoding.batch.scheduler import BatchEngine
 from decoding.forward.cost import CostCurve
-from decoding.gate import DraftGate, can_pay, tree_ms
+from decoding.stopping.gate import DraftGate, can_pay, tree_ms
 from decoding.growth import GrowPolicy, q_scores
 from decoding.sampling import SamplingConfig
 from decoding.stopping import Frontier  # noqa: I001

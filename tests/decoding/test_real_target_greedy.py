@@ -11,7 +11,7 @@ from decoding import models
 from decoding.bench.agreement import check_greedy
 from decoding.forward.cost import CostCurve
 from decoding.growth import GrowPolicy, q_scores
-from decoding.gate import DraftGate
+from decoding.stopping.gate import DraftGate
 from decoding.sampling import SamplingConfig
 from decoding.models.session import Session
 from decoding.strategies import StrategyConfig, build_engine

@@ -13,7 +13,7 @@ from __future__ import annotations
 from decoding.batch.budget import JointGrow
 from decoding.batch.scheduler import BatchEngine
 from decoding.sampling import SamplingConfig
-from decoding.gate import DraftGate
+from decoding.stopping.gate import DraftGate
 from decoding.strategies import StrategyConfig
 from decoding.tree import layout_from_k_config
 

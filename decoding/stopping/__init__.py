@@ -3,7 +3,7 @@
 They read only draft-side information, so they change how much is drafted and never what
 is committed: every policy is lossless under a lossless acceptance rule.
 Interface (like transformers' CandidateGenerator): `drafts(context)` may skip a round's draft
-altogether (a plain step; decoding.gate), `widths(frontier)` may set how many children
+altogether (a plain step; decoding.stopping.gate), `widths(frontier)` may set how many children
 each frontier node gets (decoding.growth; default: the tree layout's), `expand(level)` during
 drafting says which nodes of the level just drafted get children (none: drafting ends; the default asks
 `should_stop` and extends the whole level), and `update(drafted_depth, accepted_depth)` once
@@ -86,7 +86,7 @@ class StopPolicy:
 
     def drafts(self, context: int) -> bool:
         """Does this round draft at all (`context`: cached tokens)? Asked before the draft's first
-        step; False: a plain round (decoding.gate). Must read only earlier rounds."""
+        step; False: a plain round (decoding.stopping.gate). Must read only earlier rounds."""
         return True
 
     def timed(self, drafted: bool, ms: float, behind_ms: float = 0.0) -> None:
