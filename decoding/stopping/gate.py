@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 #   (policy_ms per parent) and a tree round's fixed host cost (overhead_ms).
 # A curve on which even certain acceptance of a chain cannot beat plain never drafts. Otherwise it
 # drafts while the priced history says drafting wins, each side scaled by what its rounds measured
-# beside their price. The history and the drafted rounds' scale are those of contexts near the
-# current one: what the grow rule sizes and what a round pays move with the context. Skipping, it
-# looks (drafts one round) as often as a look's measured cost allows (`look_share`), since the text
-# changes and a skipped round records nothing.
+# beside their price. The history, the drafted rounds' scale and the looks' cost are those of
+# contexts near the current one: what the grow rule sizes and what a round pays move with the
+# context. Skipping, it looks (drafts one round) as often as a look's measured cost allows
+# (`look_share`), since the text changes and a skipped round records nothing.
 #
 # Lossless as every stop policy: the decision reads only earlier rounds and the cost curve, never
 # this round's draws, and a skipped round verifies no tree (the target's own next token).
@@ -51,11 +51,27 @@ MOVED = 80
 larger move, or any fall, is a new prompt."""
 
 
-def _near(a: int, b: int, span: float) -> bool:
-    """Are two contexts (cached tokens) within `span` of each other? Below 128 cached tokens the
-    keys cost little beside the weights: one context."""
-    lo, hi = sorted((max(a, 128), max(b, 128)))
-    return hi <= span * lo
+def _near(rounds, context: int, span: float, n: int) -> list:
+    """The latest `n` of `rounds` (each with its context, cached tokens, last) whose context is
+    within `span` of `context`, oldest first. Below 128 cached tokens the keys cost little beside
+    the weights: one context. (Read a few times a decision over up to MEMORY rounds: no call per
+    row, ~30 us for 512 on an AVX2 Zen 3 when few are near.)"""
+    c = max(context, 128)
+    lo, hi, out = c / span, c * span, []
+    lo = 0.0 if lo <= 128 else lo  # a context below 128 counts as 128
+    for x in reversed(rounds):
+        if lo <= x[-1] <= hi:
+            out.append(x)
+            if len(out) == n:
+                break
+    return out[::-1]
+
+
+MEMORY = 512
+"""Rounds of each kind the gate remembers, at every context: one context's rounds must not push
+out what another's measured. A history of 32 (and of 128) lost 600's rounds to the ~210 that
+the context suite's 8 requests drafted at 100 cached tokens, and the next pass warmed up again
+at 600: 5 rounds that committed 1 token each at 1.6x a plain round's time."""
 
 
 @dataclass
@@ -105,15 +121,19 @@ class DraftGate:
     """Drafted rounds timed near this context before their scale prices drafting; until then it
     is the plain rounds' (timed at every context), so a gate that opens drafts these rounds in a
     row and measures its own: a single round timed at 2.35x its price kept the gate shut."""
-    _past: deque = field(default_factory=lambda: deque(maxlen=32), repr=False)
-    _ms: dict = field(default_factory=lambda: {"look": deque(maxlen=4), "plain": deque(maxlen=8)}, repr=False)
-    """The latest looks' (wall ms, tokens committed; 0 with `net_looks` off) and plain rounds' wall ms
-    (`timed`)."""
+    _past: deque = field(default_factory=lambda: deque(maxlen=MEMORY), repr=False)
+    _ms: dict = field(default_factory=lambda: {"look": deque(maxlen=MEMORY), "plain": deque(maxlen=MEMORY)},
+                      repr=False)
+    """The latest looks' (wall ms, tokens committed, 0 with `net_looks` off; context) and plain
+    rounds' (wall ms, context) (`timed`): looks are spaced by those near the current context
+    (`_look_rounds`). Looks at 100 cached tokens that cost nothing spaced looks at 600 one plain
+    round apart: 5 looks in 511 rounds, each 12 ms above a plain round's 8.5, committing 1 token."""
     _looking: bool = False
     _recorded: int = 0
     _memo: tuple = (None, None)
     _plain: int = 0
-    _scale: dict = field(default_factory=lambda: {True: deque(maxlen=32), False: deque(maxlen=8)}, repr=False)
+    _scale: dict = field(default_factory=lambda: {True: deque(maxlen=MEMORY), False: deque(maxlen=8)},
+                         repr=False)
     """(measured ms, priced ms, context) of the latest drafted and plain rounds (`timed`): the curve prices
     forwards timed alone, a round pays more (the feature head's catch-up, capture, cache moves,
     more at long contexts), and a gate on prices alone drafted at 600 cached tokens where drafting
@@ -151,6 +171,7 @@ class DraftGate:
             self._now = (cost, self._memo[4])
             return False
         pays, rate, step, tree = self._priced(cost)
+        warm = len(self._near()) >= self.warmup
         self._ahead = 0
         bursting = self._burst_left > 0 and explore and pays
         self._burst_left = self._burst_left - 1 if bursting else 0
@@ -158,24 +179,23 @@ class DraftGate:
             go = True  # a look's further rounds: measured as drafting runs
         elif not pays:
             go, self._ahead = False, self.max_every  # until the context changes: a new request re-decides
-        elif len(self._near()) < self.warmup:
+        elif not warm:
+            go = True
+        elif (drafted := rate / self.scale(True)) > (plain := 1.0 / (step * self.scale(False))):
             go = True
         else:
             # skipping, look again every `explore_every` rounds, up to 8x rarer the further
             # drafting falls behind (a look costs what drafting loses against a plain step)
-            drafted = rate / self.scale(True)
-            plain = 1.0 / (step * self.scale(False))
             gap = min(8.0, (plain / drafted) ** 2) if drafted > 0 else 8.0
             due = self._look_rounds()
             due = min(max(self.explore_every * gap if due is None else due, 1), self.max_every)
-            look = explore and self._plain >= due
-            go = drafted > plain or look
-            if look and not drafted > plain:
+            go = explore and self._plain >= due
+            if go:
                 self._burst_left = self.burst - 1
             # a rate that beats plain may open the gate sooner (the curve moves with the context):
             # then the head drafts from what it has
             self._ahead = 0 if go else int(due - self._plain - 1)
-        self._looking = bursting or (go and len(self._near()) >= self.warmup and self._plain > 0)
+        self._looking = bursting or (go and warm and self._plain > 0)
         self._cold = go and (self._plain > 0 or self._fresh <= 2)
         self._plain = 0 if go else self._plain + 1
         # priced until record() says what was drafted: a draft step that sized no node
@@ -202,11 +222,12 @@ class DraftGate:
         (None before both are timed). A look that costs nothing comes after one plain round: at
         2,400 cached tokens on an AVX2 Zen 3 looks bought what plain rounds would, and a floor of
         16 rounds between them left the gate shut where drafting ran 1.22x `ar`."""
-        plain = sorted(self._ms["plain"])
-        if not self._ms["look"] or not plain:
+        plain = sorted(ms for ms, _ in self._near(self._ms["plain"], 8))
+        looks = self._near(self._ms["look"], 4)
+        if not looks or not plain:
             return None
         base = plain[len(plain) // 2]
-        looks = sorted(ms - max(tokens, 1) * base for ms, tokens in self._ms["look"])
+        looks = sorted(ms - max(tokens, 1) * base for ms, tokens, _ in looks)
         return self.burst * max(looks[len(looks) // 2], 0.0) / (self.look_share * base)
 
     def scale(self, drafted: bool) -> float:
@@ -220,7 +241,7 @@ class DraftGate:
         plain one."""
         seen = self._scale[drafted]
         if drafted:
-            seen = self._near(seen)
+            seen = self._near(seen, 32)
             if len(seen) < max(self.scale_warm, 1):
                 return self.scale(False)
         priced = sum(p for _, p, _ in seen)
@@ -239,9 +260,9 @@ class DraftGate:
         if priced > 0 and ms > 0 and not (drafted and self._cold):
             self._scale[drafted].append((max(ms - behind_ms, 0.0), priced, self._context))
         if ms > 0 and drafted and self._looking:
-            self._ms["look"].append((ms, self._past[-1][0] if self._past and self.net_looks else 0))
+            self._ms["look"].append((ms, self._past[-1][0] if self._past and self.net_looks else 0, self._context))
         elif ms > 0 and not drafted:
-            self._ms["plain"].append(ms)
+            self._ms["plain"].append((ms, self._context))
 
     def rate(self, cost) -> float:
         """Tokens per ms the remembered drafted rounds would run at on `cost`."""
@@ -249,11 +270,10 @@ class DraftGate:
         ms = sum(tree_ms(cost, n, s, lv) for _, n, s, lv, _ in past)
         return sum(t for t, *_ in past) / ms if ms > 0 else float("inf")
 
-    def _near(self, rounds=None) -> list:
-        """The latest `window` of `rounds` (default: the drafted rounds' history) whose context
-        (their last field) is near the current one (`scale_span`)."""
-        rounds = self._past if rounds is None else rounds
-        return [x for x in rounds if _near(x[-1], self._context, self.scale_span)][-self.window:]
+    def _near(self, rounds=None, n: int | None = None) -> list:
+        """The latest `n` (default `window`) of `rounds` (default: the drafted rounds' history)
+        whose context (their last field) is near the current one (`scale_span`)."""
+        return _near(self._past if rounds is None else rounds, self._context, self.scale_span, n or self.window)
 
     def record(self, tokens: int, nodes: int, draft_sizes: list[int], parents: int) -> None:
         """A drafted round committed `tokens` with a tree of `nodes` (draft steps of

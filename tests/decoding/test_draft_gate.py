@@ -261,8 +261,32 @@ def test_drafted_rounds_price_drafting_only_near_their_own_context():
     assert _drafted(one_scope, long_, 1.1 * priced) <= 2  # priced by 600's rounds: shut
     loses = DraftGate()
     _drafted(loses, short, 3 * priced)
-    assert _drafted(loses, long_, 3 * priced) == 7  # 3 after the prompt (not timed) and 4 timed
+    # 3 after the prompt (not timed), 4 timed, and a look: none timed at 2,400 yet, the rate gap spaces it
+    assert _drafted(loses, long_, 3 * priced) == 8
     assert not loses.drafts(long_) and loses.drafts(short, context=550) is False
+
+
+def test_a_context_keeps_its_history_and_its_looks_cost_while_another_drafts():
+    """Drafting that loses at 1,200 cached tokens (1 token in 30 ms beside 10 ms plain rounds) shuts
+    the gate there after its warm-up. 60 rounds drafted at 100 cached tokens, where it pays, push
+    none of that out: back at 1,200 there is no second warm-up, and looks come as 1,200's own
+    measured cost spaces them: (30 - 10) / (0.05 x 10) = 40 plain rounds apart."""
+    def drafted(gate, cost, tokens, ms, rounds):
+        out = []
+        for i in range(1, rounds + 1):
+            go = gate.drafts(cost)
+            if go:
+                gate.record(tokens, 2, [2, 1], 2)
+                out.append(i)
+            gate.timed(go, ms if go else float(cost.target(1)))
+        return out
+
+    gate = DraftGate(explore_every=4, look_share=0.05)
+    short, long_ = replace(PAYS, context=100), replace(PAYS, context=1200)
+    # 4 rounds of warm-up, a look spaced by the rate gap, then by its measured cost
+    assert drafted(gate, long_, 1, 30.0, 100) == [1, 2, 3, 4, 11, 52, 93]
+    assert len(drafted(gate, short, 3, 12.0, 60)) == 60
+    assert drafted(gate, long_, 1, 30.0, 100) == [41, 82]
 
 
 def _frontier(q) -> Frontier:
