@@ -242,7 +242,8 @@ class FeatureProposer(TreeProposer):
         """No tree this round: still take in the target's features of what was committed, so
         the head can draft again next round. `ahead`: plain rounds sure to follow this one; past
         FEATURE_LEAD of them, with `committed` (the committed length), this round's features are
-        not captured at all (a gap: the hooks and the head's catch-up cost a plain round ~3%)."""
+        not captured at all (a gap: a round that captures ran 1.017x [0.996, 1.039] one that does not,
+        1,200 cached tokens, AVX2 Zen 3, 2 threads; and the head catches up on fewer rows)."""
         self.capturing = ahead < FEATURE_LEAD or committed is None
         if self.capturing:
             self.model.ingest()
