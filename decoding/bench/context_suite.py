@@ -12,11 +12,11 @@ per prompt and repeat so drift hits all alike. Reported per context: decoding to
 after the first round (the prompt's forward left out), tokens per round, paired speedups with 95% intervals over prompts
 (decoding.bench.stats), and whether every variant's text equals `ar`'s. `--variants
 default,ar,default-ungated,default-unpriced,default-window-all,default-decider,default-burst,default-gross,
-default-unscoped`
+default-unscoped,default-linear`
 adds the default with its gate always open, with its host work unpriced, with its head attending
 the whole context, with the decider's scores for q's, with looks of several rounds, with looks
-costed gross of the tokens they commit, and with drafting priced alike at every context
-(ON_REQUEST).
+costed gross of the tokens they commit, with drafting priced alike at every context, and with
+one slope per cached key at every context (ON_REQUEST).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ VARIANTS = {
 }
 """Rows: the default, plain decoding and the fixed shapes that ran fastest on the CPU."""
 ON_REQUEST = ("default-ungated", "default-unpriced", "default-window-all", "sd-g3-window-all", "default-decider",
-              "default-burst", "default-gross", "default-unscoped")
+              "default-burst", "default-gross", "default-unscoped", "default-linear")
 """Rows run only when --variants names them: the default with its gate always open (every round
 drafts), to isolate what the gate gives; and also with its host work unpriced (policy_ms and
 overhead_ms 0: the rule as it ran before they were timed), to isolate what pricing gives; the
@@ -56,7 +56,9 @@ draft 4 rounds in a row (DraftGate.burst), to see whether lone looks undersell d
 default whose looks cost their whole time above a plain round's, whatever they commit
 (DraftGate.net_looks off), to see what netting gives; and the default whose gate keeps one history
 for every context (DraftGate.scale_span unbounded, 2 rounds of warm-up, the drafted rounds' scale
-from one), to see what scoping gives."""
+from one), to see what scoping gives; and the default whose cost curve extends its first slope per
+cached key past the second timed context (CostCurve.far_context 0: one line through 256 and 1,280
+cached tokens), to see what the far slope gives."""
 GATES = {"default-burst": {"burst": 4}, "default-gross": {"net_looks": False},
          "default-unscoped": {"scale_span": float("inf"), "warmup": 2, "scale_warm": 1}}
 """The rows of ON_REQUEST that change only the default's gate: its DraftGate settings."""
@@ -106,6 +108,10 @@ def context_suite(contexts=(100, 600, 1200, 2400), prompts: int = 4, new_tokens:
         if name in GATES:
             rows[name] = ar.default_variant()
             rows[name]._stop.gate = DraftGate(**GATES[name])  # the grow policy the engine is built with
+            continue
+        if name == "default-linear":
+            rows[name] = lin = ar.default_variant()
+            lin._stop.cost = replace(lin._stop.cost, far_context=0, target_far_key_ms=[], draft_far_key_ms=[])
             continue
         rows[name] = open_ = ar.default_variant()
         open_._stop.gate = DraftGate.held_open()  # the grow policy the engine is built with

@@ -39,6 +39,15 @@ class CostCurve:
     """ms a forward of key_sizes[i] tokens adds per cached token beyond `context`: every row reads
     every cached key, so a verify of many rows costs more at a long context than the curve says
     (1,328 cached tokens, 2-core EPYC: 8 rows' attention 5.0 ms a forward, a step's 1.5)."""
+    far_context: int = 0
+    """Cached tokens from which the far slopes apply instead (0: one slope at every context)."""
+    target_far_key_ms: list[float] = field(default_factory=list)
+    draft_far_key_ms: list[float] = field(default_factory=list)
+    """ms per cached token beyond `far_context` (key_sizes as above): the cost per key is not one
+    line. On an AVX2 Zen 3 (2 threads, GGUF target) a step timed 6.8 / 11.8 / 18.7 ms at 256 /
+    1,280 / 2,400 cached tokens and a 3-token verify 7.9 / 16.4 / 22.1: the line through the first
+    two priced them 14.4 and 20.3 at 2,400, so a chain looked 1.41x a step where it cost 1.18x
+    and the grow rule sized 0-2 nodes where sd g2 ran 1.25x `ar`."""
     _shifted: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
@@ -51,10 +60,14 @@ class CostCurve:
         ks = [list(d.get(k) or []) for k in ("key_sizes", "target_key_ms", "draft_key_ms")]
         if not len(ks[0]) == len(ks[1]) == len(ks[2]):
             raise ValueError("a cost model's key_sizes, target_key_ms and draft_key_ms need equal lengths")
+        far = int(d.get("far_context", 0))
+        fs = [list(d.get(k) or []) for k in ("target_far_key_ms", "draft_far_key_ms")]
+        if far and not len(fs[0]) == len(fs[1]) == len(ks[0]) or far < 0:
+            raise ValueError("a cost model's far_context needs target_far_key_ms and draft_far_key_ms, one per key size")
         return cls(list(d["sizes"]), [float(x) for x in d["target_ms"]], [float(x) for x in d["draft_ms"]],
                    float(d.get("overhead_ms", 0.0)), float(d.get("policy_ms", 0.0)), d.get("unit", NODES),
                    int(d.get("context", 0)), [int(x) for x in ks[0]], [float(x) for x in ks[1]],
-                   [float(x) for x in ks[2]])
+                   [float(x) for x in ks[2]], far, *([float(x) for x in f] if far else [] for f in fs))
 
     def at_context(self, cached: int) -> CostCurve:
         """The curve for forwards after `cached` tokens: the per-key term added to every size. The
@@ -67,20 +80,26 @@ class CostCurve:
         if cached <= self.context:
             return self
         if cached not in self._shifted:
-            def shift(ms, per_key):
-                slope = np.interp(self.sizes, self.key_sizes, per_key)
-                return monotone([m + (cached - self.context) * k for m, k in zip(ms, slope)])
+            far = max(cached - self.far_context, 0) if self.far_context else 0
+            near = cached - self.context - far
 
-            self._shifted[cached] = replace(self, target_ms=shift(self.target_ms, self.target_key_ms),
-                                            draft_ms=shift(self.draft_ms, self.draft_key_ms), context=cached,
-                                            key_sizes=[])
+            def shift(ms, per_key, far_key):
+                slope = np.interp(self.sizes, self.key_sizes, per_key)
+                far_slope = np.interp(self.sizes, self.key_sizes, far_key) if far else slope
+                return monotone([m + near * k + far * f for m, k, f in zip(ms, slope, far_slope)])
+
+            self._shifted[cached] = replace(
+                self, target_ms=shift(self.target_ms, self.target_key_ms, self.target_far_key_ms),
+                draft_ms=shift(self.draft_ms, self.draft_key_ms, self.draft_far_key_ms), context=cached,
+                key_sizes=[], far_context=0, target_far_key_ms=[], draft_far_key_ms=[])
         return self._shifted[cached]
 
     def to_dict(self) -> dict:
         return {"sizes": self.sizes, "target_ms": self.target_ms, "draft_ms": self.draft_ms, "unit": self.unit,
                 "overhead_ms": self.overhead_ms, "policy_ms": self.policy_ms,
                 "context": self.context, "key_sizes": self.key_sizes, "target_key_ms": self.target_key_ms,
-                "draft_key_ms": self.draft_key_ms}
+                "draft_key_ms": self.draft_key_ms, "far_context": self.far_context,
+                "target_far_key_ms": self.target_far_key_ms, "draft_far_key_ms": self.draft_far_key_ms}
 
     def target(self, n: int) -> float:
         return float(at(n, self.sizes, self.target_ms, self.unit))
@@ -188,9 +207,9 @@ def _time_feature_head(head, sizes, repeats: int, context: int) -> list[float]:
     return monotone([float(np.median(times[n][1:])) for n in sizes])
 
 
-CONTEXTS = (256, 1280)
-"""Cached tokens a curve is timed after: every size at the first, KEY_SIZES at the second too
-(the slope per cached key)."""
+CONTEXTS = (256, 1280, 2560)
+"""Cached tokens a curve is timed after: every size at the first, KEY_SIZES at the others too
+(the slope per cached key up to the second, and the far slope beyond it)."""
 KEY_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -203,12 +222,14 @@ def per_key(sizes, ms, key_sizes, long_ms, span: int) -> list[float]:
 
 def measure_cost(target, draft, sizes=COST_SIZES, repeats: int = 3, contexts=CONTEXTS,
                  key_sizes=KEY_SIZES, host_work=None) -> CostCurve:
-    """This machine's cost curve, in the dtype the models are in (2.3 s for the embedded GGUF
-    target on a 2-core EPYC): every size after contexts[0] cached tokens, key_sizes after
-    contexts[1] too, and, with `host_work` (decoding.growth.time_host_work: the round's own code,
-    which this room may not import), the host work of a level and of a tree round (else 0)."""
+    """This machine's cost curve, in the dtype the models are in (18 s for the embedded GGUF
+    target on an AVX2 Zen 3, 2 threads; 7.5 s without the third context, whose prompt of 2,560
+    tokens takes most of the rest): every size after contexts[0] cached tokens, key_sizes after
+    contexts[1] (and contexts[2], where given and the models have the positions) too, and, with
+    `host_work` (decoding.growth.time_host_work: the round's own code, which this room may not
+    import), the host work of a level and of a tree round (else 0)."""
     sizes, ks = list(sizes), [n for n in key_sizes if n <= max(sizes)]
-    short, long = (min(fit_context(m, c, sizes, repeats) for m in (target, draft)) for c in contexts)
+    short, long, *beyond = (min(fit_context(m, c, sizes, repeats) for m in (target, draft)) for c in contexts)
     host = {} if host_work is None else dict(zip(("policy_ms", "overhead_ms"), host_work(
         target.get_output_embeddings().weight.shape[0], repeats=max(repeats, 5), context=short,
         device=next(draft.parameters()).device)))
@@ -218,6 +239,11 @@ def measure_cost(target, draft, sizes=COST_SIZES, repeats: int = 3, contexts=CON
                          **host)
     t, d = time_forwards(target, sizes, repeats, short), time_forwards(draft, sizes, repeats, short, verify=False)
     tl, dl = time_forwards(target, ks, repeats, long), time_forwards(draft, ks, repeats, long, verify=False)
-    return CostCurve(sizes, t, d, unit=TOKENS, context=short, key_sizes=ks, **host,
+    far = {}
+    if beyond and beyond[0] > long:  # a third context: the slope beyond the second
+        tf, df = (time_forwards(m, ks, repeats, beyond[0], verify=v) for m, v in ((target, True), (draft, False)))
+        far = {"far_context": long, "target_far_key_ms": per_key(ks, tl, ks, tf, beyond[0] - long),
+               "draft_far_key_ms": per_key(ks, dl, ks, df, beyond[0] - long)}
+    return CostCurve(sizes, t, d, unit=TOKENS, context=short, key_sizes=ks, **host, **far,
                      target_key_ms=per_key(sizes, t, ks, tl, long - short),
                      draft_key_ms=per_key(sizes, d, ks, dl, long - short))

@@ -2,6 +2,7 @@
 so at a long context rows cost more than the curve timed at 256 cached tokens says, and the grow
 rules (one request's, and the joint budget's) read the curve at the context they draft after."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -35,6 +36,22 @@ def test_a_curve_read_at_another_context():
         CostCurve.from_dict({**CURVE.to_dict(), "target_key_ms": [1e-4]})
 
 
+def test_a_far_slope_prices_keys_beyond_the_second_context():
+    # one step: 1e-4 ms a key up to 1,280 cached tokens, 2e-4 beyond; 16 tokens: 1e-2, then 5e-3
+    far = replace(CURVE, far_context=1280, target_far_key_ms=[2e-4, 5e-3], draft_far_key_ms=[0.0, 1e-4])
+    assert far.at_context(1286).target(1) == pytest.approx(CURVE.at_context(1286).target(1))  # up to it: the same
+    long = far.at_context(2400)
+    assert long.target(1) == pytest.approx(10.0 + 1024 * 1e-4 + 1120 * 2e-4)
+    assert long.target(16) == pytest.approx(10.0 + 1024 * 1e-2 + 1120 * 5e-3)
+    assert long.draft(16) == pytest.approx(1.0 + 2144 * 1e-4) and long.far_context == 0  # read once: a plain curve
+    back = CostCurve.from_dict(far.to_dict())
+    assert back == far and back.at_context(2400).target(16) == pytest.approx(long.target(16))
+    lined = CostCurve.from_dict({**far.to_dict(), "far_context": 0})  # the far slope dropped: one line
+    assert lined.at_context(2400).target(1) == pytest.approx(10.0 + 2144 * 1e-4)
+    with pytest.raises(ValueError, match="far_context"):
+        CostCurve.from_dict({**far.to_dict(), "target_far_key_ms": [1e-4]})
+
+
 def test_the_slope_per_key_is_the_gap_between_two_contexts():
     assert per_key([1, 4], [10.0, 12.0], [1, 4], [11.0, 16.0], 100) == pytest.approx([0.01, 0.04])
     # a noisy long timing under the short one is no negative cost; a row never costs less than fewer
@@ -47,6 +64,12 @@ def test_measure_cost_times_a_second_context():
     c = measure_cost(model, model, sizes=[1, 4], repeats=1, contexts=(16, 200), key_sizes=(1, 2, 4, 8))
     assert c.context == 16 and c.key_sizes == [1, 2, 4]  # only sizes the curve has
     assert all(k >= 0 for k in c.target_key_ms) and c.target_key_ms == sorted(c.target_key_ms)
+    assert c.far_context == 0  # two contexts: one slope
+    c = measure_cost(model, model, sizes=[1, 4], repeats=1, contexts=(16, 100, 200), key_sizes=(1, 4))
+    assert c.far_context == 100 and len(c.target_far_key_ms) == len(c.draft_far_key_ms) == 2
+    assert c.target_far_key_ms == sorted(c.target_far_key_ms) and min(c.target_far_key_ms) >= 0
+    assert measure_cost(model, model, sizes=[1, 4], repeats=1, contexts=(16, 200, 4096)).far_context == 200  # timed within max_pos
+    assert measure_cost(model, model, sizes=[1, 4], repeats=1, contexts=(16, 600, 4096)).far_context == 0  # 600 takes what room is left
     few = tiny_llama(0, vocab=32, layers=1, max_pos=24)  # no room for a second context
     c = measure_cost(few, few, sizes=[1, 4], repeats=1, contexts=(16, 200))
     assert c.key_sizes == [] and c.at_context(4096) is c
