@@ -60,14 +60,14 @@ class CostCurve:
         ks = [list(d.get(k) or []) for k in ("key_sizes", "target_key_ms", "draft_key_ms")]
         if not len(ks[0]) == len(ks[1]) == len(ks[2]):
             raise ValueError("a cost model's key_sizes, target_key_ms and draft_key_ms need equal lengths")
-        far = int(d.get("far_context", 0))
-        fs = [list(d.get(k) or []) for k in ("target_far_key_ms", "draft_far_key_ms")]
-        if far and not len(fs[0]) == len(fs[1]) == len(ks[0]) or far < 0:
+        far = int(d.get("far_context", 0))  # 0 or absent (curves stored before it): one slope
+        fs = [[float(x) for x in d.get(k) or []] if far else [] for k in ("target_far_key_ms", "draft_far_key_ms")]
+        if far < 0 or (far and not len(fs[0]) == len(fs[1]) == len(ks[0])):
             raise ValueError("a cost model's far_context needs target_far_key_ms and draft_far_key_ms, one per key size")
         return cls(list(d["sizes"]), [float(x) for x in d["target_ms"]], [float(x) for x in d["draft_ms"]],
                    float(d.get("overhead_ms", 0.0)), float(d.get("policy_ms", 0.0)), d.get("unit", NODES),
                    int(d.get("context", 0)), [int(x) for x in ks[0]], [float(x) for x in ks[1]],
-                   [float(x) for x in ks[2]], far, *([float(x) for x in f] if far else [] for f in fs))
+                   [float(x) for x in ks[2]], far_context=far, target_far_key_ms=fs[0], draft_far_key_ms=fs[1])
 
     def at_context(self, cached: int) -> CostCurve:
         """The curve for forwards after `cached` tokens: the per-key term added to every size. The
