@@ -84,6 +84,35 @@ def test_synthesis_reads_the_user_prefix_resumes_and_writes_prompts(tmp_path, te
     assert rep["magpie"] == stats and (tmp_path / "rep" / "diversity.md").exists()
 
 
+def test_the_batch_engine_writes_a_new_raw_directory_after_the_earlier_ones(tmp_path, teacher):
+    """engine batch: our BatchEngine writes the turns; it numbers (and seeds) them after the turns
+    of the earlier directory, which keeps its own engine, and extract reads both."""
+    from training.corpus.__main__ import load
+    from training.corpus.magpie import main
+    from training.corpus.scale import ScaleConfig
+
+    base = dict(out=str(tmp_path / "p" / "magpie.jsonl"), n=6, batch_size=4, shard_size=4, max_new_tokens=24,
+                min_words=1, max_words=50, max_repeat=1.0, heldout_percent=30, report=None, compare=None)
+    hf = MagpieConfig(raw=str(tmp_path / "raw"), engine="hf", dtype="float32", **base)
+    synthesise(hf, teacher, progress=False)
+    bt, engine, _ = load(ScaleConfig(target=str(teacher.model.name_or_path), engine="plain", dtype="float32"))
+    cfg = MagpieConfig(**{**hf.__dict__, "raw": str(tmp_path / "raw-batch"), "read_also": [hf.raw],
+                          "engine": "batch", "n": 10})
+    res = synthesise(cfg, bt, progress=False, engine=engine)
+    assert res["new_rows"] == 4 and res["total_rows"] == 4
+    rows = load_corpus(cfg.raw).to_list()
+    assert [r["prompt_id"] for r in rows] == [f"magpie-{i:06d}" for i in range(6, 10)]
+    assert all(r["prompt_ids"] == encode(bt.tokenizer, user_prefix(bt.tokenizer)) for r in rows)
+    assert len({tuple(r["completion_ids"]) for r in rows}) == 4 and all(r["completion_ids"] for r in rows)
+    with pytest.raises(ValueError):  # the earlier directory refuses turns of another engine
+        synthesise(MagpieConfig(**{**cfg.__dict__, "raw": hf.raw, "read_also": []}), bt, progress=False,
+                   engine=engine)
+    stats = extract(cfg, bt.tokenizer)
+    assert stats["generated"] == 10
+    with pytest.raises(SystemExit, match="holds no raw Magpie turns"):
+        main(["--raw", str(tmp_path / "r2"), "--read-also", str(tmp_path / "none"), "--n", "2"])
+
+
 def test_diversity_cli_compares_sources(tmp_path, capsys):
     a = tmp_path / "a.jsonl"
     a.write_text("".join(json.dumps({"id": str(i), "prompt": f"Name {i} fruits."}) + "\n"

@@ -38,6 +38,10 @@ from training.corpus.teacher import GenClock, Teacher, _chunks
 ENGINES = ("plain", "speculative")
 
 
+SAMPLER = "batch-engine-per-turn-generator-v1"
+"""How a BatchEngine samples: each request from its own generator seeded by its id."""
+
+
 @dataclass
 class ScaleConfig:
     data: list[str] = field(default_factory=lambda: ["data/prompts/magpie.jsonl"])
@@ -102,7 +106,7 @@ class ScaleConfig:
         """Generation settings a corpus keeps for life (the engine and dtype may change by shard)."""
         return {"temperature": self.temperature, "top_p": self.top_p, "max_new_tokens": self.max_new_tokens,
                 "seed": self.seed, "max_turns": self.max_turns, "max_context_tokens": self.max_context_tokens,
-                "sampler": "batch-engine-per-turn-generator-v1"}
+                "sampler": SAMPLER}
 
 
 def prompt_key(messages) -> str:

@@ -312,8 +312,9 @@ def generate_rows(teacher: Teacher, encoded: list[list[int]], seeds: list[int], 
 
 
 def build_corpus(cfg: CorpusConfig, teacher: Teacher, prompts: list[Prompt],
-                 progress: bool = True) -> dict:
-    """Generate the prompts not yet in cfg.out; returns counts for this run."""
+                 progress: bool = True, generate=generate_rows) -> dict:
+    """Generate the prompts not yet in cfg.out; returns counts for this run. `generate`: how
+    (generate_rows' signature; cfg.dtype and cfg.sampler record what it computes in and samples by)."""
     from tqdm import tqdm
 
     generation = {"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
@@ -340,7 +341,7 @@ def build_corpus(cfg: CorpusConfig, teacher: Teacher, prompts: list[Prompt],
             encoded = [teacher.tokenizer.encode(p.text) if p.raw and teacher.tokenizer is not None
                        else teacher.encode(p.text) for p in chunk]
             seeds = [prompt_seed(cfg.seed, p.id) for p in chunk]
-            results = generate_rows(teacher, encoded, seeds, cfg, clock, bar)
+            results = generate(teacher, encoded, seeds, cfg, clock, bar)
             table = pa.table({
                 "prompt_id": [p.id for p in chunk], "kind": [p.kind for p in chunk],
                 "split": [p.split for p in chunk], "seed": seeds, "prompt_ids": encoded,
