@@ -8,7 +8,7 @@ continues it: what it writes up to its end-of-turn token is a user request drawn
 was tuned on. Generation reuses training.corpus.teacher (sharded, resumable: `raw` is a corpus
 directory, row i has its own seed), so a rerun with a larger --n grows it. `engine: batch` writes
 the turns with our batched engine (the target alone, in the device's defaults dtype: the GGUF
-target's own kernels on a CPU, ~7x transformers' generate in bf16 on an AVX2-only CPU), `hf` with
+target's own kernels on a CPU, 8.3x transformers' generate in bf16 on an AVX2-only Zen 3), `hf` with
 transformers' generate in `dtype`; a raw directory keeps the engine it started with, so a new
 engine writes a new one and lists the earlier ones in `read_also`. Then the turns are
 cleaned: unfinished (no end-of-turn within max_new_tokens), too short or long (words),
