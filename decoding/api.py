@@ -128,6 +128,11 @@ class Decoder:
         opts = {k: getattr(d, k) for k in _STRATEGY_KEYS} | {"decider_rule": d.decider_rule}
         return self.variant(**{**opts, **overrides})
 
+    def with_draft(self, draft) -> Decoder:
+        """This configuration on the same loaded target with another draft directory, checked
+        against it (Session.with_draft): how a benchmark runs two heads in one interleaved run."""
+        return Decoder(self.session.with_draft(draft), self.config, *self._decider, defaults=self.defaults)
+
     @property
     def tokenizer(self):
         return self.session.tokenizer

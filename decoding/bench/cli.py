@@ -68,6 +68,8 @@ def parser() -> argparse.ArgumentParser:
                     help="serve suite: also the row `ours, joint, logged KEEP` (--log-prompts on, keeping KEEP)")
     ap.add_argument("--head-gguf", default=None, help="llama suite: a head GGUF (python -m training.export "
                     "--format gguf) for the row llama.cpp + head")
+    ap.add_argument("--candidate-draft", default=None, metavar="DIR",
+                    help="llama suite: a head directory for the row `candidate` (our default with that head, interleaved)")
     ap.add_argument("--contexts", default="100,600,1200,2400", help="context suite: tokens a prompt is padded to")
     ap.add_argument("--variants", default=None, help="context suite: rows to run (default: context_suite.VARIANTS)")
     ap.add_argument("--write-defaults", nargs="?", const="", default=None, metavar="PATH",
@@ -167,7 +169,7 @@ def _llama_main(a, command: str) -> int:
     from decoding.bench.llama import llama_markdown, llama_suite
 
     res = llama_suite(a.prompts or 6, a.new_tokens, a.threads or 1, a.llama_server, a.target, a.head_gguf,
-                      progress=log)
+                      a.candidate_draft, progress=log)
     res["command"] = command
     return _write_suite(a, "llama", res, llama_markdown(res) + f"\nCommand: `{command}`\n")
 

@@ -12,7 +12,10 @@ generated tokens per second of the whole request including the prompt: llama.cpp
 a 95% bootstrap interval over prompts (decoding.bench.stats). With --head-gguf (the shipped
 head exported by `python -m training.export --format gguf`), a second llama-server serves the
 target with that head (`-md HEAD --spec-type draft-eagle3 --spec-draft-n-max 3`, llama.cpp's
-chain of 3): the row `llama.cpp+head`, with its accepted draft tokens per round.
+chain of 3): the row `llama.cpp+head`, with its accepted draft tokens per round. With
+--candidate-draft DIR, the row `candidate` is our default configuration with that head on the
+same loaded target, interleaved with the rest: a head's promotion measured before and after in
+one run (`candidate / default`).
 """
 
 from __future__ import annotations
@@ -118,7 +121,8 @@ class LlamaServer(ServerProcess):
 
 
 def llama_suite(prompts: int = 6, new_tokens: int = 96, threads: int = 1, server: str | None = None,
-                gguf: str | None = None, head_gguf: str | None = None, progress=print) -> dict:
+                gguf: str | None = None, head_gguf: str | None = None, candidate: str | None = None,
+                progress=print) -> dict:
     from decoding import models
     from decoding.forward import quant
     from decoding.api import Decoder
@@ -131,6 +135,10 @@ def llama_suite(prompts: int = 6, new_tokens: int = 96, threads: int = 1, server
     n_quant = quant.quantized(ar.session.target)
     chat = bool(getattr(ar.session.tokenizer, "chat_template", None))  # a base model (Gemma 3 270M): plain text
     rows = {"ar": ar, **({"default": default} if default else {})}
+    if candidate:
+        if default is None:
+            raise ValueError("--candidate-draft: the target has no shipped head to compare it with")
+        rows["candidate"] = default.with_draft(candidate)
     sets = BenchConfig().prompt_sets
     todo = [(kind, r) for kind, f in sets.items() for r in load_prompts(f, prompts)]
     if head_gguf and not Path(head_gguf).is_file():
@@ -166,24 +174,31 @@ def llama_suite(prompts: int = 6, new_tokens: int = 96, threads: int = 1, server
     finally:
         for srv in servers.values():
             srv.close()
-    ratios = {}
-    for a in rows:
-        for b in (*servers, *[x for x in rows if x != a]):
-            if (b, a) in ratios:
-                continue
-            pa, pb = res[a], res[b]
-            ratios[(a, b)] = speedup_ci([[r["tokens"] for r in pa]], [[r["wall_s"] for r in pa]],
-                                        [[r["tokens"] for r in pb]], [[r["wall_s"] for r in pb]])
+    ratios = speedups(res, list(rows), list(servers))
     from decoding.forward import cpu
 
     return {"cpu": cpu.model_name(), "llama_build": build_isa(binary), "threads": threads, "gguf": src.name,
+            "candidate": str(candidate) if candidate else None,
             "new_tokens": new_tokens, "chat": chat,
             "quantized_linears": n_quant, "quant_isa": quant.isa(), "quant_act": quant.act_of(ar.session.target), "results": res,
             "tokens_per_s": {n: sum(r["tokens"] for r in v) / sum(r["wall_s"] for r in v) for n, v in res.items()},
-            "ratios": [{"a": a, "b": b, "speedup": p, "low": lo, "high": hi} for (a, b), (p, lo, hi) in ratios.items()],
+            "ratios": ratios,
             "same_text_as_llama": {n: sum(x["text"].strip() == y["text"].strip() for x, y in zip(res[n], res["llama.cpp"]))
                                    for n in names[1:]},
             "accepted_per_round": {n: _per_round(v) for n, v in res.items() if _per_round(v) is not None}}
+
+
+def speedups(res: dict, ours: list[str], servers: list[str]) -> list[dict]:
+    """Each of our rows over llama.cpp's, the speculative ones over `ar`, and a candidate head's
+    default over the shipped one's: paired, with 95% intervals over prompts."""
+    pairs = [(a, b) for a in ours for b in servers] + [(a, "ar") for a in ours if a != "ar"]
+    out = []
+    for a, b in pairs + ([("candidate", "default")] if "candidate" in ours else []):
+        pa, pb = res[a], res[b]
+        p, lo, hi = speedup_ci([[r["tokens"] for r in pa]], [[r["wall_s"] for r in pa]],
+                               [[r["tokens"] for r in pb]], [[r["wall_s"] for r in pb]])
+        out.append({"a": a, "b": b, "speedup": p, "low": lo, "high": hi})
+    return out
 
 
 def build_isa(binary: Path) -> str:
@@ -238,6 +253,7 @@ def llama_markdown(r: dict) -> str:
     lines += [f"| {x['a']} / {x['b']} | {x['speedup']:.2f}x [{x['low']:.2f}, {x['high']:.2f}] |" for x in r["ratios"]]
     lines += ["", "Texts equal to llama.cpp plain's (the same weights; llama.cpp's own activation rounding): "
               + ", ".join(f"{k} {v}/{n}" for k, v in r["same_text_as_llama"].items()),
+              *(["", f"candidate: our default configuration with the head {r['candidate']}"] if r.get("candidate") else []),
               "", "llama.cpp + head: accepted / drafted tokens; ours: tokens per target call (block efficiency): "
               + ", ".join(f"{k} {v:.2f}" for k, v in r["accepted_per_round"].items())]
     return "\n".join(lines) + "\n"

@@ -171,3 +171,17 @@ def test_bf16_on_a_cpu_without_native_bf16_says_so(target_dir, monkeypatch, caps
     monkeypatch.setattr(cpu, "flags", lambda: {"avx2", "avx512_bf16"})
     Session.open(str(target_dir), None, "bfloat16")
     assert "no native bfloat16" not in capsys.readouterr().err
+
+
+def test_with_draft_runs_the_same_configuration_on_another_checked_head(dirs, dec, tmp_path):
+    t, _, bad = dirs
+    other = save_tiny(tmp_path / "draft2", WORDS, noisy_copy(load_model(t), 0.2, seed=5))
+    two = dec.with_draft(other)
+    assert two.config == dec.config and two.session.target is dec.session.target
+    assert two.session.draft is not dec.session.draft
+    out = two.generate(PROMPT, max_new_tokens=20)
+    assert out.token_ids == dec.variant("ar").generate(PROMPT, max_new_tokens=20).token_ids  # lossless
+    assert out.stats["strategy"] == dec.generate(PROMPT, max_new_tokens=20).stats["strategy"]
+    with pytest.raises(ModelError):
+        dec.with_draft(bad)  # another tokenizer: refused, as Decoder.load refuses it
+
