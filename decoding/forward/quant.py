@@ -23,6 +23,7 @@ AVX512 CPU (so one machine checks both); $SPECSTOP_QUANT=0 keeps the dequantized
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import warnings
@@ -106,7 +107,18 @@ def why_not() -> str | None:
 
 
 def available() -> bool:
-    return why_not() is None
+    return not _state.get("off") and why_not() is None
+
+
+@contextlib.contextmanager
+def dequantized():
+    """GGUF targets loaded inside run their dequantized fp32 linears (as $SPECSTOP_QUANT=0, which
+    a process reads once): the reference a check against an engine on those weights needs."""
+    _state["off"] = _state.get("off", 0) + 1
+    try:
+        yield
+    finally:
+        _state["off"] -= 1
 
 
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]

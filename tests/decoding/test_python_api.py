@@ -185,3 +185,25 @@ def test_with_draft_runs_the_same_configuration_on_another_checked_head(dirs, de
     with pytest.raises(ModelError):
         dec.with_draft(bad)  # another tokenizer: refused, as Decoder.load refuses it
 
+
+@pytest.mark.real
+def test_dequantized_scope_loads_the_gguf_target_as_the_fp32_reference():
+    """serve-check's specstop side: inside quant.dequantized() the embedded GGUF target runs its
+    dequantized fp32 linears, transformers' numbers on the same weights (vLLM serves those)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from decoding import models
+    from decoding.forward import gguf, quant
+
+    if not gguf.runs_quantized(None):
+        pytest.skip("the quantized kernel does not run here: nothing to scope")
+    with quant.dequantized():
+        ref = Decoder.load(dtype="float32", strategy="ar")
+    assert quant.quantized(ref.session.target) == 0 and quant.available()  # the scope is left behind
+    assert quant.quantized(Decoder.load(dtype="float32", strategy="ar").session.target) > 200
+    hf = AutoModelForCausalLM.from_pretrained(str(models.default_target_dir()), dtype=torch.float32)
+    ids = torch.tensor([ref.prompt_ids("Write a haiku about rain.", chat=True)])
+    with torch.no_grad():
+        ours, theirs = ref.session.target(ids).logits[0, -1], hf(ids).logits[0, -1]
+    assert (ours - theirs).abs().max() < 1e-3  # summation order only; q8 activations move it ~0.1

@@ -8,7 +8,9 @@ On the project's held-out prompts (the first `per_domain` of heldout_general / h
 chat template applied by specstop, the same token ids to both engines), greedy, one thread:
 - contract (fp32): vLLM + head == plain vLLM == specstop `ar` == specstop `sd --gamma 3
   --stop fixed` token for token, and the draft tokens vLLM accepts per prompt == those of
-  specstop's `sd --gamma 3 --stop fixed`;
+  specstop's `sd --gamma 3 --stop fixed --head-window 0` (vLLM's head reads the whole context);
+  specstop runs a GGUF target's dequantized fp32 linears here (decoding.forward.quant.dequantized),
+  the numbers vLLM serves, not its blocks with int8 activations (those flip greedy near-ties);
 - report: tokens/s of vLLM plain, vLLM + head, specstop `ar` and specstop's default, fp32 and
   bf16, one run each (bf16 equality to plain vLLM is reported, not required).
 vLLM runs in its own venv (training/export/vllm_side.py, one engine per process, JSON lines), kept
@@ -75,7 +77,7 @@ def contract(rows, mine: dict, theirs: dict, eos: set[int]) -> list[str]:
     for name, run in heads.items():
         for r, a, b in zip(rows, run["accepted"], mine["float32/sd"]["accepted"]):
             if a != b:
-                fails.append(f"{r['id']}: {name} accepted {a} draft tokens, specstop sd --gamma 3 --stop fixed {b}")
+                fails.append(f"{r['id']}: {name} accepted {a} draft tokens, specstop sd --gamma 3 --stop fixed --head-window 0 {b}")
     return fails
 
 

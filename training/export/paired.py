@@ -118,14 +118,18 @@ def pair(cfg, rows: list[dict], request: dict, key: str, decoders: dict, theirs:
 
 def run_paired(cfg, rows: list[dict], request: dict, speculators: str | None, log) -> tuple[dict, dict]:
     """Every vLLM run beside the specstop runs it is compared with: per dtype, plain vLLM with
-    `ar`, vLLM + head with the default and `sd --gamma G --stop fixed`; then the speculators export
+    `ar`, vLLM + head with the default and `sd --gamma G --stop fixed --head-window 0`; then the speculators export
     (fp32, contract only). Returns (theirs, mine) keyed "<dtype>/<run>"."""
     from decoding import Decoder
+    from decoding.forward import quant
 
     theirs, mine = {"vllm": None, "runs": {}}, {}
     for dtype in cfg.dtypes:
         t = time.perf_counter()
-        sd = Decoder.load(cfg.target, cfg.draft, dtype=dtype, strategy="sd", gamma=cfg.gamma, stop="fixed")
+        # vLLM runs a GGUF target's dequantized weights and its head over the whole context: so does sd here
+        with quant.dequantized():
+            sd = Decoder.load(cfg.target, cfg.draft, dtype=dtype, strategy="sd", gamma=cfg.gamma, stop="fixed",
+                              head_window=0)
         head = {f"{dtype}/sd": sd}
         if not cfg.contract_only:
             head = {f"{dtype}/default": sd.default_variant(), **head}
