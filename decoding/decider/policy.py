@@ -242,16 +242,24 @@ def _no_latest(reg: Path) -> bool:
         return False  # unreadable or corrupt: resolving it says so
 
 
-def _registered_for(root: Path, role: str, name: str | None) -> str:
-    """A hint naming the deciders registered in `root` whose `role` model has this name (newest
-    first), for a root's `latest` refused because it belongs to another pair."""
+def _registered_for(root: Path, role: str, model_fp: dict) -> str:
+    """A hint naming the newest decider registered in `root` fitted for this `role` model (its
+    recorded fingerprint, not just the name: a promoted head keeps its name), for a root's
+    `latest` refused because it belongs to another pair."""
     try:
         runs = json.loads((root / REGISTRY).read_text())["runs"]
-        ids = [r["run_id"] for r in reversed(runs) if r.get("model_pair", {}).get(role) == name]
+        ids = [r["run_id"] for r in reversed(runs) if r.get("model_pair", {}).get(role) == model_fp.get("name")]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return ""
-    where = f"{root.parent.name}/{root.name}" if root == DECIDERS_DIR else str(root)
-    return f"pass --decider {where}/{ids[0]} (registered for {name})" if ids else ""
+    for run in ids:
+        try:
+            pair = json.loads((root / run / "config.json").read_text())["model_pair"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(pair.get(role), dict) and same_model(pair[role], model_fp):
+            where = f"{root.parent.name}/{root.name}" if root == DECIDERS_DIR else str(root)
+            return f"pass --decider {where}/{run} (fitted for this {role})"
+    return ""
 
 
 def load_decider(path, target=None, draft=None) -> tuple[DeciderNet, DeciderConfig]:
@@ -277,7 +285,7 @@ def load_decider(path, target=None, draft=None) -> tuple[DeciderNet, DeciderConf
                              f"`python -m training.migrate_fingerprints {d}` (see --help)")
         if model is not None and want is not None and not same_model(want, fingerprint(model)):
             root = registry_root(path)
-            hint = _registered_for(root, role, fingerprint(model).get("name")) if root else ""
+            hint = _registered_for(root, role, fingerprint(model)) if root else ""
             hint = hint or ("collect traces and fit one for this pair (python -m training.collect, then "
                             "python -m training.fit), or stop with fixed or confidence")
             raise ModelError(f"decider {d} was trained for another {role} model ({want.get('name')}): {hint}")
