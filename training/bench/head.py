@@ -278,7 +278,7 @@ def step_cost(target, head, rounds: int = 5, context: int = 256) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from decoding.models import ModelError, load_model
+    from decoding.models import ModelError, load_model, weights_sample_sha256
 
     from training.draft.evaluate import KINDS, PROMPT_SETS, eval_corpus
 
@@ -331,7 +331,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: {e}") from None
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    res = {"head": a.ckpt or a.draft or "untrained", "dtype": "float32", "layers": layers,
+    res = {"head": a.ckpt or a.draft or "untrained", "weights_sha256": weights_sample_sha256(head),
+           "dtype": "float32", "layers": layers,
            "continuations": "greedy" if a.greedy else "T=0.7",
            "threads": torch.get_num_threads(),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "teacher_forced": {}}
