@@ -19,6 +19,7 @@ from decoding.bench.plots import plots
 from decoding.bench.report import add_bound_rows, compare_drafts, compute_goals, markdown, write_atomic, write_json
 from decoding.bench.runs import LogLik, make_runner, measure, row_of
 from decoding.defaults import resolve_dtype
+from decoding.forward import gguf
 from decoding.sampling import SamplingConfig
 from decoding.models.session import Session
 
@@ -91,9 +92,17 @@ def row_sessions(sess, specs: list[StrategySpec]) -> dict:
     return {s.name: drafts[s.draft] for s in specs}
 
 
+def bench_dtype(dtype: str, target, device: str) -> tuple[str, str]:
+    """The dtype a run measures and why: `auto` is what Decoder.load picks for this target, so a
+    GGUF target runs on its blocks (float32 activations) as a user's does, else resolve_dtype."""
+    if dtype == "auto" and gguf.runs_quantized(target, device):
+        return "float32", "auto: a GGUF target on its blocks, float32 activations in"
+    return resolve_dtype(dtype, device)
+
+
 def run_compare(cfg: BenchConfig, command: str) -> dict:
     t0 = time.perf_counter()
-    cfg.dtype, dtype_source = resolve_dtype(cfg.dtype, cfg.device)
+    cfg.dtype, dtype_source = bench_dtype(cfg.dtype, cfg.target, cfg.device)
     log(f"dtype {cfg.dtype} ({dtype_source})")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

@@ -61,3 +61,17 @@ def test_the_drafts_config_gives_each_draft_its_own_decider():
             if s.stop == "decider" or s.tuned:  # never the run's decider (the default pair's)
                 assert s.decider and (resolve_decider_dir(s.decider) / "config.json").is_file(), s.name
     assert (DEFAULT_DRAFT / "config.json").is_file()
+
+
+def test_auto_dtype_measures_what_decoder_load_runs(monkeypatch):
+    """A GGUF target on its blocks runs float32 activations for a user (Decoder.load): a benchmark's
+    `auto` measures that path, not the dense bf16 one resolve_dtype picks for AVX512-BF16."""
+    from decoding.bench import compare
+    from decoding.defaults import resolve_dtype
+    from decoding.forward import gguf
+
+    monkeypatch.setattr(gguf, "runs_quantized", lambda target, device="cpu": True)
+    assert compare.bench_dtype("auto", None, "cpu")[0] == "float32"
+    assert compare.bench_dtype("bfloat16", None, "cpu")[0] == "bfloat16"  # asked for: kept
+    monkeypatch.setattr(gguf, "runs_quantized", lambda target, device="cpu": False)
+    assert compare.bench_dtype("auto", "some/dir", "cpu") == resolve_dtype("auto", "cpu")
