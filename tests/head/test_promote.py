@@ -88,3 +88,9 @@ def test_the_gate_reads_the_bench_s_real_output(monkeypatch):
     assert ok and "general step 1 +0.032" in why and "code step 1 +0.040" in why
     with pytest.raises(ValueError, match="does not evaluate"):
         P.gate(ev, wsd, P.SHIPPED, ev["weights_sha256"], ev["weights_sha256"])
+
+
+def test_the_command_line_says_one_error_line_for_a_missing_head(tmp_path, capsys):
+    assert P.main(["--challenger", str(tmp_path / "none"), "--evidence", str(tmp_path / "e.json")]) == P.EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no head directory")

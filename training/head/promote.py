@@ -1,6 +1,6 @@
 """Promote a trained feature head over the shipped one, behind the paired-evaluation gate.
 
-    python -m training.head.promote --head checkpoints/training/smollm2-135m-eagle3-wsd/best \\
+    python -m training.head.promote --challenger checkpoints/training/smollm2-135m-eagle3-wsd/best \\
         --evidence reports/head-train-2026-12-07/eval_greedy_wsd.json
 
 The maintainer's step for a head trained outside training.head.redistill (a chunked run, a GPU
@@ -30,6 +30,8 @@ import os
 import shutil
 import sys
 from pathlib import Path
+
+from decoding.options import add_option
 
 from training.head.redistill import EXIT_BAD_INPUT, EXIT_KEPT, EXIT_PROMOTED, EXIT_UP_TO_DATE, mark_lineage
 
@@ -101,13 +103,13 @@ def promote(head: Path, champion: Path, evidence: Path, target=None, log=print) 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m training.head.promote", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--head", required=True, help="the head directory to promote")
+    p.add_argument("--challenger", required=True, metavar="DIR", help="the head directory to promote")
     p.add_argument("--evidence", required=True,
                    help="python -m training.bench.head --greedy --baseline ... output for this head")
     p.add_argument("--champion", default=str(SHIPPED), help="the head directory it replaces")
-    p.add_argument("--target", default=None, help="the target (default: the embedded SmolLM2-135M-Instruct)")
+    add_option(p, "target")
     a = p.parse_args(argv)
-    return promote(Path(a.head), Path(a.champion), Path(a.evidence), a.target,
+    return promote(Path(a.challenger), Path(a.champion), Path(a.evidence), a.target,
                    log=lambda m: print(m, file=sys.stderr if m.startswith(("error", "kept")) else sys.stdout))
 
 
