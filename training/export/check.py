@@ -31,7 +31,7 @@ from pathlib import Path
 from decoding.options import add_option
 
 from training.export.paired import CheckError, run_paired  # noqa: F401 (CheckError re-exported)
-from training.export.report import summarise, trim, write_report  # noqa: F401 (trim re-exported)
+from training.export.report import SD_ROW, summarise, trim, write_report  # noqa: F401 (trim re-exported)
 
 VLLM_PYTHON = ".venv-vllm/bin/python"
 DOMAINS = {"general": "data/prompts/heldout_general.jsonl", "code": "data/prompts/heldout_code.jsonl"}
@@ -77,7 +77,7 @@ def contract(rows, mine: dict, theirs: dict, eos: set[int]) -> list[str]:
     for name, run in heads.items():
         for r, a, b in zip(rows, run["accepted"], mine["float32/sd"]["accepted"]):
             if a != b:
-                fails.append(f"{r['id']}: {name} accepted {a} draft tokens, specstop sd --gamma 3 --stop fixed --head-window 0 {b}")
+                fails.append(f"{r['id']}: {name} accepted {a} draft tokens, {SD_ROW} {b}")
     return fails
 
 

@@ -22,8 +22,9 @@ def _rate(tokens: list[int], seconds: list[float]) -> float:
     return round(sum(tokens) / sum(seconds), 2) if sum(seconds) else 0.0
 
 
-COMPARED = (("specstop ar", "vLLM plain"), ("specstop default", "vLLM + head"),
-            ("specstop sd --gamma 3 --stop fixed --head-window 0", "vLLM + head"))
+SD_ROW = "specstop sd --gamma 3 --stop fixed --head-window 0"
+"""The contract's speculative row (training/export/paired.py: the head over the whole context, as vLLM's)."""
+COMPARED = (("specstop ar", "vLLM plain"), ("specstop default", "vLLM + head"), (SD_ROW, "vLLM + head"))
 """(ours, theirs): the ratios reported with a 95% CI over prompts."""
 
 
@@ -48,7 +49,7 @@ def summarise(cfg, rows, mine: dict, theirs: dict, eos: set[int], fails: list[st
         plain = runs.get(f"{dtype}/plain")
         for name, r in (("vLLM plain", plain), ("vLLM + head", runs.get(f"{dtype}/head")),
                         ("specstop ar", mine.get(f"{dtype}/ar")), ("specstop default", mine.get(f"{dtype}/default")),
-                        ("specstop sd --gamma 3 --stop fixed --head-window 0", mine.get(f"{dtype}/sd"))):
+                        (SD_ROW, mine.get(f"{dtype}/sd"))):
             if r is None:
                 continue
             toks = r.get("tokens") or [len(o) for o in r["outputs"]]
@@ -76,7 +77,7 @@ def summarise(cfg, rows, mine: dict, theirs: dict, eos: set[int], fails: list[st
         "contract": {"ok": not fails, "failures": fails,
                      "checks": "fp32: vLLM + head (eagle3 export; and the speculators export served as "
                                "`vllm serve DIR` does) == plain vLLM == specstop ar == specstop sd (tokens); "
-                               "their accepted draft tokens == specstop sd --gamma 3 --stop fixed --head-window 0 (per prompt)",
+                               f"their accepted draft tokens == {SD_ROW} (per prompt)",
                      "speculators_export_checked": "float32/speculators" in runs},
         "accepted_per_prompt": per_prompt, "vllm_mean_acceptance_length": acc_len,
         "bf16_head_equals_plain": None if bf16 is None else f"{bf16}/{len(rows)}",

@@ -57,13 +57,15 @@ def gate(evidence: dict, head: Path, champion: Path, head_weights: str | None = 
     kinds = evidence.get("teacher_forced") or {}
     if not kinds:
         raise ValueError("the evidence holds no teacher-forced results")
-    verdicts = []
+    verdicts, bases = [], {}
     for kind, r in kinds.items():
         paired = r.get("vs_baseline")
         if not paired:
             raise ValueError(f"the evidence's {kind} results are not paired (run it with --baseline)")
-        base = json.loads(Path(paired["baseline"]).read_text()) if Path(paired["baseline"]).is_file() else {}
-        if not describes(base, champion, champion_weights):
+        f = Path(paired["baseline"])
+        if f not in bases:  # every kind names the same file
+            bases[f] = json.loads(f.read_text()) if f.is_file() else {}
+        if not describes(bases[f], champion, champion_weights):
             raise ValueError(f"the evidence's baseline {paired['baseline']} does not evaluate the head in {champion}")
         diff, low, high = paired["agree_step1"]
         verdicts.append((low > 0, f"{kind} step 1 {diff:+.3f} [{low:+.3f}, {high:+.3f}]"))
