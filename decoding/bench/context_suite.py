@@ -12,11 +12,12 @@ per prompt and repeat so drift hits all alike. Reported per context: decoding to
 after the first round (the prompt's forward left out), tokens per round, paired speedups with 95% intervals over prompts
 (decoding.bench.stats), and whether every variant's text equals `ar`'s. `--variants
 default,ar,default-ungated,default-unpriced,default-window-all,default-decider,default-burst,default-gross,
-default-unscoped,default-linear`
+default-unscoped,default-linear,default-w1,default-w2`
 adds the default with its gate always open, with its host work unpriced, with its head attending
 the whole context, with the decider's scores for q's, with looks of several rounds, with looks
-costed gross of the tokens they commit, with drafting priced alike at every context, and with
-one slope per cached key at every context (ON_REQUEST).
+costed gross of the tokens they commit, with drafting priced alike at every context, with
+one slope per cached key at every context, and with a node's children capped at 1 or 2
+(ON_REQUEST).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ VARIANTS = {
 }
 """Rows: the default, plain decoding and the fixed shapes that ran fastest on the CPU."""
 ON_REQUEST = ("default-ungated", "default-unpriced", "default-window-all", "sd-g3-window-all", "default-decider",
-              "default-burst", "default-gross", "default-unscoped", "default-linear")
+              "default-burst", "default-gross", "default-unscoped", "default-linear", "default-w1", "default-w2")
 """Rows run only when --variants names them: the default with its gate always open (every round
 drafts), to isolate what the gate gives; and also with its host work unpriced (policy_ms and
 overhead_ms 0: the rule as it ran before they were timed), to isolate what pricing gives; the
@@ -58,7 +59,8 @@ default whose looks cost their whole time above a plain round's, whatever they c
 for every context (DraftGate.scale_span unbounded, 2 rounds of warm-up, the drafted rounds' scale
 from one), to see what scoping gives; and the default whose cost curve extends its first slope per
 cached key past the second timed context (CostCurve.far_context 0: one line through 256 and 1,280
-cached tokens), to see what the far slope gives."""
+cached tokens), to see what the far slope gives; and the default whose grown tree gives a node at
+most 1 or 2 children (`width`), to see what the rule's siblings give beside the depth they cost."""
 GATES = {"default-burst": {"burst": 4}, "default-gross": {"net_looks": False},
          "default-unscoped": {"scale_span": float("inf"), "warmup": 2, "scale_warm": 1}}
 """The rows of ON_REQUEST that change only the default's gate: its DraftGate settings."""
@@ -89,6 +91,9 @@ def context_suite(contexts=(100, 600, 1200, 2400), prompts: int = 4, new_tokens:
     from decoding.api import Decoder
     from decoding.forward import cpu
 
+    unknown = sorted(set(variants or ()) - set(VARIANTS) - set(ON_REQUEST))
+    if unknown:
+        raise ValueError(f"--variants: no row {', '.join(unknown)} (rows: {', '.join([*VARIANTS, *ON_REQUEST])})")
     torch.set_num_threads(threads)
     ar = Decoder.load(target, dtype="float32", strategy="ar")
     rows = {name: (ar.default_variant() if opts is None else ar if name == "ar" else ar.variant(**opts))
@@ -98,6 +103,9 @@ def context_suite(contexts=(100, 600, 1200, 2400), prompts: int = 4, new_tokens:
 
         from decoding.stopping.gate import DraftGate
 
+        if name in ("default-w1", "default-w2"):
+            rows[name] = ar.default_variant(width=int(name[-1]))
+            continue
         if name == "default-decider":
             rows[name] = ar.default_variant(stop="decider", decider_rule="grow")
             continue
@@ -120,8 +128,8 @@ def context_suite(contexts=(100, 600, 1200, 2400), prompts: int = 4, new_tokens:
     fill = ar.tokenizer(filler_text(), add_special_tokens=False)["input_ids"]
     todo = [(kind, r) for kind, f in BenchConfig().prompt_sets.items() for r in load_prompts(f, prompts)]
     ids = {(c, i): padded(ar, r["prompt"], c, fill) for c in contexts for i, (_, r) in enumerate(todo)}
-    for d in rows.values():  # warm-up: kernels, the default's cost curve (timed once, stored)
-        d.generate("Hello", 8, chat=True)
+    for d in rows.values():  # warm-up: kernels, the default's cost curve (timed once, stored); a fresh gate
+        d.warm_up()
     runs = {(n, c): [[None] * len(todo) for _ in range(repeats)] for n in rows for c in contexts}
     turn = 0
     for rep in range(repeats):

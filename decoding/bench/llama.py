@@ -156,7 +156,7 @@ def llama_suite(prompts: int = 6, new_tokens: int = 96, threads: int = 1, server
         for srv in servers.values():
             srv.chat("Hello", 8, chat)  # warm-up, as our engine's first call below
         for d in rows.values():
-            d.generate("Hello", 8, chat=chat)
+            d.warm_up(chat=chat)  # and the gate forgets it: the first prompt meets a fresh one
         for i, (kind, row) in enumerate(todo):
             for name in (names if i % 2 == 0 else names[::-1]):
                 if name in servers:

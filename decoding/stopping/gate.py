@@ -4,7 +4,7 @@ step), before the stop policy sizes the tree (decoding.stopping, decoding.growth
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 # Why a gate before the first draft step: the grow rule (decoding.growth) sizes a level once the
 # draft has read its parents, so by its first decision the round has already paid the draft's step
@@ -155,6 +155,10 @@ class DraftGate:
         rounds timed on the wall say, for traces, comparisons and tests that must not depend on
         the machine's load."""
         return cls(warmup=10 ** 9)
+
+    def fresh(self) -> DraftGate:
+        """A gate with these settings and nothing learnt: what a new process starts with."""
+        return DraftGate(**{f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")})
 
     def drafts(self, cost, explore: bool = True, context: int | None = None) -> bool:
         """Does the next round draft, at this context's `cost` (`context`: its cached tokens; None:

@@ -23,3 +23,12 @@ def test_a_prompt_is_padded_to_the_context_with_its_question_last():
 
 def test_the_filler_covers_the_largest_context():
     assert len(filler_text()) > 4 * 2400  # about 4 characters a token
+
+
+def test_an_unknown_row_is_one_clear_error_before_any_model_loads():
+    import pytest
+
+    from decoding.bench.context_suite import context_suite
+
+    with pytest.raises(ValueError, match="no row default-wide .*default-w1"):
+        context_suite((100,), variants=["default", "ar", "default-wide"], target="no/such/dir")

@@ -10,6 +10,7 @@ from support.models import WORDS, noisy_copy, save_tiny, tiny_llama
 from decoding import Decoder, GenerationResult
 from decoding.models import ModelError, load_model, load_tokenizer
 from decoding.sampling import SamplingConfig
+from decoding.stopping.gate import DraftGate
 from decoding.models.session import Session
 from decoding.strategies import StrategyConfig, build_engine
 
@@ -207,3 +208,24 @@ def test_dequantized_scope_loads_the_gguf_target_as_the_fp32_reference():
     with torch.no_grad():
         ours, theirs = ref.session.target(ids).logits[0, -1], hf(ids).logits[0, -1]
     assert (ours - theirs).abs().max() < 1e-3  # summation order only; q8 activations move it ~0.1
+
+
+def test_warm_up_leaves_the_gate_its_settings_and_nothing_learnt(dirs):
+    """A benchmark's warm-up request times kernels and the cost curve; the rounds it drafted must
+    not decide whether the first measured request drafts (decoding.bench's suites call it)."""
+    t, d, _ = dirs
+    grow = Decoder.load(t, d, strategy="ti-mcsd", width=2, depth=3, stop="confidence", confidence_rule="grow",
+                        grow_cost="measure")
+    grow._stop.gate = DraftGate(burst=3, look_share=0.02)
+    engine_gate = grow._stop.gate
+    grow.generate(PROMPT, max_new_tokens=12)
+    assert engine_gate._ms["plain"] and engine_gate._ahead > 0  # timed rounds; plain ones promised (no draft pays here)
+    grow.warm_up(PROMPT, 12, chat=False)
+    fresh = grow._stop.gate
+    assert fresh is not engine_gate and grow.engine(SamplingConfig()).stop.gate is fresh
+    assert (fresh.burst, fresh.look_share, fresh.window) == (3, 0.02, engine_gate.window)
+    assert fresh._recorded == fresh._ahead == fresh._plain == 0 and not fresh._past and not fresh._ms["plain"]
+    assert grow.generate(PROMPT, max_new_tokens=12).token_ids == grow.variant("ar").generate(
+        PROMPT, max_new_tokens=12).token_ids
+    plain = grow.variant("ar")
+    plain.warm_up(PROMPT, 4, chat=False)  # no gate: nothing to forget
