@@ -11,7 +11,7 @@ loaded target (the GGUF one by default, as the llama suite), greedy, the variant
 per prompt and repeat so drift hits all alike. Reported per context: decoding tokens per second
 after the first round (the prompt's forward left out), tokens per round, paired speedups with 95% intervals over prompts
 (decoding.bench.stats), and whether every variant's text equals `ar`'s. `--variants
-default,ar,default-ungated,default-unpriced,default-window-all,default-decider,default-burst,default-gross,
+default,ar,default-ungated,default-unpriced,default-window-all,default-window-64,default-decider,default-burst,default-gross,
 default-unscoped,default-linear,default-w1,default-w2`
 adds the default with its gate always open, with its host work unpriced, with its head attending
 the whole context, with the decider's scores for q's, with looks of several rounds, with looks
@@ -44,13 +44,14 @@ VARIANTS = {
     "mcsd-2,1": {"strategy": "mcsd", "k_config": "2,1", "stop": "fixed"},
 }
 """Rows: the default, plain decoding and the fixed shapes that ran fastest on the CPU."""
-ON_REQUEST = ("default-ungated", "default-unpriced", "default-window-all", "sd-g3-window-all", "default-decider",
+ON_REQUEST = ("default-ungated", "default-unpriced", "default-window-all", "sd-g3-window-all", "default-window-64",
+              "sd-g3-window-64", "default-decider",
               "default-burst", "default-gross", "default-unscoped", "default-linear", "default-w1", "default-w2")
 """Rows run only when --variants names them: the default with its gate always open (every round
 drafts), to isolate what the gate gives; and also with its host work unpriced (policy_ms and
 overhead_ms 0: the rule as it ran before they were timed), to isolate what pricing gives; the
-default, and sd g3, with its feature head attending the whole context (head_window 0), to
-isolate what the window gives (sd g3 drafts every round: its tokens a round show the head's
+default, and sd g3, with its feature head attending the whole context (head_window 0) or its
+newest 64 positions, to isolate what the window gives (sd g3 drafts every round: its tokens a round show the head's
 acceptance); and the default with the shipped decider's scores in place of q (its grow rule and
 gate otherwise the same), to compare the two as the rule's estimate; and the default whose looks
 draft 4 rounds in a row (DraftGate.burst), to see whether lone looks undersell drafting; and the
@@ -109,9 +110,10 @@ def context_suite(contexts=(100, 600, 1200, 2400), prompts: int = 4, new_tokens:
         if name == "default-decider":
             rows[name] = ar.default_variant(stop="decider", decider_rule="grow")
             continue
-        if name.endswith("-window-all"):
-            rows[name] = ar.default_variant(head_window=0) if name.startswith("default") else \
-                ar.variant(**VARIANTS["sd-g3"], head_window=0)
+        if "-window-" in name:
+            w = 0 if name.endswith("-all") else int(name.rsplit("-", 1)[1])
+            rows[name] = ar.default_variant(head_window=w) if name.startswith("default") else \
+                ar.variant(**VARIANTS["sd-g3"], head_window=w)
             continue
         if name in GATES:
             rows[name] = ar.default_variant()
