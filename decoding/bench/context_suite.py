@@ -12,11 +12,12 @@ per prompt and repeat so drift hits all alike. Reported per context: decoding to
 after the first round (the prompt's forward left out), tokens per round, paired speedups with 95% intervals over prompts
 (decoding.bench.stats), and whether every variant's text equals `ar`'s. `--variants
 default,ar,default-ungated,default-unpriced,default-window-all,default-window-64,default-decider,default-burst,default-gross,
-default-unscoped,default-linear,default-w1,default-w2`
+default-unscoped,default-linear,default-w1,default-w2,default-cheap,default-fresh`
 adds the default with its gate always open, with its host work unpriced, with its head attending
 the whole context, with the decider's scores for q's, with looks of several rounds, with looks
 costed gross of the tokens they commit, with drafting priced alike at every context, with
-one slope per cached key at every context, and with a node's children capped at 1 or 2
+one slope per cached key at every context, with a node's children capped at 1 or 2, with a
+new prompt's head built from its newest 64 rows, and with that and a look at each new prompt
 (ON_REQUEST).
 """
 
@@ -46,7 +47,8 @@ VARIANTS = {
 """Rows: the default, plain decoding and the fixed shapes that ran fastest on the CPU."""
 ON_REQUEST = ("default-ungated", "default-unpriced", "default-window-all", "sd-g3-window-all", "default-window-64",
               "sd-g3-window-64", "default-decider",
-              "default-burst", "default-gross", "default-unscoped", "default-linear", "default-w1", "default-w2")
+              "default-burst", "default-gross", "default-unscoped", "default-linear", "default-w1", "default-w2",
+              "default-cheap", "default-fresh")
 """Rows run only when --variants names them: the default with its gate always open (every round
 drafts), to isolate what the gate gives; and also with its host work unpriced (policy_ms and
 overhead_ms 0: the rule as it ran before they were timed), to isolate what pricing gives; the
@@ -61,9 +63,14 @@ for every context (DraftGate.scale_span unbounded, 2 rounds of warm-up, the draf
 from one), to see what scoping gives; and the default whose cost curve extends its first slope per
 cached key past the second timed context (CostCurve.far_context 0: one line through 256 and 1,280
 cached tokens), to see what the far slope gives; and the default whose grown tree gives a node at
-most 1 or 2 children (`width`), to see what the rule's siblings give beside the depth they cost."""
+most 1 or 2 children (`width`), to see what the rule's siblings give beside the depth they cost;
+and the default whose head's first catch-up on a prompt builds its newest 64 rows
+(FeatureCache.catch_up), alone (`default-cheap`) and with a look at each new prompt
+(`default-fresh`: DraftGate.fresh_share), to see whether a shut gate finds the requests that
+draft well."""
 GATES = {"default-burst": {"burst": 4}, "default-gross": {"net_looks": False},
-         "default-unscoped": {"scale_span": float("inf"), "warmup": 2, "scale_warm": 1}}
+         "default-unscoped": {"scale_span": float("inf"), "warmup": 2, "scale_warm": 1},
+         "default-cheap": {}, "default-fresh": {"fresh_share": 0.02}}
 """The rows of ON_REQUEST that change only the default's gate: its DraftGate settings."""
 
 
@@ -118,6 +125,10 @@ def context_suite(contexts=(100, 600, 1200, 2400), prompts: int = 4, new_tokens:
         if name in GATES:
             rows[name] = ar.default_variant()
             rows[name]._stop.gate = DraftGate(**GATES[name])  # the grow policy the engine is built with
+            if name in ("default-cheap", "default-fresh"):
+                from decoding.sampling import SamplingConfig
+
+                rows[name].engine(SamplingConfig()).proposer.model.catch_up = 64
             continue
         if name == "default-linear":
             rows[name] = lin = ar.default_variant()

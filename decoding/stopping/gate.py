@@ -121,6 +121,17 @@ class DraftGate:
     """Drafted rounds timed near this context before their scale prices drafting; until then it
     is the plain rounds' (timed at every context), so a gate that opens drafts these rounds in a
     row and measures its own: a single round timed at 2.35x its price kept the gate shut."""
+    fresh_share: float = 0.0
+    """Most of the plain rounds' time looks at a new prompt may take (0: none beyond `look_share`'s):
+    a shut gate's looks come hundreds of rounds apart, so where one request drafts badly every
+    later one at that context runs plain, however well it would draft. A new prompt's first round
+    after its own looks (`fresh_burst` rounds) when at least (look_share / fresh_share) of the
+    measured spacing has passed; the prompt's features are then kept for the head's catch-up.
+    Off: at 0.02 on a Zen 5 (2 threads, the context suite's `default-fresh`, two runs;
+    reports/context-2026-12-07-warm) it ran 1.12x and 1.08x the default at 2,400 cached tokens,
+    where drafting pays, but 0.94x it at 600 in one run, where drafting loses."""
+    fresh_burst: int = 3
+    """Drafted rounds a new prompt's look runs in a row (the first is cold: its head catches up)."""
     _past: deque = field(default_factory=lambda: deque(maxlen=MEMORY), repr=False)
     _ms: dict = field(default_factory=lambda: {"look": deque(maxlen=MEMORY), "plain": deque(maxlen=MEMORY)},
                       repr=False)
@@ -167,7 +178,8 @@ class DraftGate:
         context = int(cost.context if context is None else context)
         moved = not self._context <= context <= self._context + MOVED
         self._fresh, self._context = 0 if moved else self._fresh + 1, context
-        if self._ahead > 0 and self._memo[1] is cost:
+        fresh = self.fresh_share > 0 and self._fresh <= 1  # a new prompt's round (0) or the first after it
+        if self._ahead > 0 and self._memo[1] is cost and not fresh:
             # a plain round promised by `lookahead` on the same curve: nothing to re-decide (a new
             # curve every 16 cached tokens, or a new request, re-decides)
             self._ahead -= 1
@@ -194,11 +206,15 @@ class DraftGate:
             due = self._look_rounds()
             due = min(max(self.explore_every * gap if due is None else due, 1), self.max_every)
             go = explore and self._plain >= due
-            if go:
+            fresh_due = due * self.look_share / self.fresh_share if fresh else None
+            if not go and fresh and explore and self._fresh == 1 and self._plain >= fresh_due:
+                go, self._burst_left = True, self.fresh_burst - 1
+            elif go:
                 self._burst_left = self.burst - 1
             # a rate that beats plain may open the gate sooner (the curve moves with the context):
-            # then the head drafts from what it has
-            self._ahead = 0 if go else int(due - self._plain - 1)
+            # then the head drafts from what it has; a prompt whose next round may look keeps its features
+            keep = fresh and self._fresh == 0 and self._plain + 1 >= fresh_due
+            self._ahead = 0 if go or keep else int(due - self._plain - 1)
         self._looking = bursting or (go and warm and self._plain > 0)
         self._cold = go and (self._plain > 0 or self._fresh <= 2)
         self._plain = 0 if go else self._plain + 1
