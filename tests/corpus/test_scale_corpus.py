@@ -215,3 +215,29 @@ def test_the_heads_data_module_reads_a_token_corpus(tmp_path, target, teacher):
     assert len(cached.train_rows) + len(cached.val_rows) == 20
     row = cached._load(cached.train_rows[0])
     assert len(row["top1"]) == len(row["ids"]) - 1 - row["label_start"]
+
+
+def test_the_heads_data_module_trains_from_a_shard_on(tmp_path, target, teacher):
+    """train_from: a warm-started head continued on the shards it has not read; validation stays."""
+    from training.head.data import FeatureDataModule
+
+    c = cfg(tmp_path, [write_jsonl(tmp_path / "chats.jsonl", sharegpt_rows(10, turns=2))], val_percent=30,
+            shard_tokens=60)
+    run(c, teacher)
+    shards = json.loads((tmp_path / "c" / "manifest.json").read_text())["shards"]
+    assert len(shards) >= 3
+
+    def module(**kw):
+        dm = FeatureDataModule([c.out], target=str(target), source="online", draft_vocab_size=20, k=4,
+                               layers=[0, 1, 2], max_prompt_tokens=10_000, val_percent=30, **kw)
+        dm.setup("fit")
+        return dm
+
+    whole, late = module(), module(train_from={c.out: 2})
+    later = {tuple(p + comp) for f in shards[2:] for r in tokens.read_shard(tmp_path / "c" / f["file"], f)
+             for _, p, comp, _ in tokens.turns(r)}
+    assert late.val_rows == whole.val_rows
+    assert 0 < len(late.train_rows) < len(whole.train_rows)
+    assert {tuple(r["ids"]) for r in late.train_rows} == {tuple(r["ids"]) for r in whole.train_rows} & later
+    with pytest.raises(ValueError, match="not among data.corpora"):
+        FeatureDataModule([c.out], train_from={"elsewhere": 1})

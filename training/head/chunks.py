@@ -219,10 +219,13 @@ def identity(module, data, trainer) -> dict:
     data_keys = ("corpora", "draft_vocab_size", "k", "layers", "max_prompt_tokens", "max_tokens",
                  "val_percent", "max_val_rows", "max_rows", "seed", "vocab_from")
     names = {"draft_vocab_size": "vocab_size"}
+    kept = {k: getattr(data, names.get(k, k)) for k in data_keys}
+    if getattr(data, "train_from", None):  # absent, not empty, in runs made before it existed
+        kept["train_from"] = dict(data.train_from)
     return {"target": target_fingerprint(module.hp["target"]),
             "vocab_sha256": data.vocab.sha256(),
             "model": {k: v for k, v in module.hp.items() if k not in VARIES},
-            "data": {k: getattr(data, names.get(k, k)) for k in data_keys},
+            "data": kept,
             "trainer": {"max_steps": trainer.max_steps, "accumulate_grad_batches": trainer.accumulate_grad_batches,
                         "gradient_clip_val": trainer.gradient_clip_val}}
 

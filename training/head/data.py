@@ -146,7 +146,7 @@ class FeatureDataModule(L.LightningDataModule):
                  max_prompt_tokens: int = 256, max_tokens: int = 4096, val_percent: float = 5.0,
                  max_val_rows: int = 128, max_rows: int | None = None, build_cache: bool = True,
                  cache_max_tokens: int = 4096, seed: int = 0, vocab_from: str | None = None,
-                 num_workers: int = 0):
+                 num_workers: int = 0, train_from: dict[str, int] | None = None):
         """Args:
             corpora: corpus directories of one target; the first gives the validation slice.
             target: target model dir (None = embedded SmolLM2); the corpora must be its own.
@@ -169,6 +169,10 @@ class FeatureDataModule(L.LightningDataModule):
                 warm-started from it); its size replaces draft_vocab_size.
             num_workers: dataloader worker processes (0: batches are read in the training
                 process; a GPU run on the cache may want 2-4, the online source needs none).
+            train_from: corpus -> index of its first shard trained on (a corpus not named
+                trains whole): a warm-started head continued on the text it has not read yet.
+                An index at or past a corpus's shard count trains nothing from it; the first
+                corpus still gives the validation slice.
         """
         super().__init__()
         if source not in ("cached", "online"):
@@ -180,6 +184,10 @@ class FeatureDataModule(L.LightningDataModule):
         self.val_percent, self.max_val_rows, self.max_rows = val_percent, max_val_rows, max_rows
         self.build_cache, self.cache_max_tokens, self.seed = build_cache, cache_max_tokens, seed
         self.vocab_from, self.num_workers = vocab_from, num_workers
+        self.train_from = dict(train_from or {})
+        unknown = set(self.train_from) - set(self.corpora)
+        if unknown:
+            raise ValueError(f"data.train_from names {sorted(unknown)}, not among data.corpora")
         self._fixed = None
         self.vocab: DraftVocab | None = None
         self.target_info: dict | None = None
@@ -263,12 +271,16 @@ class FeatureDataModule(L.LightningDataModule):
         for n, c in enumerate(self.corpora):
             shards = (cached(folder, c, mans[c]) if folder else
                       [(s, None) for s in mans[c]["shards"]])
+            order = {e["file"]: j for j, e in enumerate(mans[c]["shards"])}
             for s, path in shards:
                 cols = columns(c, s)
+                read = order[s["file"]] >= self.train_from.get(c, 0)
                 for i in range(s["rows"]):
                     val = is_val(cols["prompt_id"][i], self.val_percent)
                     if val and (n > 0 or len(self.val_rows) >= self.max_val_rows):
                         continue  # other corpora never validate, nor train on held-out prompts
+                    if not val and not read:
+                        continue  # text the warm start has read (train_from)
                     if not val:
                         if self.max_rows is not None and seen >= self.max_rows:
                             continue
