@@ -83,6 +83,8 @@ ROUNDS = ("host", "device")
 (decoding.round: one fixed-shape tensor program a round, a CUDA graph replay on CUDA)."""
 MODES = ("lossless", "longest-branch")
 HEAD_WINDOW = 256
+GATES = ("request", "context")
+"""Draft gates of the grow rules (StrategyOptions.gate)."""
 """Committed positions a feature head attends back by default (StrategyOptions.head_window)."""
 
 
@@ -123,6 +125,10 @@ class StrategyOptions:
     round: str = "host"
     """host or device (ROUNDS): device runs each round's fixed tree (fixed stop, a feature head,
     without replacement) as one tensor program, captured whole on CUDA (decoding.round)."""
+    gate: str = "request"
+    """grow rules only: whether a round drafts at all, decided from each request's own drafted
+    rounds on the wall (request: decoding.stopping.prompt_gate) or from every request's near the
+    current context, priced on the cost curve (context: decoding.stopping.gate)."""
     head_window: int = HEAD_WINDOW
     """A feature (EAGLE-3) head attends to the newest this many committed positions (0: all): after
     plain rounds it catches up on these alone, and past the window it was trained on a nearer view
@@ -151,6 +157,8 @@ class StrategyConfig(StrategyOptions):
         check_threshold("confidence threshold", self.confidence_threshold)
         if self.grow_cost not in ("decider", "measure"):
             raise ValueError(f"grow_cost must be decider or measure (got {self.grow_cost!r})")
+        if self.gate not in GATES:
+            raise ValueError(f"unknown gate {self.gate!r}; choose {' or '.join(GATES)}")
         if self.head_window < 0:
             raise ValueError(f"head_window must be >= 0 (0: the whole context; got {self.head_window})")
         if not 1 <= self.lookahead <= 4:
@@ -182,6 +190,9 @@ class StrategyConfig(StrategyOptions):
             n += f"+{self.stop}" + (f"({rule})" if rule else "")
         if self.mode == "longest-branch":
             n += "+longest-branch(LOSSY)"
+        grows = self.stop == "decider" or (self.stop == "confidence" and self.confidence_rule == "grow")
+        if self.gate != "request" and grows and self.strategy != "ar":
+            n += f"+gate-{self.gate}"
         if self.head_window != HEAD_WINDOW and self.strategy != "ar":
             n += f"+window{self.head_window or 'all'}"
         return n + ("+device" if self.round == "device" else "") + (f"+ahead{self.lookahead}" if self.lookahead > 1 else "")
@@ -301,6 +312,9 @@ FLAGS: dict[str, Flag] = {
     "round": Flag("host (default): every policy, Python between a round's steps; device: the fixed tree's whole "
                   "round as one tensor program (one CUDA graph replay and one host read a round on CUDA; a "
                   "feature head, --stop fixed)", choices=ROUNDS),
+    "gate": Flag("grow rules: whether a round drafts at all, from each request's own drafted rounds timed on the "
+                 "wall (request, default) or from every request's near the current context (context)",
+                 choices=GATES),
     "head_window": Flag(f"a feature head attends to the newest N committed positions (default {HEAD_WINDOW}; "
                         "0: all)", type=int),
     "lookahead": Flag("--round device: rounds queued on the device ahead of the host's read (default 1; 2 "
@@ -310,7 +324,7 @@ FLAGS: dict[str, Flag] = {
 
 STRATEGY_FLAGS = ("strategy", "gamma", "k_config", "width", "depth", "mode", "replacement", "stop",
                   "confidence_threshold", "confidence_rule", "decider", "decider_rule", "grow_cost",
-                  "max_nodes", "head_window", "round", "lookahead", "decider_threshold")
+                  "max_nodes", "gate", "head_window", "round", "lookahead", "decider_threshold")
 """One flag per StrategyOptions field and the decider's (generate and serve)."""
 
 

@@ -70,6 +70,9 @@ def parser() -> argparse.ArgumentParser:
                     "--format gguf) for the row llama.cpp + head")
     ap.add_argument("--candidate-draft", default=None, metavar="DIR",
                     help="llama suite: a head directory for the row `candidate` (our default with that head, interleaved)")
+    ap.add_argument("--candidate-gate", default=None, choices=("request", "context"),
+                    help="llama suite: the row `candidate` drafts with this gate (context: the head's first catch-up "
+                         "on its whole window, as that gate ran)")
     ap.add_argument("--contexts", default="100,600,1200,2400", help="context suite: tokens a prompt is padded to")
     ap.add_argument("--variants", default=None, help="context suite: rows to run (default: context_suite.VARIANTS)")
     ap.add_argument("--write-defaults", nargs="?", const="", default=None, metavar="PATH",
@@ -169,7 +172,7 @@ def _llama_main(a, command: str) -> int:
     from decoding.bench.llama import llama_markdown, llama_suite
 
     res = llama_suite(a.prompts or 6, a.new_tokens, a.threads or 1, a.llama_server, a.target, a.head_gguf,
-                      a.candidate_draft, progress=log)
+                      a.candidate_draft, a.candidate_gate, progress=log)
     res["command"] = command
     return _write_suite(a, "llama", res, llama_markdown(res) + f"\nCommand: `{command}`\n")
 

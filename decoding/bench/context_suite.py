@@ -48,7 +48,7 @@ VARIANTS = {
 ON_REQUEST = ("default-ungated", "default-unpriced", "default-window-all", "sd-g3-window-all", "default-window-64",
               "sd-g3-window-64", "default-decider",
               "default-burst", "default-gross", "default-unscoped", "default-linear", "default-w1", "default-w2",
-              "default-cheap", "default-fresh")
+              "default-context", "default-cheap", "default-fresh")
 """Rows run only when --variants names them: the default with its gate always open (every round
 drafts), to isolate what the gate gives; and also with its host work unpriced (policy_ms and
 overhead_ms 0: the rule as it ran before they were timed), to isolate what pricing gives; the
@@ -64,14 +64,16 @@ from one), to see what scoping gives; and the default whose cost curve extends i
 cached key past the second timed context (CostCurve.far_context 0: one line through 256 and 1,280
 cached tokens), to see what the far slope gives; and the default whose grown tree gives a node at
 most 1 or 2 children (`width`), to see what the rule's siblings give beside the depth they cost;
-and the default whose head's first catch-up on a prompt builds its newest 64 rows
-(FeatureCache.catch_up), alone (`default-cheap`) and with a look at each new prompt
-(`default-fresh`: DraftGate.fresh_share), to see whether a shut gate finds the requests that
-draft well."""
+and the default with the context gate (`--gate context`: decoding.stopping.gate, every request's
+rounds near the current context, priced) in place of the request gate, its head's first catch-up
+on a prompt building the whole window (`default-context`: the default before the request gate)
+or its newest 64 rows (FeatureCache.catch_up, the default: `default-cheap`), and with a look at
+each new prompt (`default-fresh`: DraftGate.fresh_share). The burst, gross and unscoped rows
+are the context gate's settings too."""
 GATES = {"default-burst": {"burst": 4}, "default-gross": {"net_looks": False},
          "default-unscoped": {"scale_span": float("inf"), "warmup": 2, "scale_warm": 1},
-         "default-cheap": {}, "default-fresh": {"fresh_share": 0.02}}
-"""The rows of ON_REQUEST that change only the default's gate: its DraftGate settings."""
+         "default-context": {}, "default-cheap": {}, "default-fresh": {"fresh_share": 0.02}}
+"""The rows of ON_REQUEST that change only the default's gate: the context gate's settings."""
 
 
 def filler_text() -> str:
@@ -123,12 +125,12 @@ def context_suite(contexts=(100, 600, 1200, 2400), prompts: int = 4, new_tokens:
                 ar.variant(**VARIANTS["sd-g3"], head_window=w)
             continue
         if name in GATES:
-            rows[name] = ar.default_variant()
+            rows[name] = ar.default_variant(gate="context")
             rows[name]._stop.gate = DraftGate(**GATES[name])  # the grow policy the engine is built with
-            if name in ("default-cheap", "default-fresh"):
+            if name == "default-context":
                 from decoding.sampling import SamplingConfig
 
-                rows[name].engine(SamplingConfig()).proposer.model.catch_up = 64
+                rows[name].engine(SamplingConfig()).proposer.model.catch_up = None
             continue
         if name == "default-linear":
             rows[name] = lin = ar.default_variant()

@@ -15,7 +15,8 @@ target with that head (`-md HEAD --spec-type draft-eagle3 --spec-draft-n-max 3`,
 chain of 3): the row `llama.cpp+head`, with its accepted draft tokens per round. With
 --candidate-draft DIR, the row `candidate` is our default configuration with that head on the
 same loaded target, interleaved with the rest: a head's promotion measured before and after in
-one run (`candidate / default`).
+one run (`candidate / default`); with --candidate-gate NAME, the row drafts with that draft gate
+(decoding.options.GATES), the default's own compared with another in one run.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class LlamaServer(ServerProcess):
 
 def llama_suite(prompts: int = 6, new_tokens: int = 96, threads: int = 1, server: str | None = None,
                 gguf: str | None = None, head_gguf: str | None = None, candidate: str | None = None,
-                progress=print) -> dict:
+                candidate_gate: str | None = None, progress=print) -> dict:
     from decoding import models
     from decoding.forward import quant
     from decoding.api import Decoder
@@ -139,6 +140,14 @@ def llama_suite(prompts: int = 6, new_tokens: int = 96, threads: int = 1, server
         if default is None:
             raise ValueError("--candidate-draft: the target has no shipped head to compare it with")
         rows["candidate"] = default.with_draft(candidate)
+    if candidate_gate:
+        if default is None:
+            raise ValueError("--candidate-gate: the target has no shipped head to draft with")
+        rows["candidate"] = (rows.get("candidate") or default).variant(gate=candidate_gate)
+        if candidate_gate == "context":  # the head's first catch-up on the whole window, as that gate ran
+            from decoding.sampling import SamplingConfig
+
+            rows["candidate"].engine(SamplingConfig()).proposer.model.catch_up = None
     sets = BenchConfig().prompt_sets
     todo = [(kind, r) for kind, f in sets.items() for r in load_prompts(f, prompts)]
     if head_gguf and not Path(head_gguf).is_file():
@@ -178,7 +187,7 @@ def llama_suite(prompts: int = 6, new_tokens: int = 96, threads: int = 1, server
     from decoding.forward import cpu
 
     return {"cpu": cpu.model_name(), "llama_build": build_isa(binary), "threads": threads, "gguf": src.name,
-            "candidate": str(candidate) if candidate else None,
+            "candidate": str(candidate) if candidate else None, "candidate_gate": candidate_gate,
             "new_tokens": new_tokens, "chat": chat,
             "quantized_linears": n_quant, "quant_isa": quant.isa(), "quant_act": quant.act_of(ar.session.target), "results": res,
             "tokens_per_s": {n: sum(r["tokens"] for r in v) / sum(r["wall_s"] for r in v) for n, v in res.items()},
@@ -254,6 +263,8 @@ def llama_markdown(r: dict) -> str:
     lines += ["", "Texts equal to llama.cpp plain's (the same weights; llama.cpp's own activation rounding): "
               + ", ".join(f"{k} {v}/{n}" for k, v in r["same_text_as_llama"].items()),
               *(["", f"candidate: our default configuration with the head {r['candidate']}"] if r.get("candidate") else []),
+              *(["", f"candidate: our default configuration with the {r['candidate_gate']} gate"]
+                if r.get("candidate_gate") else []),
               "", "llama.cpp + head: accepted / drafted tokens; ours: tokens per target call (block efficiency): "
               + ", ".join(f"{k} {v:.2f}" for k, v in r["accepted_per_round"].items())]
     return "\n".join(lines) + "\n"

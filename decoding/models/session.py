@@ -19,6 +19,7 @@ from decoding.forward.packed import default_forward, set_forward
 from decoding.growth import GrowPolicy, q_scores, time_host_work
 from decoding.kv_cache import set_kv_dtype
 from decoding.models.arch import attention_plan
+from decoding.stopping.prompt_gate import make_gate
 from decoding.models.errors import ModelError
 from decoding.models.fingerprint import fingerprint, same_model, stale_fingerprint
 from decoding.models.resolve import resolve_model_dir
@@ -149,7 +150,7 @@ class Session:
         return GrowPolicy(q_scores if scorer is None else scorer.scores, cost,
                           max_width=cfg.width if env is None else max(env), level_widths=env,
                           max_nodes=cfg.max_nodes, label="q" if scorer is None else "decider",
-                          needs_hidden=scorer is not None and scorer.needs_hidden)
+                          needs_hidden=scorer is not None and scorer.needs_hidden, gate=make_gate(cfg.gate))
 
     def measured_cost(self) -> CostCurve:
         """This machine's cost curve for the pair, timed once per loaded pair (and, with

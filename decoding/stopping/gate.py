@@ -169,7 +169,7 @@ class DraftGate:
 
     def fresh(self) -> DraftGate:
         """A gate with these settings and nothing learnt: what a new process starts with."""
-        return DraftGate(**{f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")})
+        return type(self)(**{f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")})
 
     def drafts(self, cost, explore: bool = True, context: int | None = None) -> bool:
         """Does the next round draft, at this context's `cost` (`context`: its cached tokens; None:

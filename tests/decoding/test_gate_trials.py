@@ -54,3 +54,99 @@ def test_an_empty_head_cache_catches_up_on_its_newest_rows_only(feature_pair, mo
         assert got == ar_output(target, prompt, N) and st.accepted > 0
         first = next(n for n, last in built if last is True)  # the first catch-up (only its last logits read)
         assert first == (len(prompt) if cap is None else cap)  # entries up to the first generated token
+
+
+def _round(gate, context: int, tokens: int, ms: float, plain_ms: float = 10.0) -> bool:
+    """One steady round at `context`: drafted rounds commit `tokens` in `ms`, plain ones 1 token in
+    `plain_ms`, as the engine reports them (record after verify, then timed)."""
+    go = gate.drafts(PAYS, context=context)
+    if go:
+        gate.record(tokens, 3, [2, 1, 1], 3)
+    gate.timed(go, ms if go else plain_ms)
+    return go
+
+
+def test_a_prompt_gate_drafts_while_its_own_request_wins():
+    """PromptGate: each prompt looks at its first steady round and drafts on while its own rounds
+    commit more than a token per plain round's time; a request that drafts badly closes at once
+    and looks again after backoff, 2x backoff, ... plain rounds; a new prompt decides anew, whatever
+    the one before it drafted."""
+    from decoding.stopping.prompt_gate import PromptGate
+
+    gate = PromptGate(backoff=2)
+    assert gate.drafts(PAYS, context=100)  # the prompt's round: drafts nothing, is not timed
+    good = [_round(gate, 101 + i, tokens=3, ms=15.0) for i in range(10)]
+    assert all(good)  # 3 tokens in 15 ms against 10 ms a plain token: it stays open
+    gate.drafts(PAYS, context=40)  # a new prompt (the context fell)
+    bad = [_round(gate, 41 + i, tokens=1, ms=15.0) for i in range(15)]
+    looks = [i for i, go in enumerate(bad) if go]
+    assert looks == [0, 3, 8]  # at once, then after 2 and 4 plain rounds (the next after 8)
+    assert gate.lookahead() == 8 - (14 - 8)  # plain rounds promised before that look
+    gate.drafts(PAYS, context=10)
+    assert _round(gate, 11, tokens=1, ms=15.0)  # the next prompt looks at once again
+    assert gate.fresh().backoff == 2 and isinstance(gate.fresh(), PromptGate) and not gate.fresh()._mine
+
+
+def test_a_prompt_gate_opens_again_when_a_look_wins():
+    """A closed request whose look commits well drafts on (its latest rounds win again)."""
+    from decoding.stopping.prompt_gate import PromptGate
+
+    gate = PromptGate(backoff=2, recent=2)
+    gate.drafts(PAYS, context=100)
+    assert _round(gate, 101, tokens=1, ms=15.0)  # closes
+    assert [_round(gate, 102 + i, tokens=1, ms=15.0) for i in range(2)] == [False, False]
+    assert _round(gate, 104, tokens=5, ms=15.0)  # the look: 6 tokens in 30 ms against 10 ms a token
+    assert _round(gate, 109, tokens=4, ms=15.0)  # open
+
+
+def test_a_prompt_gate_keeps_the_text_ars(feature_pair):
+    """Greedy with the prompt gate (and the short first catch-up it is measured with) is ar's text."""
+    from decoding.stopping.prompt_gate import PromptGate
+
+    target, draft = feature_pair
+    cfg = StrategyConfig(strategy="ti-mcsd", width=2, depth=3, stop="confidence", confidence_rule="grow",
+                         max_nodes=8)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    eng = build_engine(target, draft, cfg, SamplingConfig(),
+                       stop=GrowPolicy(q_scores, PAYS, max_width=2, max_nodes=8, gate=PromptGate(backoff=2)))
+    eng.proposer.model.catch_up = 4
+    for p in (prompt, prompt[:6]):
+        got, st = eng.generate(p, N)
+        assert got == ar_output(target, p, N) and st.rounds > 0
+
+
+def test_sampling_stays_exact_with_a_prompt_gate(tiny_pair):
+    """Whether a round drafts follows what the request's earlier rounds committed (a round of 1 token
+    closes it, one of 2 or more keeps it open): the sampled continuations keep the target's law."""
+    from support.exact import SAMPLES, T1, chi2_pvalue, exact_distribution, speculative_counts
+    from decoding.stopping.prompt_gate import PromptGate
+
+    class Timed(PromptGate):  # a drafted round takes 1.5 plain rounds, whatever the machine
+        def timed(self, drafted, ms, behind_ms=0.0):
+            super().timed(drafted, 15.0 if drafted else 10.0)
+
+    target, draft = tiny_pair
+    cfg = StrategyConfig(strategy="ti-mcsd", width=2, depth=2, stop="confidence", confidence_rule="grow",
+                         max_nodes=4)
+    gate = Timed(backoff=1)
+    eng = build_engine(target, draft, cfg, T1, stop=GrowPolicy(q_scores, PAYS, max_width=2, max_nodes=4, gate=gate))
+    counts, depths, _ = speculative_counts(eng, SAMPLES)
+    assert depths[0] > 0.05 * SAMPLES and sum(v for d, v in depths.items() if d >= 1) > 0.05 * SAMPLES
+    pvalue = chi2_pvalue(counts, exact_distribution(target, T1), SAMPLES)
+    assert pvalue > 1e-3, f"p={pvalue:.2e}"
+
+
+def test_the_gate_option_picks_the_grow_rules_gate():
+    """--gate: request (the default) or context; another name is one clear error before any load."""
+    import pytest
+
+    from decoding.options import StrategyConfig as Config
+    from decoding.stopping.prompt_gate import PromptGate, make_gate
+
+    assert Config("ti-mcsd").gate == "request" and type(make_gate("request")) is PromptGate
+    assert type(make_gate("context")) is DraftGate
+    grow = dict(stop="confidence", confidence_rule="grow")
+    assert "gate-context" in Config("ti-mcsd", gate="context", **grow).name
+    assert "gate" not in Config("ti-mcsd", **grow).name and "gate" not in Config("sd", gate="context").name
+    with pytest.raises(ValueError, match="unknown gate 'often'"):
+        Config("ti-mcsd", gate="often")

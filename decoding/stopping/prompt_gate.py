@@ -1,0 +1,89 @@
+"""A draft gate that each request decides by its own rounds, timed on the wall (a trial beside
+the default's DraftGate: the context suite's `default-prompt`)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from decoding.stopping.gate import MOVED, DraftGate
+
+# Why per request: DraftGate prices drafting from the drafted rounds of every request near the
+# current context, so the first requests at a context decide for the later ones. Where the first
+# drafted badly its looks came hundreds of rounds apart and code prompts that would have drafted
+# 2-5 tokens a round ran plain (reports/context-2026-12-07-warm). Here each new prompt looks at
+# once, keeps drafting while its own latest drafted rounds commit more tokens per wall ms than a
+# plain round does, and closes as soon as they do not; a closed prompt looks again after
+# `backoff` plain rounds, then twice as many each time, so where drafting loses a request of R
+# rounds pays about log2(R / backoff) looks. Lossless as every gate: a decision reads only
+# earlier rounds' times and tokens.
+
+
+@dataclass
+class PromptGate(DraftGate):
+    """Whether a round drafts, from this request's own drafted rounds (the comment above)."""
+
+    recent: int = 8
+    """This request's latest drafted rounds its drafting rate is measured over."""
+    backoff: int = 4
+    """Plain rounds before a closed request's next look; each later look waits twice as long
+    (at most `max_every`)."""
+    _mine: deque = field(default_factory=deque, repr=False)
+    """(tokens committed, wall ms less the head's catch-up) of this request's latest drafted rounds."""
+    _wait: int = 0
+    _idle: int = 0
+    """Plain rounds since this request's last drafted round (or its prompt)."""
+    _tokens: int | None = None
+    _step: float = 0.0
+
+    def __post_init__(self):
+        self._mine = deque(maxlen=max(self.recent, 1))
+
+    def drafts(self, cost, explore: bool = True, context: int | None = None) -> bool:
+        context = int(cost.context if context is None else context)
+        if not self._context <= context <= self._context + MOVED:  # a new prompt: it decides anew
+            self._mine, self._wait, self._idle, self._ahead = deque(maxlen=max(self.recent, 1)), 0, 0, 0
+        self._context = context
+        pays, _, step, tree = self._priced(cost)
+        if self._ahead > 0:  # plain rounds promised by `lookahead`
+            go, self._ahead = False, self._ahead - 1
+        elif not pays:
+            go, self._ahead = False, self.max_every  # until a new prompt
+        elif self._mine and self.wins(step):
+            go = True
+        else:  # a look (the first at once: the prompt's round drafts nothing, and is not timed)
+            go = explore and self._idle >= self._wait
+        self._looking = self._cold = go and self._idle > 0
+        self._idle = 0 if go else self._idle + 1
+        if not go and pays and not self._ahead:
+            self._ahead = max(self._wait - self._idle, 0) if not (self._mine and self.wins(step)) else 0
+        self._now, self._tokens, self._step = (cost, tree if go else step), None, step
+        return go
+
+    def plain_ms(self, step: float) -> float:
+        """A plain round's wall ms near this context (their median; before any: `step`, the
+        curve's price, at the plain rounds' measured scale)."""
+        plain = sorted(ms for ms, _ in self._near(self._ms["plain"], 8))
+        return plain[len(plain) // 2] if plain else step * self.scale(False)
+
+    def wins(self, step: float) -> bool:
+        """Do this request's latest drafted rounds commit at least a token per plain round's time?"""
+        ms = sum(m for _, m in self._mine)
+        return ms <= 0 or sum(t for t, _ in self._mine) * self.plain_ms(step) >= ms
+
+    def record(self, tokens: int, nodes: int, draft_sizes: list[int], parents: int) -> None:
+        super().record(tokens, nodes, draft_sizes, parents)
+        self._tokens = tokens
+
+    def timed(self, drafted: bool, ms: float, behind_ms: float = 0.0) -> None:
+        super().timed(drafted, ms, behind_ms)
+        if drafted and self._tokens is not None and ms > 0:
+            self._mine.append((self._tokens, max(ms - behind_ms, 0.0)))
+            if not self.wins(self._step):  # closed: each look that leaves it closed doubles the wait
+                self._wait = min(max(self.backoff, 2 * self._wait), self.max_every)
+        self._tokens = None
+
+
+def make_gate(name: str) -> DraftGate:
+    """The grow rules' draft gate of that name (decoding.options.GATES)."""
+    return PromptGate() if name == "request" else DraftGate()
