@@ -83,9 +83,9 @@ ROUNDS = ("host", "device")
 (decoding.round: one fixed-shape tensor program a round, a CUDA graph replay on CUDA)."""
 MODES = ("lossless", "longest-branch")
 HEAD_WINDOW = 256
+"""Committed positions a feature head attends back by default (StrategyOptions.head_window)."""
 GATES = ("request", "context")
 """Draft gates of the grow rules (StrategyOptions.gate)."""
-"""Committed positions a feature head attends back by default (StrategyOptions.head_window)."""
 
 
 @dataclass

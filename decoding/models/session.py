@@ -19,10 +19,10 @@ from decoding.forward.packed import default_forward, set_forward
 from decoding.growth import GrowPolicy, q_scores, time_host_work
 from decoding.kv_cache import set_kv_dtype
 from decoding.models.arch import attention_plan
-from decoding.stopping.prompt_gate import make_gate
 from decoding.models.errors import ModelError
 from decoding.models.fingerprint import fingerprint, same_model, stale_fingerprint
 from decoding.models.resolve import resolve_model_dir
+from decoding.stopping.prompt_gate import make_gate
 from decoding.models.weights import load_tokenizer, read_model
 from decoding.sampling import SamplingConfig
 from decoding.stopping import GROW, make_stop_policy

@@ -1,5 +1,5 @@
-"""A draft gate that each request decides by its own rounds, timed on the wall (a trial beside
-the default's DraftGate: the context suite's `default-prompt`)."""
+"""The grow rules' default draft gate (`--gate request`): each request decides by its own rounds,
+timed on the wall (`--gate context`: decoding.stopping.gate, every request's near the context)."""
 
 from __future__ import annotations
 
@@ -45,18 +45,20 @@ class PromptGate(DraftGate):
             self._mine, self._wait, self._idle, self._ahead = deque(maxlen=max(self.recent, 1)), 0, 0, 0
         self._context = context
         pays, _, step, tree = self._priced(cost)
+        # read once a round, and not in promised plain rounds (their promise ends where the look is due)
+        winning = self._ahead <= 0 and bool(self._mine) and self.wins(step)
         if self._ahead > 0:  # plain rounds promised by `lookahead`
             go, self._ahead = False, self._ahead - 1
         elif not pays:
             go, self._ahead = False, self.max_every  # until a new prompt
-        elif self._mine and self.wins(step):
+        elif winning:
             go = True
         else:  # a look (the first at once: the prompt's round drafts nothing, and is not timed)
             go = explore and self._idle >= self._wait
         self._looking = self._cold = go and self._idle > 0
         self._idle = 0 if go else self._idle + 1
         if not go and pays and not self._ahead:
-            self._ahead = max(self._wait - self._idle, 0) if not (self._mine and self.wins(step)) else 0
+            self._ahead = 0 if winning else max(self._wait - self._idle, 0)
         self._now, self._tokens, self._step = (cost, tree if go else step), None, step
         return go
 
