@@ -292,3 +292,12 @@ def load_prompts(path: str, n: int) -> list[dict]:
     if not rows:
         raise ValueError(f"{p}: no prompts")
     return rows
+
+
+def whole_window_catch_up(decoder) -> None:
+    """`decoder`'s greedy engine builds a new prompt's head from the whole window
+    (FeatureCache.catch_up None): the context gate as it ran before the request gate, whose rows
+    the context and llama suites keep beside the default."""
+    from decoding.sampling import SamplingConfig
+
+    decoder.engine(SamplingConfig()).proposer.model.catch_up = None

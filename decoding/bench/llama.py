@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from decoding.bench.config import BenchConfig, load_prompts
+from decoding.bench.config import BenchConfig, load_prompts, whole_window_catch_up
 from decoding.bench.stats import speedup_ci
 
 DEFAULT_SERVER = Path.home() / ".cache" / "specstop" / "llama" / "build" / "bin" / "llama-server"
@@ -144,10 +144,8 @@ def llama_suite(prompts: int = 6, new_tokens: int = 96, threads: int = 1, server
         if default is None:
             raise ValueError("--candidate-gate: the target has no shipped head to draft with")
         rows["candidate"] = (rows.get("candidate") or default).variant(gate=candidate_gate)
-        if candidate_gate == "context":  # the head's first catch-up on the whole window, as that gate ran
-            from decoding.sampling import SamplingConfig
-
-            rows["candidate"].engine(SamplingConfig()).proposer.model.catch_up = None
+        if candidate_gate == "context":
+            whole_window_catch_up(rows["candidate"])
     sets = BenchConfig().prompt_sets
     todo = [(kind, r) for kind, f in sets.items() for r in load_prompts(f, prompts)]
     if head_gguf and not Path(head_gguf).is_file():
