@@ -12,7 +12,7 @@ per prompt and repeat so drift hits all alike. Reported per context: decoding to
 after the first round (the prompt's forward left out), tokens per round, paired speedups with 95% intervals over prompts
 (decoding.bench.stats), and whether every variant's text equals `ar`'s. `--variants
 default,ar,default-ungated,default-unpriced,default-window-all,default-window-64,default-decider,default-burst,default-gross,
-default-unscoped,default-linear,default-w1,default-w2,default-cheap,default-fresh`
+default-unscoped,default-linear,default-w1,default-w2,default-cheap,default-fresh,default-prior`
 adds the default with its gate always open, with its host work unpriced, with its head attending
 the whole context, with the decider's scores for q's, with looks of several rounds, with looks
 costed gross of the tokens they commit, with drafting priced alike at every context, with
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decoding.bench.config import BenchConfig, load_prompts
+from decoding.bench.config import BenchConfig, load_prompts, whole_window_catch_up
 from decoding.bench.stats import speedup_ci
 
 FILLER = "data/prompts/context_filler.txt"
@@ -48,7 +48,7 @@ VARIANTS = {
 ON_REQUEST = ("default-ungated", "default-unpriced", "default-window-all", "sd-g3-window-all", "default-window-64",
               "sd-g3-window-64", "default-decider",
               "default-burst", "default-gross", "default-unscoped", "default-linear", "default-w1", "default-w2",
-              "default-context", "default-cheap", "default-fresh")
+              "default-context", "default-cheap", "default-fresh", "default-prior")
 """Rows run only when --variants names them: the default with its gate always open (every round
 drafts), to isolate what the gate gives; and also with its host work unpriced (policy_ms and
 overhead_ms 0: the rule as it ran before they were timed), to isolate what pricing gives; the
@@ -68,8 +68,10 @@ and the default with the context gate (`--gate context`: decoding.stopping.gate,
 rounds near the current context, priced) in place of the request gate, its head's first catch-up
 on a prompt building the whole window (`default-context`: the default before the request gate)
 or its newest 64 rows (FeatureCache.catch_up, the default: `default-cheap`), and with a look at
-each new prompt (`default-fresh`: DraftGate.fresh_share). The burst, gross and unscoped rows
-are the context gate's settings too."""
+each new prompt (`default-fresh`: DraftGate.fresh_share); and the default whose request gate
+weighs a request's rounds with 4 rounds' worth of earlier requests' near the context
+(`default-prior`: PromptGate.prior). The burst, gross and unscoped rows are the context gate's
+settings too."""
 GATES = {"default-burst": {"burst": 4}, "default-gross": {"net_looks": False},
          "default-unscoped": {"scale_span": float("inf"), "warmup": 2, "scale_warm": 1},
          "default-context": {}, "default-cheap": {}, "default-fresh": {"fresh_share": 0.02}}
@@ -128,9 +130,13 @@ def context_suite(contexts=(100, 600, 1200, 2400), prompts: int = 4, new_tokens:
             rows[name] = ar.default_variant(gate="context")
             rows[name]._stop.gate = DraftGate(**GATES[name])  # the grow policy the engine is built with
             if name == "default-context":
-                from decoding.sampling import SamplingConfig
+                whole_window_catch_up(rows[name])
+            continue
+        if name == "default-prior":
+            from decoding.stopping.prompt_gate import PromptGate
 
-                rows[name].engine(SamplingConfig()).proposer.model.catch_up = None
+            rows[name] = ar.default_variant()
+            rows[name]._stop.gate = PromptGate(prior=4.0)  # the grow policy the engine is built with
             continue
         if name == "default-linear":
             rows[name] = lin = ar.default_variant()

@@ -99,6 +99,36 @@ def test_a_prompt_gate_opens_again_when_a_look_wins():
     assert _round(gate, 109, tokens=4, ms=15.0)  # open
 
 
+def test_a_prompt_gate_weighs_its_rounds_with_earlier_requests():
+    """prior: a request's own drafted rounds are weighed with `prior` rounds' worth of earlier
+    requests' near this context. After a request that drafted at a loss, a new request's look that
+    commits 2 tokens in 1.5 plain rounds' time opens a streak on its own (without a prior) but not
+    beside that history; after a request that won, a look that commits 1 token closes the gate on
+    its own but not beside that history. A fresh gate keeps the setting, not the history."""
+    from decoding.stopping.prompt_gate import PromptGate
+
+    for prior in (0.0, 4.0):
+        losing = PromptGate(backoff=2, prior=prior)
+        losing.drafts(PAYS, context=100)
+        assert sum(_round(losing, 101 + i, tokens=1, ms=15.0) for i in range(12)) == 3  # looks only
+        losing.drafts(PAYS, context=40)  # a new prompt
+        assert _round(losing, 41, tokens=2, ms=15.0)  # its look at once
+        assert _round(losing, 42, tokens=2, ms=15.0) == (prior == 0)
+
+        winning = PromptGate(backoff=2, prior=prior)
+        winning.drafts(PAYS, context=100)
+        assert all(_round(winning, 101 + i, tokens=3, ms=15.0) for i in range(6))
+        winning.drafts(PAYS, context=40)
+        assert _round(winning, 41, tokens=1, ms=15.0)
+        assert _round(winning, 42, tokens=3, ms=15.0) == (prior > 0)
+        assert winning.fresh().prior == prior and not winning.fresh()._theirs
+    far = PromptGate(backoff=2, prior=4.0)  # earlier requests far from this context do not count
+    far.drafts(PAYS, context=2000)
+    [_round(far, 2001 + i, tokens=1, ms=15.0) for i in range(12)]
+    far.drafts(PAYS, context=40)
+    assert _round(far, 41, tokens=2, ms=15.0) and _round(far, 42, tokens=2, ms=15.0)
+
+
 def test_a_prompt_gate_keeps_the_text_ars(feature_pair):
     """Greedy with the prompt gate (and the short first catch-up it is measured with) is ar's text."""
     from decoding.stopping.prompt_gate import PromptGate
