@@ -39,8 +39,8 @@ class PromptGate(DraftGate):
     _mine: deque = field(default_factory=deque, repr=False)
     """(tokens committed, wall ms less the head's catch-up) of this request's latest drafted rounds."""
     _this: list = field(default_factory=list, repr=False)
-    """(tokens, ms, context) of every drafted round of this request: earlier requests' (`_theirs`)
-    when the next prompt comes."""
+    """(tokens, ms, context) of every drafted round of this request, with a prior: earlier
+    requests' (`_theirs`) when the next prompt comes."""
     _theirs: deque = field(default_factory=lambda: deque(maxlen=MEMORY), repr=False)
     _wait: int = 0
     _idle: int = 0
@@ -99,7 +99,8 @@ class PromptGate(DraftGate):
         super().timed(drafted, ms, behind_ms)
         if drafted and self._tokens is not None and ms > 0:
             self._mine.append((self._tokens, max(ms - behind_ms, 0.0)))
-            self._this.append((*self._mine[-1], self._context))
+            if self.prior > 0:  # kept only where it is read
+                self._this.append((*self._mine[-1], self._context))
             if not self.wins(self._step):  # closed: each look that leaves it closed doubles the wait
                 self._wait = min(max(self.backoff, 2 * self._wait), self.max_every)
         self._tokens = None

@@ -2,6 +2,8 @@
 each new prompt (DraftGate.fresh_share) and a new prompt's head built from its newest rows only
 (FeatureCache.catch_up); the text stays ar's."""
 
+import pytest
+
 from support.head import ar_output
 from decoding.forward.cost import CostCurve
 from decoding.growth import GrowPolicy, q_scores
@@ -129,8 +131,10 @@ def test_a_prompt_gate_weighs_its_rounds_with_earlier_requests():
     assert _round(far, 41, tokens=2, ms=15.0) and _round(far, 42, tokens=2, ms=15.0)
 
 
-def test_a_prompt_gate_keeps_the_text_ars(feature_pair):
-    """Greedy with the prompt gate (and the short first catch-up it is measured with) is ar's text."""
+@pytest.mark.parametrize("prior", [0.0, 4.0])
+def test_a_prompt_gate_keeps_the_text_ars(feature_pair, prior):
+    """Greedy with the prompt gate (and the short first catch-up it is measured with; with earlier
+    requests' rounds weighed in, `prior`) is ar's text."""
     from decoding.stopping.prompt_gate import PromptGate
 
     target, draft = feature_pair
@@ -138,16 +142,18 @@ def test_a_prompt_gate_keeps_the_text_ars(feature_pair):
                          max_nodes=8)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
     eng = build_engine(target, draft, cfg, SamplingConfig(),
-                       stop=GrowPolicy(q_scores, PAYS, max_width=2, max_nodes=8, gate=PromptGate(backoff=2)))
+                       stop=GrowPolicy(q_scores, PAYS, max_width=2, max_nodes=8, gate=PromptGate(backoff=2, prior=prior)))
     eng.proposer.model.catch_up = 4
     for p in (prompt, prompt[:6]):
         got, st = eng.generate(p, N)
         assert got == ar_output(target, p, N) and st.rounds > 0
 
 
-def test_sampling_stays_exact_with_a_prompt_gate(tiny_pair):
+@pytest.mark.parametrize("prior", [0.0, 4.0])
+def test_sampling_stays_exact_with_a_prompt_gate(tiny_pair, prior):
     """Whether a round drafts follows what the request's earlier rounds committed (a round of 1 token
-    closes it, one of 2 or more keeps it open): the sampled continuations keep the target's law."""
+    closes it, one of 2 or more keeps it open; with `prior`, earlier requests' too): the sampled
+    continuations keep the target's law."""
     from support.exact import SAMPLES, T1, chi2_pvalue, exact_distribution, speculative_counts
     from decoding.stopping.prompt_gate import PromptGate
 
@@ -158,7 +164,7 @@ def test_sampling_stays_exact_with_a_prompt_gate(tiny_pair):
     target, draft = tiny_pair
     cfg = StrategyConfig(strategy="ti-mcsd", width=2, depth=2, stop="confidence", confidence_rule="grow",
                          max_nodes=4)
-    gate = Timed(backoff=1)
+    gate = Timed(backoff=1, prior=prior)
     eng = build_engine(target, draft, cfg, T1, stop=GrowPolicy(q_scores, PAYS, max_width=2, max_nodes=4, gate=gate))
     counts, depths, _ = speculative_counts(eng, SAMPLES)
     assert depths[0] > 0.05 * SAMPLES and sum(v for d, v in depths.items() if d >= 1) > 0.05 * SAMPLES
@@ -168,8 +174,6 @@ def test_sampling_stays_exact_with_a_prompt_gate(tiny_pair):
 
 def test_the_gate_option_picks_the_grow_rules_gate():
     """--gate: request (the default) or context; another name is one clear error before any load."""
-    import pytest
-
     from decoding.options import StrategyConfig as Config
     from decoding.stopping.prompt_gate import PromptGate, make_gate
 
