@@ -38,16 +38,21 @@ def candidate_level(fr: Frontier, width: int, features: bool = True) -> DraftLev
     """The top-`width` tokens of every frontier node's q as a hypothetical level (what greedy
     would draw), so decider features are computed by the one feature module (`features`: take
     the features' top-10 in the same pass)."""
-    V = fr.q.shape[-1]
+    own = fr.q_own is not None  # the same top values over the draft's own vocabulary, ids mapped
+    q = fr.q_own if own else fr.q
+    V = q.shape[-1]
     w = min(width, V)
-    top = fr.q.topk(min(max(w, TOP_K if features else 0), V), dim=-1)
+    top = q.topk(min(max(w, TOP_K if features else 0), V), dim=-1)
+    tokens = top.indices[:, :w].reshape(-1).tolist()
+    if own:
+        tokens = [fr.vocab_ids[t] for t in tokens]
     P = len(fr.nodes)
     parent_of = [r for r in range(P) for _ in range(w)]
     q_tok = top.values[:, :w].reshape(-1)
     base = torch.tensor(fr.path_logq, dtype=torch.float32, device=q_tok.device)[parent_of]
     has_mass = (q_tok > 0).tolist()  # one host read a level, not one a node (each is a sync on a GPU)
     return DraftLevel(
-        depth=fr.depth, nodes=list(range(P * w)), tokens=top.indices[:, :w].reshape(-1).tolist(),
+        depth=fr.depth, nodes=list(range(P * w)), tokens=tokens,
         valid=[fr.valid[r] and has_mass[i] for i, r in enumerate(parent_of)],
         q_token=q_tok, parent_q=fr.q, parent_of=parent_of,
         parent_nodes=[fr.nodes[r] for r in parent_of], branch=[b for _ in range(P) for b in range(w)],
@@ -261,9 +266,10 @@ def q_scores(level: DraftLevel) -> torch.Tensor:
 # setup, the layout, the tree walk over the verified rows) price.
 #
 # How: TreeProposer.propose under the grow rule, over a draft whose forward costs nothing (it
-# returns fixed logits over the target's vocabulary, as a feature head's q is), for a tree of one
-# node and a fork of `depth` levels (`width` roots, then one child each). A level's host work grows
-# with its parents (a warp and a top-k over the whole vocabulary each), so it is priced per parent: the fork's extra time over the one
+# returns fixed logits over the target's vocabulary, or over a feature head's own columns, which
+# the proposer scatters to the target's), for a tree of one node and a fork of `depth` levels
+# (`width` roots, then one child each). A level's host work grows with its parents (a warp and a
+# top-k over the draft's vocabulary each), so it is priced per parent: the fork's extra time over the one
 # node's, per extra parent; the one-node round less its parent is the fixed cost. The greedy walk
 # of the tree's rows is timed with it, on logits as large as the target's.
 
@@ -287,23 +293,30 @@ class _FreeDraft:
 
 @torch.inference_mode()
 def time_host_work(vocab: int, width: int = 4, depth: int = 4, repeats: int = 5, context: int = 256,
-                   device: str | torch.device = "cpu") -> tuple[float, float]:
+                   device: str | torch.device = "cpu", own: int | None = None) -> tuple[float, float]:
     """(policy_ms: a level's host work per parent, overhead_ms) on this machine for q over `vocab`
-    tokens on `device`: medians over `repeats` interleaved rounds of each tree, the first pass
-    dropped (warm-up)."""
+    tokens on `device` (drawn over `own` of them where the draft has a vocabulary of its own):
+    medians over `repeats` interleaved rounds of each tree, the first pass dropped (warm-up)."""
     from decoding.acceptance import walk_greedy
     from decoding.forward.cost import CostCurve
     from decoding.sampling import SamplingConfig, argmax_rows
     from decoding.tree import layout_from_k_config
     from decoding.tree_proposer import TreeProposer
 
-    class Proposer(TreeProposer):
-        cache_for = staticmethod(lambda draft: draft)
-
     depth, width = max(depth, 2), max(width, 2)
     g = torch.Generator(device="cpu").manual_seed(0)
-    logits = torch.randn(width, vocab, generator=g)
-    logits[torch.arange(width), torch.arange(width) % vocab] += 14.0  # confident: q of ~0.9, every node pays
+    ids = None if own is None else torch.randperm(vocab, generator=g)[:own].sort().values.to(device)
+
+    class Proposer(TreeProposer):
+        cache_for = staticmethod(lambda draft: draft)
+        vocab_ids = None if ids is None else ids.tolist()
+
+        def widen(self, q):  # as FeatureProposer's
+            return q.new_zeros((*q.shape[:-1], vocab)).index_copy_(-1, ids, q)
+
+    cols = vocab if own is None else own
+    logits = torch.randn(width, cols, generator=g)
+    logits[torch.arange(width), torch.arange(width) % cols] += 14.0  # confident: q of ~0.9, every node pays
     verified = torch.randn(1 + width * depth, vocab, generator=g)
     logits, draft = logits.to(device), _FreeDraft(logits.to(device))
     free = CostCurve([1, 1024], [1.0, 1.0], [0.0, 0.0])  # rows and steps free: the envelope is drawn whole

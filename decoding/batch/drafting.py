@@ -18,7 +18,6 @@ from decoding.decider.context import Snapshot
 from decoding.drafts.head_graph import head_steps
 from decoding.drafts.feature_proposer import FeatureProposer
 from decoding.tree_proposer import DraftTree, TreeProposer, Growth, empty_tree
-from decoding.sampling import warp
 from decoding.stopping import DraftLevel, Frontier
 from decoding.tree import ANCHOR, TreeLayout
 
@@ -71,7 +70,7 @@ class Drafting:
         self._row = {n: i - len(fed) for i, n in enumerate(fed)}
         self._h = h
         for par in self.frontier:
-            tree.q[par] = warp(logits[self._row[par]], p.sampling)
+            p.take_q(tree, par, logits[self._row[par]])
         return p.frontier_of(tree, self.grow, self.frontier, h, self._row, self.position)
 
     def draw(self, counts: list[int]) -> DraftLevel | None:
@@ -83,7 +82,7 @@ class Drafting:
         self.frontier = [par for par, _ in keep]
         tree = self.tree
         level = self.p.fill_level(tree, self.grow, {par: tree.q[par] for par in self.frontier}, self.gen,
-                                   [c for _, c in keep])
+                                   [c for _, c in keep], tree.q_own)
         if self._h is not None:
             level.parent_hidden = self._h[[self._row[par] for par in self.frontier]]
         level.position = self.position

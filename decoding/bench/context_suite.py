@@ -48,7 +48,8 @@ VARIANTS = {
 ON_REQUEST = ("default-ungated", "default-unpriced", "default-window-all", "sd-g3-window-all", "default-window-64",
               "sd-g3-window-64", "default-decider",
               "default-burst", "default-gross", "default-unscoped", "default-linear", "default-w1", "default-w2",
-              "default-context", "default-cheap", "default-fresh", "default-prior")
+              "default-context", "default-cheap", "default-fresh", "default-prior", "default-target-vocab",
+              "sd-g2-target-vocab")
 """Rows run only when --variants names them: the default with its gate always open (every round
 drafts), to isolate what the gate gives; and also with its host work unpriced (policy_ms and
 overhead_ms 0: the rule as it ran before they were timed), to isolate what pricing gives; the
@@ -70,8 +71,9 @@ on a prompt building the whole window (`default-context`: the default before the
 or its newest 64 rows (FeatureCache.catch_up, the default: `default-cheap`), and with a look at
 each new prompt (`default-fresh`: DraftGate.fresh_share); and the default whose request gate
 weighs a request's rounds with 4 rounds' worth of earlier requests' near the context
-(`default-prior`: PromptGate.prior). The burst, gross and unscoped rows are the context gate's
-settings too."""
+(`default-prior`: PromptGate.prior); and the default and sd g2 whose head's q is warped and drawn
+over the target's vocabulary (`-target-vocab`: TreeProposer.vocab_ids None), to see what drawing
+over the head's own gives. The burst, gross and unscoped rows are the context gate's settings too."""
 GATES = {"default-burst": {"burst": 4}, "default-gross": {"net_looks": False},
          "default-unscoped": {"scale_span": float("inf"), "warmup": 2, "scale_warm": 1},
          "default-context": {}, "default-cheap": {}, "default-fresh": {"fresh_share": 0.02}}
@@ -137,6 +139,13 @@ def context_suite(contexts=(100, 600, 1200, 2400), prompts: int = 4, new_tokens:
 
             rows[name] = ar.default_variant()
             rows[name]._stop.gate = PromptGate(prior=4.0)  # the grow policy the engine is built with
+            continue
+        if name.endswith("-target-vocab"):
+            from decoding.sampling import SamplingConfig
+
+            rows[name] = ar.default_variant() if name.startswith("default") else ar.variant(**VARIANTS["sd-g2"])
+            p = rows[name].engine(SamplingConfig()).proposer  # the engine _run reads (built once)
+            p.model.own_vocab, p.vocab_ids = False, None
             continue
         if name == "default-linear":
             rows[name] = lin = ar.default_variant()

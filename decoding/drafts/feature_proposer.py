@@ -15,7 +15,9 @@ verified) the first level reads them instead. The first round has no features ye
 drafts nothing, and the target's prompt forward provides them.
 
 Draft ids map to target ids through `d2t`; q over the target vocabulary is the draft's
-distribution scattered there (exactly 0 elsewhere), so the acceptance rules stay exact.
+distribution scattered there (exactly 0 elsewhere), so the acceptance rules stay exact. The
+proposer warps and draws over the head's own vocabulary and scatters q after
+(TreeProposer.vocab_ids); a FeatureCache read on its own gives target-vocabulary logits.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class FeatureCache:
         """Committed positions the head attends back (None: all): older entries are skipped at a
         catch-up and cut from the front as the cache grows; positions stay absolute, so the
         rotary distances to the entries kept are the true ones."""
+        self.own_vocab = False
+        """feed / plan give logits over the head's own vocabulary (the proposer's reading), not
+        scattered to the target's."""
         self.catch_up: int | None = FEATURE_LEAD
         """Most rows an empty cache (a new prompt, a gap) is built from (None: the window's): a new
         prompt starts as a look after a gap does, its catch-up ~2 ms rather than 7.5-16 for 256
@@ -163,7 +168,7 @@ class FeatureCache:
         return self._out(logits[0], self.draft.norm(h[0]) if hidden else None)
 
     def _out(self, logits, hn):
-        return self.draft.to_target(logits.float(), MASKED_LOGIT), hn
+        return (logits.float() if self.own_vocab else self.draft.to_target(logits.float(), MASKED_LOGIT)), hn
 
     def _catch_up(self, committed) -> None:
         """Build the committed entries whose features and next token are both known."""
@@ -223,6 +228,9 @@ class FeatureProposer(TreeProposer):
                  replacement: bool = False, roots_from_target: bool = False, window: int = HEAD_WINDOW):
         super().__init__(draft, layout, sampling, replacement, roots_from_target)
         self.model.window = window or None  # 0: the whole context
+        self.model.own_vocab = True
+        self._ids = draft.used_ids
+        self.vocab_ids = self._ids.tolist()
         self.target = target
         self.capturing = True
         """Does this round's verify capture the target's features (`plain` may say no)?"""
@@ -234,6 +242,9 @@ class FeatureProposer(TreeProposer):
     @property
     def behind_ms(self) -> float:
         return self.model.behind_ms
+
+    def widen(self, q: torch.Tensor) -> torch.Tensor:
+        return q.new_zeros((*q.shape[:-1], self.model.draft.config.vocab_size)).index_copy_(-1, self._ids, q)
 
     @contextmanager
     def verifying(self):

@@ -180,10 +180,9 @@ def time_forwards(model, sizes, repeats: int = 3, context: int = 256, verify: bo
 @torch.inference_mode()
 def _time_feature_head(head, sizes, repeats: int, context: int) -> list[float]:
     """time_forwards for a feature (EAGLE-3) head: one tree level of n nodes after `context`
-    committed entries, as FeatureCache.feed runs it (head step, lean or graphed where it runs, with the tree mask, q scattered
-    to the target vocabulary). The features are random: the cost does not depend on them."""
+    committed entries, as FeatureProposer drafts it (head step, lean or graphed where it runs, with the tree mask; q over
+    the head's vocabulary, scattered to the target's). The features are random: the cost does not depend on them."""
     from decoding.drafts.head_graph import head_cache, head_step
-    from decoding.models import MASKED_LOGIT
     from decoding.tree import layout_from_k_config
 
     c, dev, dt = head.config, head.fc.weight.device, head.fc.weight.dtype
@@ -201,7 +200,7 @@ def _time_feature_head(head, sizes, repeats: int, context: int) -> list[float]:
             pos = torch.full((1, n), context, device=dev)
             t = time.perf_counter()
             logits, _ = head_step(head, cache, toks[:, context: context + n], hid, pos, mask)
-            head.to_target(logits[0].float(), MASKED_LOGIT)
+            head.to_target(torch.softmax(logits[0].float(), -1), 0.0)
             times[n].append(1000 * (time.perf_counter() - t))
             cache.crop(context)
     return monotone([float(np.median(times[n][1:])) for n in sizes])
@@ -230,9 +229,12 @@ def measure_cost(target, draft, sizes=COST_SIZES, repeats: int = 3, contexts=CON
     import), the host work of a level and of a tree round (else 0)."""
     sizes, ks = list(sizes), [n for n in key_sizes if n <= max(sizes)]
     short, long, *beyond = (min(fit_context(m, c, sizes, repeats) for m in (target, draft)) for c in contexts)
+    from decoding.drafts.feature import FeatureDraft
+
+    own = draft.config.draft_vocab_size if isinstance(draft, FeatureDraft) else None  # drawn over its own columns
     host = {} if host_work is None else dict(zip(("policy_ms", "overhead_ms"), host_work(
         target.get_output_embeddings().weight.shape[0], repeats=max(repeats, 5), context=short,
-        device=next(draft.parameters()).device)))
+        device=next(draft.parameters()).device, own=own)))
     if long <= short:  # a model of few positions: no second context to fit a slope between
         return CostCurve(sizes, time_forwards(target, sizes, repeats, short),
                          time_forwards(draft, sizes, repeats, short, verify=False), unit=TOKENS, context=short,

@@ -29,9 +29,10 @@ from decoding.forward.cost import CONTEXTS, COST_SIZES, KEY_SIZES, TOKENS, CostC
 from decoding.models.named_targets import cache_root
 from decoding.kv_cache import kv_dtype
 
-HOST_WORK = 1
+HOST_WORK = 2
 """Revision of what a curve prices beyond the forwards (1: a level's and a tree round's host work,
-decoding.growth.time_host_work): a curve stored without it is a miss and is timed again."""
+decoding.growth.time_host_work; 2: a feature head's levels drawn over its own vocabulary): a curve
+stored under another is a miss and is timed again."""
 
 RETIME_ENV = "SPECSTOP_RETIME_COST"
 """Set to 1 to re-time (and overwrite) the stored curve on the next load."""

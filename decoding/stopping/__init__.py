@@ -76,6 +76,11 @@ class Frontier:
     paths: list[tuple[int, ...]] | None = None
     """[P] tokens from the anchor's first child down to each parent (() for the anchor)."""
     context: Snapshot | None = None
+    q_own: torch.Tensor | None = None
+    """[P, N] the same q over the draft's own vocabulary, where it has one (its top tokens are
+    found over N entries, not V)."""
+    vocab_ids: list[int] | None = None
+    """Target id of each of q_own's columns."""
 
 
 class StopPolicy:

@@ -93,6 +93,26 @@ def test_candidate_features_reuse_the_candidates_top_k_exactly():
     assert candidate_level(frontier(q.tolist(), depth=2, nodes=[3, 5]), 3, features=False).parent_top is None
 
 
+def test_candidates_over_a_drafts_own_vocabulary_are_the_same_level():
+    """A frontier that carries q over the draft's own columns too (a feature head's) finds its top
+    tokens there: the same level, target ids and features alike."""
+    from dataclasses import replace
+
+    from decoding.decider.features import node_features
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randperm(40, generator=g)[:24].sort().values
+    own = torch.softmax(3 * torch.randn(2, 24, generator=g), -1)
+    fr = frontier(torch.zeros(2, 40).index_copy_(-1, ids, own).tolist(), depth=2, nodes=[3, 5])
+    for width, features in ((3, True), (3, False), (24, True)):
+        lv = candidate_level(fr, width, features)
+        small = candidate_level(replace(fr, q_own=own, vocab_ids=ids.tolist()), width, features)
+        assert small.tokens == lv.tokens and small.valid == lv.valid
+        assert torch.equal(small.q_token, lv.q_token) and torch.equal(small.path_logq, lv.path_logq)
+        if features:
+            assert torch.equal(node_features(small), node_features(lv))
+
+
 def test_child_values_never_exceed_the_parent():
     # one parent worth 0.5; scores 0.9, 0.8, 0.1: siblings can share at most 0.5 in total
     lv = candidate_level(frontier([[0.5, 0.3, 0.2]], depth=2, nodes=[7]), 3)

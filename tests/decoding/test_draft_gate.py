@@ -54,6 +54,8 @@ def test_the_host_work_is_timed_on_the_proposers_code():
 
     policy, overhead = time_host_work(64, width=2, depth=2, repeats=1)
     assert policy >= 0.0 and overhead >= 0.0
+    policy, overhead = time_host_work(64, width=2, depth=2, repeats=1, own=16)  # a head's own 16 columns
+    assert policy >= 0.0 and overhead >= 0.0
 
 
 def _looks(gate, rounds=200):

@@ -69,6 +69,53 @@ def test_draft_cache_is_rebuilt_from_true_features(feature_pair):
     torch.testing.assert_close(fc.cache.v, ref.v, rtol=1e-4, atol=1e-5)
 
 
+def _drafted_trees(target, draft, sampling, own: bool, grow: bool):
+    stop, cfg = None, StrategyConfig(strategy="mcsd", k_config="3,2")
+    if grow:  # children sized from the frontier's q (its top tokens found over the head's vocabulary too)
+        from decoding.forward.cost import CostCurve
+        from decoding.growth import GrowPolicy, q_scores
+
+        cost = CostCurve([1, 5, 16, 45, 64], [36.6, 41.0, 42.0, 55.0, 59.0], [1.5, 1.6, 1.8, 2.5, 3.0])
+        stop, cfg = GrowPolicy(q_scores, cost, max_width=3, max_nodes=24), StrategyConfig(strategy="ti-mcsd", width=3, depth=5)
+    eng = build_engine(target, draft, cfg, sampling, stop=stop)
+    prop, trees = eng.proposer, []
+    if not own:  # the head's logits scattered to the target vocabulary, warped and drawn there
+        prop.model.own_vocab, prop.vocab_ids = False, None
+    real = prop.propose
+    prop.propose = lambda *a, **k: trees.append(real(*a, **k)) or trees[-1]
+    out = eng.generate(PROMPTS[2], N, seed=0)[0]
+    return out, [t for t in trees if t.levels]
+
+
+@pytest.mark.parametrize("grow", [False, True], ids=["fixed", "grown"])
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=0.8, top_p=0.9)], ids=["greedy", "top-p"])
+def test_q_is_drawn_over_the_heads_vocabulary_and_read_over_the_targets(feature_pair, sampling, grow):
+    """The proposer warps and draws over the head's own columns: each node's q over the target
+    vocabulary is that q scattered there (exactly 0 elsewhere), every candidate a head token with
+    q > 0; greedy, the trees are those a target-vocabulary reading drafts (the same candidates, q
+    to rounding)."""
+    target, draft = feature_pair
+    used = draft.used_ids
+    out, trees = _drafted_trees(target, draft, sampling, True, grow)
+    assert trees, "no round drafted"
+    outside = torch.ones(draft.config.vocab_size, dtype=torch.bool)
+    outside[used] = False
+    for tree in trees:
+        assert tree.q.keys() == tree.q_own.keys()
+        for par, q in tree.q.items():
+            assert not q[outside].any() and torch.equal(q[used], tree.q_own[par])
+        for level in tree.levels:
+            assert all(q[t] > 0 for t, q in zip(level.tokens, level.parent_q[level.parent_of]))
+    if sampling.greedy:
+        ref_out, ref = _drafted_trees(target, draft, sampling, False, grow)
+        assert out == ref_out and len(trees) == len(ref)
+        assert len({t.size for t in trees}) >= (2 if grow else 1)
+        for tree, old in zip(trees, ref):
+            assert tree.tokens == old.tokens and not old.q_own
+            for par in old.q:
+                torch.testing.assert_close(tree.q[par], old.q[par], rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("cfg,sampling", [
     (StrategyConfig(strategy="mcsd", k_config="2,2"), SamplingConfig(temperature=1.0)),
     (StrategyConfig(strategy="ti-mcsd", width=2, depth=2, stop="confidence", confidence_threshold=0.3),
