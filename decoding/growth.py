@@ -309,10 +309,6 @@ def time_host_work(vocab: int, width: int = 4, depth: int = 4, repeats: int = 5,
 
     class Proposer(TreeProposer):
         cache_for = staticmethod(lambda draft: draft)
-        vocab_ids = None if ids is None else ids.tolist()
-
-        def widen(self, q):  # as FeatureProposer's
-            return q.new_zeros((*q.shape[:-1], vocab)).index_copy_(-1, ids, q)
 
     cols = vocab if own is None else own
     logits = torch.randn(width, cols, generator=g)
@@ -324,6 +320,8 @@ def time_host_work(vocab: int, width: int = 4, depth: int = 4, repeats: int = 5,
     for name, env in (("one", (1,)), ("fork", (width,) + (1,) * (depth - 1))):
         trees[name] = (Proposer(draft, layout_from_k_config(env), SamplingConfig()),
                        GrowPolicy(q_scores, free, max_width=width, level_widths=env, gate=DraftGate()))
+        if ids is not None:  # as a feature head's proposer
+            trees[name][0].set_vocab(ids, vocab)
     committed = [(7 + i) % vocab for i in range(context)]
     gen = torch.Generator(device=device).manual_seed(0)
     times: dict[str, list[float]] = {name: [] for name in trees}

@@ -135,9 +135,13 @@ class TreeProposer:
         else:
             tree.q_own[par], tree.q[par] = q, self.widen(q)
 
+    def set_vocab(self, ids: torch.Tensor, vocab: int) -> None:
+        """The draft's columns are these target ids (`vocab_ids`) of a `vocab`-token vocabulary."""
+        self._ids, self._vocab, self.vocab_ids = ids, vocab, ids.tolist()
+
     def widen(self, q: torch.Tensor) -> torch.Tensor:
         """q over the draft's own vocabulary -> over the target's (0 outside it)."""
-        raise NotImplementedError("a proposer with vocab_ids widens its q")
+        return q.new_zeros((*q.shape[:-1], self._vocab)).index_copy_(-1, self._ids, q)
 
     def has_children(self, grow: Growth, node: int) -> bool:
         if grow.full[node] == FREE:
@@ -167,10 +171,9 @@ class TreeProposer:
             else:
                 kids = self.layout.children[(grow.full[par] if par != ANCHOR else ANCHOR) + 1]
             small = own.get(par) if own else None
-            if small is None:
-                toks, ok = draw_candidates(q, len(kids), self.sampling, self.replacement, generator)
-            else:
-                toks, ok = draw_candidates(small, len(kids), self.sampling, self.replacement, generator)
+            toks, ok = draw_candidates(q if small is None else small, len(kids), self.sampling, self.replacement,
+                                       generator)
+            if small is not None:
                 toks = [self.vocab_ids[t] for t in toks]
             parent_ok = par == ANCHOR or tree.valid[par]
             for b, (kid, t, v) in enumerate(zip(kids, toks, ok)):

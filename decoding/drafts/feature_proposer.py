@@ -229,8 +229,7 @@ class FeatureProposer(TreeProposer):
         super().__init__(draft, layout, sampling, replacement, roots_from_target)
         self.model.window = window or None  # 0: the whole context
         self.model.own_vocab = True
-        self._ids = draft.used_ids
-        self.vocab_ids = self._ids.tolist()
+        self.set_vocab(draft.used_ids, draft.config.vocab_size)
         self.target = target
         self.capturing = True
         """Does this round's verify capture the target's features (`plain` may say no)?"""
@@ -242,9 +241,6 @@ class FeatureProposer(TreeProposer):
     @property
     def behind_ms(self) -> float:
         return self.model.behind_ms
-
-    def widen(self, q: torch.Tensor) -> torch.Tensor:
-        return q.new_zeros((*q.shape[:-1], self.model.draft.config.vocab_size)).index_copy_(-1, self._ids, q)
 
     @contextmanager
     def verifying(self):
